@@ -1,0 +1,163 @@
+"""The attention layer under real multi-process Ulysses SP (gloo, 2 and 3 ranks).
+
+Each rank builds the same global q, k, v, shards them with `shard_with_auto_pad`, runs
+the layer and gathers; the result is compared with plain single-process SDPA over the
+full, unpadded sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.distributed.sequence_parallel import (
+    IMAGE,
+    TEXT,
+    gather_sequence,
+    get_sp_context,
+    sequence_parallel_context,
+    shard_with_auto_pad,
+)
+from vllm_omni.logger import reset_warning_once
+
+HEADS, HEAD_DIM = 6, 8
+MODES = {
+    "mask": DiffusionParallelConfig(mask_sp_padding=True),
+    "trim": DiffusionParallelConfig(),
+    "none": DiffusionParallelConfig(trim_sp_padding=False),
+}
+
+
+def _streams(seed: int, batch: int, image_len: int, text_len: int):
+    gen = torch.Generator().manual_seed(seed)
+
+    def qkv(length):
+        return tuple(torch.randn(batch, length, HEADS, HEAD_DIM, generator=gen) for _ in range(3))
+
+    return qkv(image_len), qkv(text_len)
+
+
+def _reference(image, text, text_position):
+    parts = [text, image] if text_position == "front" else [image, text]
+    q, k, v = (torch.cat(p, dim=1).transpose(1, 2) for p in zip(*parts))
+    out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    first, second = out.split([parts[0][0].shape[1], parts[1][0].shape[1]], dim=1)
+    return (second, first) if text_position == "front" else (first, second)
+
+
+def _fill_padding_with_noise(local: torch.Tensor, stream: str, seed: int) -> torch.Tensor:
+    """Replace this rank's padded positions (zeros from auto-padding) by random values."""
+    ctx = get_sp_context()
+    shard = ctx.streams[stream]
+    start = ctx.rank * shard.local_seq_len
+    n_real = max(0, min(shard.local_seq_len, shard.original_seq_len - start))
+    noisy = local.clone()
+    gen = torch.Generator().manual_seed(seed + ctx.rank)
+    noisy[:, n_real:] = torch.randn(noisy[:, n_real:].shape, generator=gen) * 10
+    return noisy
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[tuple[int, str]] = []
+
+    def emit(self, record):
+        self.messages.append((record.levelno, record.getMessage()))
+
+
+def run_attention(mode, batch, image_len, text_len, text_position, calls=1, pad_noise_seed=None):
+    """Worker side: SP attention on this rank; returns gathered outputs and the warnings logged."""
+    image, text = _streams(1234, batch, image_len, text_len)
+    layer = Attention(text_position=text_position)
+    records = _Records()
+    logging.getLogger("vllm_omni").addHandler(records)
+    try:
+        for _ in range(calls):
+            with sequence_parallel_context(MODES[mode]):
+                img_local = [shard_with_auto_pad(t, 1, IMAGE) for t in image]
+                txt_local = [shard_with_auto_pad(t, 1, TEXT) for t in text]
+                if pad_noise_seed is not None:
+                    img_local = [_fill_padding_with_noise(t, IMAGE, pad_noise_seed + i) for i, t in enumerate(img_local)]
+                    txt_local = [_fill_padding_with_noise(t, TEXT, pad_noise_seed + 7 + i) for i, t in enumerate(txt_local)]
+                img_out, txt_out = layer(*img_local, text_qkv=tuple(txt_local))
+                img_out, txt_out = gather_sequence(img_out, 1, IMAGE), gather_sequence(txt_out, 1, TEXT)
+    finally:
+        logging.getLogger("vllm_omni").removeHandler(records)
+    warnings = [m for level, m in records.messages if level == logging.WARNING and "unmasked SP padding" in m]
+    return img_out, txt_out, warnings
+
+
+def reset_warnings():
+    reset_warning_once()
+
+
+def _check_equal_to_reference(results, batch, image_len, text_len, text_position, atol):
+    image, text = _streams(1234, batch, image_len, text_len)
+    ref_img, ref_txt = _reference(image, text, text_position)
+    for img_out, txt_out, _ in results:
+        assert img_out.shape == ref_img.shape and txt_out.shape == ref_txt.shape
+        torch.testing.assert_close(img_out, ref_img, rtol=0, atol=atol)
+        torch.testing.assert_close(txt_out, ref_txt, rtol=0, atol=atol)
+
+
+# (image_len, text_len): divisible by 2 and 3; odd image; odd text; both odd; shorter than the degree.
+LENGTHS = [(12, 6), (13, 6), (12, 7), (17, 5), (1, 2)]
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+@pytest.mark.parametrize("text_position", ["front", "rear"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_exact_modes_match_single_process(sp_pool, mode, text_position, batch):
+    sp_pool.run(reset_warnings)
+    for image_len, text_len in LENGTHS:
+        results = sp_pool.run(run_attention, mode, batch, image_len, text_len, text_position)
+        _check_equal_to_reference(results, batch, image_len, text_len, text_position, atol=1e-5)
+        assert all(warnings == [] for _, _, warnings in results), "exact modes must not warn"
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_padding_content_does_not_change_real_tokens(sp_pool, mode):
+    for text_position in ("front", "rear"):
+        clean = sp_pool.run(run_attention, mode, 2, 13, 5, text_position)
+        noisy = sp_pool.run(run_attention, mode, 2, 13, 5, text_position, pad_noise_seed=99)
+        for (img_a, txt_a, _), (img_b, txt_b, _) in zip(clean, noisy):
+            assert torch.equal(img_a, img_b) and torch.equal(txt_a, txt_b)
+
+
+def test_unmasked_padding_is_close_not_equal_and_warns_once_per_process(sp_pool):
+    sp_pool.run(reset_warnings)
+    results = sp_pool.run(run_attention, "none", 1, 13, 5, "front", calls=3)
+    image, text = _streams(1234, 1, 13, 5)
+    ref_img, _ = _reference(image, text, "front")
+    for rank, (img_out, _, warnings) in enumerate(results):
+        diff = (img_out - ref_img).abs().max().item()
+        assert 0 < diff < 1.0, f"rank {rank}: unmasked padding should perturb slightly, diff={diff}"
+        assert len(warnings) == 1, f"rank {rank}: expected one warning, got {warnings}"
+        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
+        assert "mask_sp_padding=True" in warnings[0] and "trim_sp_padding=True" in warnings[0]
+    # Later calls in the same processes stay silent.
+    again = sp_pool.run(run_attention, "none", 2, 17, 7, "rear")
+    assert all(warnings == [] for _, _, warnings in again)
+
+
+def test_unpadded_unmasked_run_is_exact_and_silent(sp_pool):
+    sp_pool.run(reset_warnings)
+    world = sp_pool.world_size
+    results = sp_pool.run(run_attention, "none", 1, 6 * world, 2 * world, "front")
+    _check_equal_to_reference(results, 1, 6 * world, 2 * world, "front", atol=1e-5)
+    assert all(warnings == [] for _, _, warnings in results)
+
+
+def test_single_process_joint_attention_matches_sdpa():
+    image, text = _streams(5, 2, 9, 4)
+    for text_position in ("front", "rear"):
+        img_out, txt_out = Attention(text_position)(*image, text_qkv=text)
+        ref_img, ref_txt = _reference(image, text, text_position)
+        torch.testing.assert_close(img_out, ref_img, rtol=0, atol=1e-6)
+        torch.testing.assert_close(txt_out, ref_txt, rtol=0, atol=1e-6)

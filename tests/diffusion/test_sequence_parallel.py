@@ -1,0 +1,176 @@
+"""The sharding helper: shapes, recorded padding per stream, gather round trip, debug line."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.distributed.sequence_parallel import (
+    IMAGE,
+    TEXT,
+    SequenceParallelContext,
+    StreamShard,
+    gather_sequence,
+    sequence_parallel_context,
+    shard_with_auto_pad,
+)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def shard_and_gather(image_len: int, text_len: int, dim: int):
+    """Worker side: shard two streams (and a rotary-like table that travels with the image), gather back."""
+    root = logging.getLogger("vllm_omni")
+    records, old_level = _Records(), root.level
+    root.addHandler(records)
+    root.setLevel(logging.DEBUG)
+    try:
+        image = torch.arange(2 * image_len * 3, dtype=torch.float32).view(2, image_len, 3).movedim(1, dim)
+        text = torch.arange(text_len * 4, dtype=torch.float32).view(1, text_len, 4)
+        rope = torch.randn(image_len, 8, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+        with sequence_parallel_context() as ctx:
+            image_local = shard_with_auto_pad(image, dim, IMAGE)
+            text_local = shard_with_auto_pad(text, 1, TEXT)
+            rope_local = shard_with_auto_pad(rope, 0, IMAGE)
+            back = gather_sequence(image_local, dim, IMAGE), gather_sequence(text_local, 1, TEXT)
+            streams = dict(ctx.streams)
+        return {
+            "image_local": image_local,
+            "text_local_shape": tuple(text_local.shape),
+            "rope_local": rope_local,
+            "image_back": back[0],
+            "text_back": back[1],
+            "streams": streams,
+            "image": image,
+            "text": text,
+            "rope": rope,
+            "logs": [m for m in records.messages if m.startswith("Auto-padded")],
+        }
+    finally:
+        root.removeHandler(records)
+        root.setLevel(old_level)
+
+
+@pytest.mark.parametrize("image_len,text_len", [(12, 6), (13, 7), (2, 1), (1, 1)])
+def test_shard_pads_global_tail_and_gather_round_trips(sp_pool, image_len, text_len):
+    world = sp_pool.world_size
+    results = sp_pool.run(shard_and_gather, image_len, text_len, 1)
+    padded = -(-image_len // world) * world
+    local = padded // world
+    for rank, res in enumerate(results):
+        assert res["streams"][IMAGE] == StreamShard(image_len, padded - image_len, world)
+        assert res["streams"][TEXT].original_seq_len == text_len
+        assert res["streams"][TEXT].padded_seq_len % world == 0
+        assert res["image_local"].shape == (2, local, 3)
+        assert res["text_local_shape"] == (1, res["streams"][TEXT].local_seq_len, 4)
+        # The chunk is this rank's slice of the zero-padded sequence.
+        full = torch.cat([res["image"], res["image"].new_zeros(2, padded - image_len, 3)], dim=1)
+        assert torch.equal(res["image_local"], full[:, rank * local : (rank + 1) * local])
+        # Tensors that travel with the stream follow the same rule; padded rows are finite zeros.
+        rope_full = torch.cat([res["rope"], res["rope"].new_zeros(padded - image_len, 8)])
+        assert torch.equal(res["rope_local"], rope_full[rank * local : (rank + 1) * local])
+        assert torch.equal(res["image_back"], res["image"]) and torch.equal(res["text_back"], res["text"])
+        expected = f"Auto-padded sequence from {image_len} to {padded} (pad_size={padded - image_len}, world_size={world}, dim=1)"
+        assert (expected in res["logs"]) == (padded != image_len)
+        if padded == image_len and res["streams"][TEXT].pad_size == 0:
+            assert res["logs"] == []
+
+
+def test_shard_along_other_dims(sp_pool):
+    results = sp_pool.run(shard_and_gather, 5, 3, 2)
+    for res in results:
+        assert torch.equal(res["image_back"], res["image"])
+        assert any(line.endswith("dim=2)") for line in res["logs"])
+
+
+def test_no_context_or_one_rank_is_identity():
+    x = torch.randn(1, 7, 2)
+    assert shard_with_auto_pad(x, 1) is x and gather_sequence(x, 1) is x
+    with sequence_parallel_context() as ctx:
+        assert not ctx.enabled
+        assert shard_with_auto_pad(x, 1) is x
+
+
+def _ctx(mode: str, ring_degree: int = 1) -> SequenceParallelContext:
+    config = {"mask": DiffusionParallelConfig(mask_sp_padding=True), "trim": DiffusionParallelConfig(),
+              "none": DiffusionParallelConfig(trim_sp_padding=False)}[mode]
+    return SequenceParallelContext(None, 4, 0, 4 // ring_degree, ring_degree, config.padding_mode)
+
+
+def test_layout_per_mode():
+    for mode in ("mask", "trim", "none"):
+        ctx = _ctx(mode)
+        ctx.record_stream(TEXT, 6)  # padded to 8
+        ctx.record_stream(IMAGE, 13)  # padded to 16
+        layout = ctx.joint_layout([TEXT, IMAGE], torch.device("cpu"), torch.float32)
+        assert [s.local_start for s in layout.slots] == [0, 2]
+        assert layout.local_len == 6
+        if mode == "trim":
+            # Image starts where the real text ends; keys stop at the true end.
+            assert [s.joint_offset for s in layout.slots] == [0, 6]
+            assert (layout.query_len, layout.kv_len, layout.key_mask) == (22, 19, None)
+        else:
+            assert [s.joint_offset for s in layout.slots] == [0, 8]
+            assert (layout.query_len, layout.kv_len) == (24, 24)
+        if mode == "mask":
+            valid = layout.key_mask.view(-1) == 0
+            assert valid.tolist() == [True] * 6 + [False] * 2 + [True] * 13 + [False] * 3
+        else:
+            assert layout.key_mask is None  # never built outside mask mode
+        assert ctx.joint_layout([TEXT, IMAGE], torch.device("cpu"), torch.float32) is layout
+
+
+def test_mask_is_not_built_without_padding():
+    ctx = _ctx("mask")
+    ctx.record_stream(IMAGE, 16)
+    assert ctx.joint_layout([IMAGE], torch.device("cpu"), torch.float32).key_mask is None
+
+
+def test_ring_with_padding_is_refused_with_the_way_out():
+    ctx = _ctx("trim", ring_degree=2)
+    ctx.record_stream(IMAGE, 16)  # divisible: fine
+    with pytest.raises(ValueError, match="ring_degree=1"):
+        ctx.record_stream(TEXT, 5)
+
+
+def test_stream_length_mismatch_is_an_error():
+    ctx = _ctx("trim")
+    ctx.record_stream(IMAGE, 16)
+    with pytest.raises(ValueError, match="must have its length"):
+        ctx.record_stream(IMAGE, 15)
+
+
+def test_unmasked_padding_warning_is_one_stderr_line_per_process():
+    script = textwrap.dedent(
+        """
+        import torch
+        from vllm_omni.diffusion.distributed.sequence_parallel import SequenceParallelContext
+        for mode in ("trim", "mask", "none", "none"):
+            ctx = SequenceParallelContext(None, 8, 0, 8, 1, mode)
+            ctx.record_stream("text", 30)
+            ctx.record_stream("image", 6889)
+            for dtype in (torch.float32, torch.bfloat16):
+                ctx.joint_layout(["text", "image"], torch.device("cpu"), dtype)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "unmasked SP padding" in line]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("WARNING")
+    # 30 text tokens pad by 2, 6889 image tokens by 7: 9 pad tokens on 6919 real ones at U8.
+    assert "9 pad tokens" in lines[0] and "6919 real tokens" in lines[0] and "ulysses_degree=8" in lines[0]
+    assert "mask_sp_padding=True" in lines[0] and "trim_sp_padding=True" in lines[0]

@@ -1,0 +1,1 @@
+"""The diffusion engine: configs, engine, executor and workers, models, attention, distributed."""

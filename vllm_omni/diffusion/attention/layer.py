@@ -1,0 +1,120 @@
+"""The attention layer every model calls: joint attention over an image/video stream and an
+optional text stream, Ulysses-parallel when a sequence-parallel context is active.
+
+Models compute q, k, v per stream (after QK-norm and rotary) as [B, S_local, H, D] and get
+[B, S_local, H, D] back. Here the parallel strategy runs: one seq->head all-to-all for
+q, k, v of both streams, `attend_joint` (join, kernel, layout for the way back), one
+head->seq all-to-all. What attention may see of the SP padding comes from the context's
+`JointLayout` (distributed/sequence_parallel.py); the kernel comes from backends.py.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from vllm_omni.diffusion.attention.backends import AttentionBackend, resolve_attention_backend
+from vllm_omni.diffusion.distributed.comm import all_to_all, pack_seq_to_head, unpack_head_to_seq
+from vllm_omni.diffusion.distributed.sequence_parallel import (
+    IMAGE,
+    TEXT,
+    JointLayout,
+    SequenceParallelContext,
+    get_sp_context,
+)
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def attend_joint(recv: torch.Tensor, layout: JointLayout, backend: AttentionBackend) -> torch.Tensor:
+    """A rank's work between the two all-to-alls.
+
+    `recv` [P, 3, B, S_local, H/P, D] holds q, k, v from every rank (rank-local streams side
+    by side). Each stream is copied to its joint offset (one copy per stream, as in every
+    mode), the kernel runs, and its output is written straight into the [P, B, S_local,
+    H/P, D] buffer the reverse all-to-all sends.
+    """
+    world, _, batch, _, heads, head_dim = recv.shape
+    joint = recv.new_empty(3, batch, layout.query_len, heads, head_dim)
+    for slot in layout.slots:
+        n = slot.shard.local_seq_len
+        local = slice(slot.local_start, slot.local_start + n)
+        dst = joint[:, :, slot.joint_offset : slot.joint_offset + world * n].unflatten(2, (world, n))
+        dst.copy_(recv[:, :, :, local].permute(1, 2, 0, 3, 4, 5))
+    query, key, value = joint[0], joint[1, :, : layout.kv_len], joint[2, :, : layout.kv_len]
+    out = backend(query, key, value, layout.key_mask)
+
+    send = out.new_empty(world, batch, layout.local_len, heads, head_dim)
+    for slot in layout.slots:
+        n = slot.shard.local_seq_len
+        local = slice(slot.local_start, slot.local_start + n)
+        src = out[:, slot.joint_offset : slot.joint_offset + world * n].unflatten(1, (world, n))
+        send[:, :, local].copy_(src.permute(1, 0, 2, 3, 4))
+    return send
+
+
+class Attention(nn.Module):
+    """Joint attention over [image] or [text, image] ("front") / [image, text] ("rear")."""
+
+    def __init__(self, text_position: Literal["front", "rear"] = "front") -> None:
+        super().__init__()
+        if text_position not in ("front", "rear"):
+            raise ValueError(f"text_position must be 'front' or 'rear', got {text_position!r}")
+        self.text_position = text_position
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        text_qkv: QKV | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return the attention output of the image stream and of the text stream (None without text)."""
+        streams: dict[str, QKV] = {IMAGE: (query, key, value)}
+        if text_qkv is not None:
+            streams[TEXT] = text_qkv
+        order = [IMAGE] if text_qkv is None else ([TEXT, IMAGE] if self.text_position == "front" else [IMAGE, TEXT])
+
+        ctx = get_sp_context()
+        if ctx is None or not ctx.enabled:
+            outs = self._attend_single_process([streams[name] for name in order])
+        else:
+            outs = self._attend_ulysses(ctx, order, streams)
+        by_name = dict(zip(order, outs))
+        return by_name[IMAGE], by_name.get(TEXT)
+
+    @staticmethod
+    def _attend_single_process(ordered: list[QKV]) -> list[torch.Tensor]:
+        query, key, value = (torch.cat(parts, dim=1) for parts in zip(*ordered))
+        out = resolve_attention_backend(needs_mask=False)(query, key, value)
+        return list(out.split([q.shape[1] for q, _, _ in ordered], dim=1))
+
+    @staticmethod
+    def _attend_ulysses(ctx: SequenceParallelContext, order: list[str], streams: dict[str, QKV]) -> list[torch.Tensor]:
+        if ctx.ring_degree > 1:
+            raise NotImplementedError("Ring attention is not available yet; use ulysses_degree with ring_degree=1")
+        query = streams[IMAGE][0]
+        batch, _, heads, head_dim = query.shape
+        if heads % ctx.world_size:
+            raise ValueError(f"ulysses_degree={ctx.world_size} must divide the number of attention heads ({heads})")
+        layout = ctx.joint_layout(order, query.device, query.dtype)
+
+        send = query.new_empty(ctx.world_size, 3, batch, layout.local_len, heads // ctx.world_size, head_dim)
+        for slot in layout.slots:
+            local = slice(slot.local_start, slot.local_start + slot.shard.local_seq_len)
+            for i, tensor in enumerate(streams[slot.name]):
+                if tensor.shape[1] != slot.shard.local_seq_len:
+                    raise ValueError(
+                        f"{slot.name} stream has {tensor.shape[1]} local tokens, expected "
+                        f"{slot.shard.local_seq_len}: shard it with shard_with_auto_pad"
+                    )
+                pack_seq_to_head(send[:, i, :, local], tensor)
+        recv = all_to_all(send, ctx.group)
+        backend = resolve_attention_backend(needs_mask=layout.key_mask is not None)
+        back = all_to_all(attend_joint(recv, layout, backend), ctx.group)
+        return [
+            unpack_head_to_seq(back[:, :, slot.local_start : slot.local_start + slot.shard.local_seq_len])
+            for slot in layout.slots
+        ]

@@ -1,0 +1,135 @@
+"""Configs and the request/result types that travel between the engine and its workers.
+
+`DiffusionParallelConfig` is the parallel layout and the SP padding policy; deploy
+YAML's `parallel_config`, CLI flags and `Omni(...)` all end up here. The rest are
+plain dataclasses pickled across the executor's process boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+PaddingMode = Literal["mask", "trim", "none"]
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer (1, 2, 3, ...), got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a boolean (true or false), got {value!r}")
+
+
+@dataclass
+class DiffusionParallelConfig:
+    """How one request is split over GPUs, and what SP does with its padding.
+
+    world size = cfg_parallel_size * ulysses_degree * ring_degree. When Ulysses pads a
+    sequence the degree does not divide, the padding is masked (`mask_sp_padding=True`,
+    exact, masked kernel), trimmed after the all-to-all (default, exact, dense kernel), or
+    left in unmasked (`trim_sp_padding=False`, dense kernel, approximate, warns once).
+    """
+
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    cfg_parallel_size: int = 1
+    sequence_parallel_size: int | None = None
+    mask_sp_padding: bool = False
+    trim_sp_padding: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive_int("ulysses_degree", self.ulysses_degree)
+        _check_positive_int("ring_degree", self.ring_degree)
+        if self.cfg_parallel_size not in (1, 2) or isinstance(self.cfg_parallel_size, bool):
+            raise ValueError(f"cfg_parallel_size must be 1 or 2, got {self.cfg_parallel_size!r}")
+        derived = self.ulysses_degree * self.ring_degree
+        if self.sequence_parallel_size is None:
+            self.sequence_parallel_size = derived
+        else:
+            _check_positive_int("sequence_parallel_size", self.sequence_parallel_size)
+            if self.sequence_parallel_size != derived:
+                raise ValueError(
+                    f"sequence_parallel_size must equal ulysses_degree * ring_degree = {derived} "
+                    f"(ulysses_degree={self.ulysses_degree}, ring_degree={self.ring_degree}), "
+                    f"got {self.sequence_parallel_size}"
+                )
+        _check_bool("mask_sp_padding", self.mask_sp_padding)
+        _check_bool("trim_sp_padding", self.trim_sp_padding)
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg_parallel_size * self.sequence_parallel_size
+
+    @property
+    def padding_mode(self) -> PaddingMode:
+        if self.mask_sp_padding:
+            return "mask"
+        return "trim" if self.trim_sp_padding else "none"
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> DiffusionParallelConfig:
+        """Build from a deploy YAML `parallel_config` mapping; unknown keys are errors."""
+        if values is None:
+            return cls()
+        if not isinstance(values, dict):
+            raise ValueError(f"parallel_config must be a mapping, got {type(values).__name__}")
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown parallel_config key(s): {', '.join(map(repr, unknown))}; "
+                f"allowed keys: {', '.join(cls.field_names())}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> DiffusionParallelConfig:
+        """A copy with some fields changed; `sequence_parallel_size` is re-derived unless given."""
+        values = self.to_dict()
+        values.update(changes)
+        if "sequence_parallel_size" not in changes:
+            values["sequence_parallel_size"] = None
+        return DiffusionParallelConfig(**values)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class OmniDiffusionConfig:
+    """Everything a worker needs to load a model: where from, on what, how split."""
+
+    model: str
+    parallel_config: DiffusionParallelConfig = field(default_factory=DiffusionParallelConfig)
+    device: str | None = None  # "cpu" or "cuda"; None picks CUDA when there are enough GPUs
+    dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
+    attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode
+    seed_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError("model must be a non-empty model id or path")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype is not None:
+            self.dtype = normalize_dtype_name(self.dtype)
+
+
+def normalize_dtype_name(dtype: Any) -> str:
+    """'bf16', torch.bfloat16 and 'bfloat16' all become 'bfloat16'; anything else is a ValueError."""
+    name = str(dtype).removeprefix("torch.")
+    name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(
+        name, name
+    )
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or a torch dtype), got {dtype!r}")
+    return name
