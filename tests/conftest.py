@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sp_pool import SPWorkerPool
 
 torch.set_num_threads(1)

@@ -30,8 +30,9 @@ def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
     from vllm_omni.diffusion.data import DiffusionParallelConfig
     from vllm_omni.diffusion.distributed.parallel_state import initialize_parallel_state
 
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=TIMEOUT_S)
+    )
     initialize_parallel_state(DiffusionParallelConfig(ulysses_degree=world_size), rank, init_method)
     while True:
         message = conn.recv()

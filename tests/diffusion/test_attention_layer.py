@@ -83,8 +83,12 @@ def run_attention(mode, batch, image_len, text_len, text_position, calls=1, pad_
                 img_local = [shard_with_auto_pad(t, 1, IMAGE) for t in image]
                 txt_local = [shard_with_auto_pad(t, 1, TEXT) for t in text]
                 if pad_noise_seed is not None:
-                    img_local = [_fill_padding_with_noise(t, IMAGE, pad_noise_seed + i) for i, t in enumerate(img_local)]
-                    txt_local = [_fill_padding_with_noise(t, TEXT, pad_noise_seed + 7 + i) for i, t in enumerate(txt_local)]
+                    img_local = [
+                        _fill_padding_with_noise(t, IMAGE, pad_noise_seed + i) for i, t in enumerate(img_local)
+                    ]
+                    txt_local = [
+                        _fill_padding_with_noise(t, TEXT, pad_noise_seed + 7 + i) for i, t in enumerate(txt_local)
+                    ]
                 img_out, txt_out = layer(*img_local, text_qkv=tuple(txt_local))
                 img_out, txt_out = gather_sequence(img_out, 1, IMAGE), gather_sequence(txt_out, 1, TEXT)
     finally:

@@ -51,7 +51,9 @@ def test_from_dict_accepts_every_field_and_rejects_unknown_keys():
     )
     assert config.ulysses_degree == 8 and config.padding_mode == "mask"
     assert DiffusionParallelConfig.from_dict(None) == DiffusionParallelConfig()
-    with pytest.raises(ValueError, match="unknown parallel_config key\\(s\\): 'mask_padding'.*allowed keys: ulysses_degree"):
+    with pytest.raises(
+        ValueError, match="unknown parallel_config key\\(s\\): 'mask_padding'.*allowed keys: ulysses_degree"
+    ):
         DiffusionParallelConfig.from_dict({"ulysses_degree": 2, "mask_padding": True})
     with pytest.raises(ValueError, match="must be a mapping"):
         DiffusionParallelConfig.from_dict([("ulysses_degree", 2)])

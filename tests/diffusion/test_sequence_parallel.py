@@ -83,7 +83,8 @@ def test_shard_pads_global_tail_and_gather_round_trips(sp_pool, image_len, text_
         rope_full = torch.cat([res["rope"], res["rope"].new_zeros(padded - image_len, 8)])
         assert torch.equal(res["rope_local"], rope_full[rank * local : (rank + 1) * local])
         assert torch.equal(res["image_back"], res["image"]) and torch.equal(res["text_back"], res["text"])
-        expected = f"Auto-padded sequence from {image_len} to {padded} (pad_size={padded - image_len}, world_size={world}, dim=1)"
+        pad = padded - image_len
+        expected = f"Auto-padded sequence from {image_len} to {padded} (pad_size={pad}, world_size={world}, dim=1)"
         assert (expected in res["logs"]) == (padded != image_len)
         if padded == image_len and res["streams"][TEXT].pad_size == 0:
             assert res["logs"] == []
@@ -105,8 +106,11 @@ def test_no_context_or_one_rank_is_identity():
 
 
 def _ctx(mode: str, ring_degree: int = 1) -> SequenceParallelContext:
-    config = {"mask": DiffusionParallelConfig(mask_sp_padding=True), "trim": DiffusionParallelConfig(),
-              "none": DiffusionParallelConfig(trim_sp_padding=False)}[mode]
+    config = {
+        "mask": DiffusionParallelConfig(mask_sp_padding=True),
+        "trim": DiffusionParallelConfig(),
+        "none": DiffusionParallelConfig(trim_sp_padding=False),
+    }[mode]
     return SequenceParallelContext(None, 4, 0, 4 // ring_degree, ring_degree, config.padding_mode)
 
 

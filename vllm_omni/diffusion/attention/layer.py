@@ -28,6 +28,32 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def pack_streams(layout: JointLayout, streams: dict[str, QKV]) -> torch.Tensor:
+    """Lay out q, k, v of every stream for the seq->head all-to-all: [P, 3, B, S_local, H/P, D]."""
+    query = streams[IMAGE][0]
+    batch, _, heads, head_dim = query.shape
+    world = layout.world_size
+    send = query.new_empty(world, 3, batch, layout.local_len, heads // world, head_dim)
+    for slot in layout.slots:
+        local = slice(slot.local_start, slot.local_start + slot.shard.local_seq_len)
+        for i, tensor in enumerate(streams[slot.name]):
+            if tensor.shape[1] != slot.shard.local_seq_len:
+                raise ValueError(
+                    f"{slot.name} stream has {tensor.shape[1]} local tokens, expected "
+                    f"{slot.shard.local_seq_len}: shard it with shard_with_auto_pad"
+                )
+            pack_seq_to_head(send[:, i, :, local], tensor)
+    return send
+
+
+def unpack_streams(layout: JointLayout, back: torch.Tensor) -> list[torch.Tensor]:
+    """Each stream's [B, S_local, H, D] output from the head->seq all-to-all's result, in layout order."""
+    return [
+        unpack_head_to_seq(back[:, :, slot.local_start : slot.local_start + slot.shard.local_seq_len])
+        for slot in layout.slots
+    ]
+
+
 def attend_joint(recv: torch.Tensor, layout: JointLayout, backend: AttentionBackend) -> torch.Tensor:
     """A rank's work between the two all-to-alls.
 
@@ -96,25 +122,12 @@ class Attention(nn.Module):
         if ctx.ring_degree > 1:
             raise NotImplementedError("Ring attention is not available yet; use ulysses_degree with ring_degree=1")
         query = streams[IMAGE][0]
-        batch, _, heads, head_dim = query.shape
-        if heads % ctx.world_size:
-            raise ValueError(f"ulysses_degree={ctx.world_size} must divide the number of attention heads ({heads})")
+        if query.shape[2] % ctx.world_size:
+            raise ValueError(
+                f"ulysses_degree={ctx.world_size} must divide the number of attention heads ({query.shape[2]})"
+            )
         layout = ctx.joint_layout(order, query.device, query.dtype)
-
-        send = query.new_empty(ctx.world_size, 3, batch, layout.local_len, heads // ctx.world_size, head_dim)
-        for slot in layout.slots:
-            local = slice(slot.local_start, slot.local_start + slot.shard.local_seq_len)
-            for i, tensor in enumerate(streams[slot.name]):
-                if tensor.shape[1] != slot.shard.local_seq_len:
-                    raise ValueError(
-                        f"{slot.name} stream has {tensor.shape[1]} local tokens, expected "
-                        f"{slot.shard.local_seq_len}: shard it with shard_with_auto_pad"
-                    )
-                pack_seq_to_head(send[:, i, :, local], tensor)
-        recv = all_to_all(send, ctx.group)
+        recv = all_to_all(pack_streams(layout, streams), ctx.group)
         backend = resolve_attention_backend(needs_mask=layout.key_mask is not None)
         back = all_to_all(attend_joint(recv, layout, backend), ctx.group)
-        return [
-            unpack_head_to_seq(back[:, :, slot.local_start : slot.local_start + slot.shard.local_seq_len])
-            for slot in layout.slots
-        ]
+        return unpack_streams(layout, back)

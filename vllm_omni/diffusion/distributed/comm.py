@@ -28,5 +28,5 @@ def pack_seq_to_head(dst: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def unpack_head_to_seq(src: torch.Tensor) -> torch.Tensor:
-    """Inverse layout of `pack_seq_to_head` after the reverse exchange: [P, B, S_local, H/P, D] -> [B, S_local, H, D]."""
+    """After the reverse exchange: [P, B, S_local, H/P, D] -> [B, S_local, H, D] (inverse of the packing)."""
     return src.permute(1, 2, 0, 3, 4).flatten(2, 3)

@@ -176,6 +176,16 @@ def get_sp_context() -> SequenceParallelContext | None:
 
 
 @contextlib.contextmanager
+def use_sp_context(ctx: SequenceParallelContext) -> Iterator[SequenceParallelContext]:
+    """Make `ctx` the current SP context (benchmarks use it to act as any rank of a simulated group)."""
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
 def sequence_parallel_context(
     config: DiffusionParallelConfig | None = None,
 ) -> Iterator[SequenceParallelContext]:
@@ -193,11 +203,8 @@ def sequence_parallel_context(
             ring_degree=state.config.ring_degree,
             padding_mode=config.padding_mode,
         )
-    token = _CONTEXT.set(ctx)
-    try:
+    with use_sp_context(ctx):
         yield ctx
-    finally:
-        _CONTEXT.reset(token)
 
 
 def _pad_tail(x: torch.Tensor, dim: int, pad_size: int) -> torch.Tensor:

@@ -77,9 +77,11 @@ _SPECIAL_TOKENS: list[tuple[str, bool]] = [
     ("<|file_sep|>", False),
 ]
 
-# Target size of the trained byte-level BPE vocabulary (before special tokens).
+# Cap on the trained byte-level BPE vocabulary (before special tokens). The small corpus runs out
+# of pairs first (~940 tokens), which leaves every corpus word a single token.
 _BPE_VOCAB_SIZE = 2048
-# The templates are repeated so their words win the early merges and end up as whole tokens.
+# The templates are repeated so their words win the early merges and stay whole even if the corpus
+# grows past the cap: the pipelines' fixed offsets need the real model's one-token-per-word split.
 _TEMPLATE_WEIGHT = 64
 
 # Ordinary English (prompts and edit instructions) so user text tokenizes into sensible pieces.
@@ -119,7 +121,7 @@ def _pipeline_class(name: str) -> type:
     return getattr(diffusers, TINY_MODELS[name])
 
 
-def prompt_templates() -> dict[str, tuple[str, int]]:
+def _prompt_templates() -> dict[str, tuple[str, int]]:
     """Return ``{pipeline class name: (prompt_template_encode, prompt_template_encode_start_idx)}``.
 
     The values are read from the installed diffusers pipelines (built with no components) so the
@@ -159,7 +161,7 @@ def _build_tokenizer():
         ]
     )
     corpus = []
-    for template, _ in prompt_templates().values():
+    for template, _ in _prompt_templates().values():
         corpus += _split_special(template.format("")) * _TEMPLATE_WEIGHT
     corpus += _ENGLISH_TEXT.splitlines()
     trainer = trainers.BpeTrainer(
@@ -187,14 +189,16 @@ def _build_tokenizer():
         model_max_length=131072,
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
+        extra_special_tokens=[tok for tok, special in _SPECIAL_TOKENS[1:] if special],
     )
+    # Registers all of them as unsplittable added tokens (the non-special ones as plain added tokens).
     tokenizer.add_tokens([AddedToken(tok, special=special, normalized=False) for tok, special in _SPECIAL_TOKENS])
     return tokenizer
 
 
 def _check_template_offsets(tokenizer) -> None:
     """Fail the build unless each template's fixed drop index removes exactly the system/user prefix."""
-    for class_name, (template, start_idx) in prompt_templates().items():
+    for class_name, (template, start_idx) in _prompt_templates().items():
         # The real offsets cut right after "<|im_start|>user\n"; everything after it is user content.
         head = template[: template.index("<|im_start|>user\n") + len("<|im_start|>user\n")]
         n_prefix = len(tokenizer(head)["input_ids"])
@@ -375,6 +379,7 @@ def tiny_model_path(name: str, cache_dir: str | None = None) -> pathlib.Path:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         build_tiny_model(name, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache folder should read like any other
         try:
             os.rename(tmp, target)
         except OSError:
