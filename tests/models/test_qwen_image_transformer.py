@@ -1,0 +1,198 @@
+"""Our Qwen-Image transformer against the diffusers reference, single process and under SP.
+
+Same random weights (a checkpoint saved by the diffusers class and loaded by ours); fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import QwenImageTransformer2DModel as ReferenceTransformer
+
+from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.distributed import sequence_parallel
+from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
+from vllm_omni.logger import reset_warning_once
+
+CONFIG = dict(
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=6,
+    joint_attention_dim=32,
+    axes_dims_rope=(4, 6, 6),
+)
+# Grids whose token counts 2 and 3 do not divide (35, 35 + 24, 35 + 24 + 9), and a divisible one.
+CASES = {
+    "generate": ([(1, 5, 7)], False),
+    "edit": ([(1, 5, 7), (1, 4, 6)], False),
+    "edit_plus": ([(1, 5, 7), (1, 4, 6), (1, 3, 3)], True),
+    "divisible": ([(1, 6, 6)], False),
+}
+
+
+def make_models(zero_cond_t: bool, folder) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    ref = ReferenceTransformer(**CONFIG, zero_cond_t=zero_cond_t).eval()
+    # Random modulation/output weights: diffusers zero-initialises nothing here, but be explicit.
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ref.save_pretrained(folder)
+    ours = QwenImageTransformer2DModel.from_pretrained(folder).eval()
+    return ref, ours
+
+
+def make_inputs(img_shapes, batch: int, text_len: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    image_len = sum(f * h * w for f, h, w in img_shapes)
+    return dict(
+        hidden_states=torch.randn(batch, image_len, CONFIG["in_channels"], generator=gen),
+        encoder_hidden_states=torch.randn(batch, text_len, CONFIG["joint_attention_dim"], generator=gen),
+        timestep=torch.rand(batch, generator=gen),
+        img_shapes=[img_shapes] * batch,
+        return_dict=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return {zero: make_models(zero, tmp_path_factory.mktemp(f"qwen_zero{int(zero)}")) for zero in (False, True)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("batch", [1, 2])
+def test_matches_diffusers_reference(models, case, batch):
+    img_shapes, zero_cond_t = CASES[case]
+    ref, ours = models[zero_cond_t]
+    inputs = make_inputs(img_shapes, batch, text_len=11)
+    with torch.no_grad():
+        expected = ref(**inputs)[0]
+        actual = ours(**inputs)[0]
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_parameter_names_are_the_checkpoints(models):
+    ref, ours = models[False]
+    assert list(ref.state_dict()) == list(ours.state_dict())
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+def test_text_mask_with_padding_matches_reference(models, zero_cond_t):
+    img_shapes = CASES["edit_plus" if zero_cond_t else "generate"][0]
+    ref, ours = models[zero_cond_t]
+    inputs = make_inputs(img_shapes, 2, text_len=11)
+    # Same padding in both rows (compacted together), then different padding per row.
+    for mask_rows in ([[1] * 8 + [0] * 3] * 2, [[1] * 8 + [0] * 3, [1] * 5 + [0] * 6]):
+        mask = torch.tensor(mask_rows)
+        with torch.no_grad():
+            expected = ref(**inputs, encoder_hidden_states_mask=mask)[0]
+            actual = ours(**inputs, encoder_hidden_states_mask=mask)[0]
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+# ---- under SP (gloo workers) ----------------------------------------------------------------
+
+_MODES = {
+    "mask": DiffusionParallelConfig(mask_sp_padding=True),
+    "trim": DiffusionParallelConfig(),
+    "none": DiffusionParallelConfig(trim_sp_padding=False),
+}
+_worker_models: dict = {}
+
+
+def _random_pad_tail(x: torch.Tensor, dim: int, pad_size: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = pad_size
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        noise = torch.randn(shape, dtype=x.dtype) * 5
+    else:
+        noise = torch.randint(0, 2, shape, dtype=x.dtype)
+    return torch.cat([x, noise.to(x.device)], dim=dim)
+
+
+def sp_forward(folder: str, case: str, mode: str, batch: int, text_len: int, mask_rows=None, random_padding=False):
+    """Worker side: our transformer's forward under the worker's SP group in the given padding mode."""
+    if folder not in _worker_models:
+        _worker_models[folder] = QwenImageTransformer2DModel.from_pretrained(folder).eval()
+    model = _worker_models[folder]
+    inputs = make_inputs(CASES[case][0], batch, text_len)
+    if mask_rows is not None:
+        inputs["encoder_hidden_states_mask"] = torch.tensor(mask_rows)
+    state = get_parallel_state()
+    original_config, original_pad = state.config, sequence_parallel._pad_tail
+    state.config = _MODES[mode].replace(ulysses_degree=original_config.ulysses_degree)
+    if random_padding:
+        sequence_parallel._pad_tail = _random_pad_tail
+    try:
+        with torch.no_grad():
+            return model(**inputs)[0]
+    finally:
+        state.config, sequence_parallel._pad_tail = original_config, original_pad
+
+
+def reset_warnings():
+    reset_warning_once()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(models, tmp_path_factory):
+    folders = {}
+    for zero, (ref, _) in models.items():
+        folder = tmp_path_factory.mktemp(f"ckpt{int(zero)}")
+        ref.save_pretrained(folder)
+        folders[zero] = str(folder)
+    return folders
+
+
+@pytest.mark.parametrize("case", ["generate", "edit", "edit_plus"])
+def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoints, case):
+    zero = CASES[case][1]
+    _, ours = models[zero]
+    for batch, text_len in ((1, 11), (2, 7)):
+        inputs = make_inputs(CASES[case][0], batch, text_len)
+        with torch.no_grad():
+            expected = ours(**inputs)[0]
+        for mode in ("mask", "trim"):
+            for out in sp_pool.run(sp_forward, checkpoints[zero], case, mode, batch, text_len):
+                torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+def test_sp_with_text_mask_matches_reference(sp_pool, models, checkpoints):
+    ref, _ = models[False]
+    inputs = make_inputs(CASES["generate"][0], 2, 11)
+    for rows in ([[1] * 8 + [0] * 3] * 2, [[1] * 8 + [0] * 3, [1] * 5 + [0] * 6]):
+        with torch.no_grad():
+            expected = ref(**inputs, encoder_hidden_states_mask=torch.tensor(rows))[0]
+        for out in sp_pool.run(sp_forward, checkpoints[False], "generate", "trim", 2, 11, mask_rows=rows):
+            torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoints, mode):
+    for case in ("edit", "edit_plus"):
+        folder = checkpoints[CASES[case][1]]
+        clean = sp_pool.run(sp_forward, folder, case, mode, 1, 7)
+        noisy = sp_pool.run(sp_forward, folder, case, mode, 1, 7, random_padding=True)
+        for a, b in zip(clean, noisy):
+            assert torch.equal(a, b)
+
+
+def test_sp_unmasked_padding_is_close_but_not_equal(sp_pool, models, checkpoints):
+    _, ours = models[False]
+    inputs = make_inputs(CASES["generate"][0], 1, 11)
+    with torch.no_grad():
+        expected = ours(**inputs)[0]
+    sp_pool.run(reset_warnings)
+    for out in sp_pool.run(sp_forward, checkpoints[False], "generate", "none", 1, 11):
+        diff = (out - expected).abs().max().item()
+        assert 0 < diff < 0.5 * expected.abs().max().item()
+    # The divisible grid has no padding: none mode is then exact.
+    inputs = make_inputs(CASES["divisible"][0], 1, 12)
+    with torch.no_grad():
+        expected = ours(**inputs)[0]
+    for out in sp_pool.run(sp_forward, checkpoints[False], "divisible", "none", 1, 12):
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)

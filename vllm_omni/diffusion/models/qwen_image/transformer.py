@@ -1,0 +1,206 @@
+"""Qwen-Image's transformer with Ulysses sequence parallelism.
+
+`QwenImageTransformer2DModel` is diffusers' class of the same name (same config, same
+parameter names, so `from_pretrained` reads the diffusers checkpoint as is) with two
+changes: `forward` shards the token streams with the shared SP helper and gathers the
+output, and each block's attention processor runs our `Attention` layer instead of a
+local kernel. Every other op in a block works token by token, so it runs unchanged on a
+rank's slice. The diffusers pipelines call it exactly like the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from math import prod
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers import transformer_qwenimage as reference
+
+from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.distributed.sequence_parallel import (
+    IMAGE,
+    TEXT,
+    gather_sequence,
+    sequence_parallel_context,
+    shard_with_auto_pad,
+)
+
+
+class QwenImageSPAttnProcessor:
+    """Projections, QK-norm and rotary as in the reference, then the shared (Ulysses) attention layer."""
+
+    def __init__(self) -> None:
+        self.attention = Attention(text_position="front")
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if encoder_hidden_states_mask is not None or attention_mask is not None:
+            raise ValueError("masks are resolved in QwenImageTransformer2DModel.forward (text compaction)")
+        head_dim = attn.inner_dim // attn.heads
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(-1, (-1, head_dim))
+
+        img_q, img_k, img_v = (
+            heads(attn.to_q(hidden_states)),
+            heads(attn.to_k(hidden_states)),
+            heads(attn.to_v(hidden_states)),
+        )
+        txt_q = heads(attn.add_q_proj(encoder_hidden_states))
+        txt_k = heads(attn.add_k_proj(encoder_hidden_states))
+        txt_v = heads(attn.add_v_proj(encoder_hidden_states))
+        img_q, img_k = attn.norm_q(img_q), attn.norm_k(img_k)
+        txt_q, txt_k = attn.norm_added_q(txt_q), attn.norm_added_k(txt_k)
+        if image_rotary_emb is not None:
+            img_freqs, txt_freqs = image_rotary_emb
+            img_q = reference.apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
+            img_k = reference.apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
+            txt_q = reference.apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
+            txt_k = reference.apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+
+        img_out, txt_out = self.attention(img_q, img_k, img_v, text_qkv=(txt_q, txt_k, txt_v))
+        img_out = attn.to_out[0](img_out.flatten(2, 3).to(img_q.dtype))
+        if len(attn.to_out) > 1:
+            img_out = attn.to_out[1](img_out)
+        txt_out = attn.to_add_out(txt_out.flatten(2, 3).to(txt_q.dtype))
+        return img_out, txt_out
+
+
+class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
+    """Diffusers' Qwen-Image transformer, sequence-parallel under an SP process group."""
+
+    @functools.wraps(reference.QwenImageTransformer2DModel.__init__)  # keeps the config signature for from_pretrained
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for block in self.transformer_blocks:
+            block.attn.set_processor(QwenImageSPAttnProcessor())
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        timestep: torch.Tensor = None,
+        img_shapes: list | None = None,
+        guidance: torch.Tensor | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
+        controlnet_block_samples: list[torch.Tensor] | None = None,
+        additional_t_cond: torch.Tensor | None = None,
+        return_dict: bool = True,
+    ) -> torch.Tensor | Transformer2DModelOutput:
+        """Same arguments and outputs as the diffusers reference."""
+        text_index = None
+        if encoder_hidden_states_mask is not None:
+            mask = encoder_hidden_states_mask.bool()
+            if mask.all():
+                pass
+            elif (mask == mask[:1]).all():
+                # The reference masks padded text keys; dropping those tokens (and their rotary
+                # rows) gives the same image output with no mask, so the dense kernel still runs.
+                text_index = mask[0].nonzero().squeeze(1)
+            else:
+                # Rows with different text padding cannot share one compaction: run them one by one.
+                rows = [
+                    self.forward(
+                        hidden_states[i : i + 1],
+                        encoder_hidden_states[i : i + 1],
+                        encoder_hidden_states_mask[i : i + 1],
+                        timestep[i : i + 1] if timestep.dim() else timestep,
+                        img_shapes[i : i + 1] if img_shapes is not None else None,
+                        guidance[i : i + 1] if guidance is not None and guidance.dim() else guidance,
+                        attention_kwargs,
+                        [s[i : i + 1] for s in controlnet_block_samples] if controlnet_block_samples else None,
+                        additional_t_cond[i : i + 1] if additional_t_cond is not None else None,
+                        return_dict=False,
+                    )[0]
+                    for i in range(hidden_states.shape[0])
+                ]
+                output = torch.cat(rows)
+                return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+        with sequence_parallel_context():
+            output = self._forward_sharded(
+                hidden_states,
+                encoder_hidden_states,
+                text_index,
+                timestep,
+                img_shapes,
+                guidance,
+                attention_kwargs,
+                controlnet_block_samples,
+                additional_t_cond,
+            )
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+    def _forward_sharded(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        text_index: torch.Tensor | None,
+        timestep: torch.Tensor,
+        img_shapes: list,
+        guidance: torch.Tensor | None,
+        attention_kwargs: dict[str, Any] | None,
+        controlnet_block_samples: list[torch.Tensor] | None,
+        additional_t_cond: torch.Tensor | None,
+    ) -> torch.Tensor:
+        text_seq_len = encoder_hidden_states.shape[1]
+        img_freqs, txt_freqs = self.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden_states.device)
+        if text_index is not None:
+            encoder_hidden_states = encoder_hidden_states[:, text_index]
+            txt_freqs = txt_freqs[text_index]
+
+        hidden_states = self.img_in(shard_with_auto_pad(hidden_states, 1, IMAGE))
+        encoder_hidden_states = self.txt_in(self.txt_norm(shard_with_auto_pad(encoder_hidden_states, 1, TEXT)))
+        rotary = (shard_with_auto_pad(img_freqs, 0, IMAGE), shard_with_auto_pad(txt_freqs, 0, TEXT))
+
+        timestep = timestep.to(hidden_states.dtype)
+        modulate_index = None
+        if self.zero_cond_t:
+            # Edit-2511: the first image (the one being generated) uses the timestep, the
+            # reference images timestep 0; the index picks per token and travels with the image stream.
+            timestep = torch.cat([timestep, timestep * 0], dim=0)
+            modulate_index = torch.tensor(
+                [[0] * prod(sample[0]) + [1] * sum(prod(s) for s in sample[1:]) for sample in img_shapes],
+                device=timestep.device,
+                dtype=torch.int,
+            )
+            modulate_index = shard_with_auto_pad(modulate_index, 1, IMAGE)
+
+        if guidance is not None:
+            guidance = guidance.to(hidden_states.dtype) * 1000
+        temb = (
+            self.time_text_embed(timestep, hidden_states, additional_t_cond)
+            if guidance is None
+            else self.time_text_embed(timestep, guidance, hidden_states, additional_t_cond)
+        )
+
+        for index_block, block in enumerate(self.transformer_blocks):
+            encoder_hidden_states, hidden_states = block(
+                hidden_states=hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_hidden_states_mask=None,
+                temb=temb,
+                image_rotary_emb=rotary,
+                joint_attention_kwargs=attention_kwargs,
+                modulate_index=modulate_index,
+            )
+            if controlnet_block_samples is not None:
+                interval = int(np.ceil(len(self.transformer_blocks) / len(controlnet_block_samples)))
+                sample = controlnet_block_samples[index_block // interval]
+                hidden_states = hidden_states + shard_with_auto_pad(sample, 1, IMAGE)
+
+        if self.zero_cond_t:
+            temb = temb.chunk(2, dim=0)[0]
+        output = self.proj_out(self.norm_out(hidden_states, temb))
+        return gather_sequence(output, 1, IMAGE)
