@@ -43,15 +43,11 @@ def _configure_root() -> logging.Logger:
 class OmniLogger(logging.LoggerAdapter):
     """A logger with `warning_once`: the first call with a given format string logs, later ones do not."""
 
-    def process(self, msg, kwargs):
-        kwargs.setdefault("stacklevel", 2)
-        return msg, kwargs
-
     def warning_once(self, msg: str, *args) -> None:
         if msg in _seen_once:
             return
         _seen_once.add(msg)
-        self.warning(msg, *args, stacklevel=3)
+        self.warning(msg, *args, stacklevel=2)
 
 
 def init_logger(name: str) -> OmniLogger:

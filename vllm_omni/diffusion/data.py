@@ -133,3 +133,72 @@ def normalize_dtype_name(dtype: Any) -> str:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or a torch dtype), got {dtype!r}")
     return name
+
+
+@dataclass
+class EngineLimits:
+    """Bounds on one request; bad input beyond them is a ValueError naming the field."""
+
+    max_image_size: int = 4096  # largest width or height, pixels
+    max_steps: int = 200
+    max_n: int = 4  # images per request
+    max_input_images: int = 4  # source images per edit
+    max_upload_bytes: int = 20 * 1024 * 1024  # one uploaded image file
+    max_input_pixels: int = 40_000_000  # decoded source image, w*h (no decompression bombs)
+    max_queue: int = 64  # requests waiting in the server's queue
+
+
+@dataclass
+class GenerationParams:
+    """A request as the user gave it; `DiffusionEngine.preprocess` validates it into a `DiffusionRequest`."""
+
+    prompt: str
+    negative_prompt: str | None = None
+    image: Any = None  # PIL image, path, bytes, or a list of them (edit models)
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    n: int = 1
+    seed: int | None = None
+    output_type: Literal["pil", "np"] = "pil"
+    request_id: str | None = None
+
+
+@dataclass
+class DiffusionRequest:
+    """One generation or edit, as the engine validated it (sizes already rounded, seed drawn)."""
+
+    request_id: str
+    prompt: str
+    negative_prompt: str | None = None
+    images: list[Any] | None = None  # PIL images for edits
+    height: int | None = None  # None: the pipeline's default (edits: from the source aspect ratio)
+    width: int | None = None
+    num_inference_steps: int = 50
+    guidance_scale: float | None = None
+    true_cfg_scale: float = 4.0
+    num_images: int = 1
+    seed: int = 0
+    cancel_token: int = 0  # the executor's number for this request; cancelling flags it
+
+
+@dataclass
+class DiffusionOutput:
+    """What the engine returns: images (PIL, or float arrays in [0, 1]) and how they were made."""
+
+    request_id: str
+    images: list[Any]
+    seed: int
+    height: int
+    width: int
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+class RequestCancelled(Exception):
+    """The request was cancelled (its client went away) and stopped at a denoising step."""
+
+
+class RequestFailed(RuntimeError):
+    """The workers could not complete the request; the engine stays usable."""

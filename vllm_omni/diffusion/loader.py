@@ -1,0 +1,55 @@
+"""Model id -> local diffusers folder -> pipeline spec.
+
+A model is a tiny embedded model name (`tiny/qwen-image`, built once into a cache folder),
+a local folder with model_index.json, or a hub id already in the Hugging Face cache
+(nothing is downloaded here). Torch-free, so the engine can resolve a model before any
+worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from vllm_omni.diffusion.models.registry import PipelineSpec, spec_for
+
+TINY_PREFIX = "tiny/"
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+def resolve_model_path(model: str) -> Path:
+    """The local folder holding `model` (a diffusers pipeline with model_index.json)."""
+    if model.startswith(TINY_PREFIX):
+        from vllm_omni.diffusion.models.qwen_image.tiny import TINY_MODELS, tiny_model_path
+
+        if model not in TINY_MODELS:
+            raise ModelNotFoundError(f"unknown tiny model {model!r}; tiny models: {', '.join(TINY_MODELS)}")
+        return tiny_model_path(model)
+    local = Path(model).expanduser()
+    if local.is_dir():
+        if not (local / "model_index.json").is_file():
+            raise ModelNotFoundError(f"{local} is a folder but has no model_index.json (not a diffusers pipeline)")
+        return local.resolve()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - any miss means "not available locally"
+        cache = os.environ.get("HF_HOME", "~/.cache/huggingface")
+        raise ModelNotFoundError(
+            f"model {model!r} not found: it is not a tiny model (tiny/qwen-image, tiny/qwen-image-edit, "
+            f"tiny/qwen-image-edit-plus), not a local folder, and not in the Hugging Face cache ({cache}). "
+            f"Download it first (huggingface-cli download {model}) or pass a local folder."
+        ) from exc
+
+
+def read_pipeline_spec(path: Path) -> PipelineSpec:
+    try:
+        class_name = json.loads((path / "model_index.json").read_text())["_class_name"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelNotFoundError(f"cannot read the pipeline class from {path / 'model_index.json'}: {exc}") from exc
+    return spec_for(class_name)

@@ -1,0 +1,103 @@
+"""`Omni`: the offline engine. `from vllm_omni import Omni`.
+
+with Omni("tiny/qwen-image", ulysses_degree=2) as omni:
+    images = omni.generate("a cat", height=208, width=240, num_inference_steps=4, seed=0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_omni.diffusion.data import (
+    DiffusionParallelConfig,
+    EngineLimits,
+    GenerationParams,
+    OmniDiffusionConfig,
+    normalize_dtype_name,
+)
+
+
+class Omni:
+    """Starts one worker per rank (CUDA + NCCL when there are enough GPUs, else CPU + gloo)."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        ulysses_degree: int = 1,
+        ring_degree: int = 1,
+        cfg_parallel_size: int = 1,
+        mask_sp_padding: bool = False,
+        trim_sp_padding: bool = True,
+        device: str | None = None,
+        dtype: Any = None,
+        attention_backend: str | None = None,
+        limits: EngineLimits | None = None,
+    ) -> None:
+        from vllm_omni.diffusion.engine import DiffusionEngine
+
+        parallel = DiffusionParallelConfig(
+            ulysses_degree=ulysses_degree,
+            ring_degree=ring_degree,
+            cfg_parallel_size=cfg_parallel_size,
+            mask_sp_padding=mask_sp_padding,
+            trim_sp_padding=trim_sp_padding,
+        )
+        config = OmniDiffusionConfig(
+            model=model,
+            parallel_config=parallel,
+            device=device,
+            dtype=None if dtype is None else normalize_dtype_name(dtype),
+            attention_backend=attention_backend,
+        )
+        self.engine = DiffusionEngine(config, limits)
+        try:
+            self.engine.wait_until_ready()
+        except BaseException:
+            self.engine.close()
+            raise
+        self.last_output = None
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        negative_prompt: str | None = None,
+        image: Any = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        true_cfg_scale: float | None = None,
+        n: int = 1,
+        seed: int | None = None,
+        output_type: str = "pil",
+    ) -> list[Any]:
+        """Images for one prompt: PIL images, or float arrays [H, W, 3] in [0, 1] with output_type="np".
+
+        The seed used (drawn when not given), the real size and timings are in `self.last_output`.
+        """
+        params = GenerationParams(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            image=image,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            true_cfg_scale=true_cfg_scale,
+            n=n,
+            seed=seed,
+            output_type=output_type,
+        )
+        self.last_output = self.engine.step(params)
+        return self.last_output.images
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> Omni:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
