@@ -17,12 +17,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from vllm_omni.diffusion.attention.backends import check_attention_backend
 from vllm_omni.diffusion.data import (
     DiffusionOutput,
     DiffusionRequest,
     EngineLimits,
     GenerationParams,
     OmniDiffusionConfig,
+    RequestFailed,
 )
 from vllm_omni.diffusion.executor import MultiprocExecutor
 from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
@@ -83,7 +87,9 @@ def decode_image(source: Any, limits: EngineLimits, name: str = "image") -> Any:
             raise ValueError(f"{name} is {len(source)} bytes; the limit is {limits.max_upload_bytes}")
         try:
             image = Image.open(io.BytesIO(source))
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        except Image.DecompressionBombError:
+            raise ValueError(f"{name} has too many pixels; the limit is {limits.max_input_pixels}") from None
+        except (UnidentifiedImageError, OSError) as exc:
             raise ValueError(f"{name} is not a readable image: {exc}") from None
     width, height = image.size
     if width * height > limits.max_input_pixels:
@@ -103,6 +109,7 @@ class DiffusionEngine:
             raise ValueError("ring_degree > 1 is not supported yet (Ring attention is not built); use ulysses_degree")
         if parallel.cfg_parallel_size > 1:
             raise ValueError("cfg_parallel_size > 1 is not supported yet; use ulysses_degree")
+        check_attention_backend(config.attention_backend, parallel.mask_sp_padding)
         self.limits = limits or EngineLimits()
         self.model_path = resolve_model_path(config.model)
         self.spec = read_pipeline_spec(self.model_path)
@@ -169,7 +176,7 @@ class DiffusionEngine:
         if spec.task == "generate" and (height is None) != (width is None):
             raise ValueError("give both height and width, or neither")
         steps = params.num_inference_steps if params.num_inference_steps is not None else spec.default_steps
-        steps = _check_int("num_inference_steps", steps, 1, limits.max_steps)
+        steps = _check_int("num_inference_steps", steps, spec.min_steps, limits.max_steps)
         n = _check_int("n", params.n, 1, limits.max_n)
         guidance = (
             None if params.guidance_scale is None else _check_float("guidance_scale", params.guidance_scale, 0, 100)
@@ -262,6 +269,8 @@ class DiffusionEngine:
     def postprocess(request: DiffusionRequest, images: Any, output_type: str) -> DiffusionOutput:
         from PIL import Image
 
+        if not np.isfinite(images).all():
+            raise RequestFailed("the pipeline produced non-finite pixel values (NaN or Inf)")
         height, width = int(images.shape[1]), int(images.shape[2])
         if output_type == "pil":
             frames = (images.clip(0, 1) * 255).round().astype("uint8")

@@ -43,13 +43,19 @@ BACKENDS: dict[str, AttentionBackend] = {
 _configured_name: str | None = None
 
 
+def check_attention_backend(name: str | None, mask_sp_padding: bool = False) -> None:
+    """Raise ValueError for an unknown backend name, or one that cannot mask when masking is asked for."""
+    if name is not None:
+        _validate(name, needs_mask=mask_sp_padding, source="attention_backend")
+    else:
+        resolve_attention_backend(needs_mask=mask_sp_padding)  # checks the env var
+
+
 def configure_attention_backend(name: str | None, mask_sp_padding: bool = False) -> None:
     """Set the process-wide backend name (None: env var or automatic); errors early on bad settings."""
     global _configured_name
-    if name is not None:
-        _validate(name, needs_mask=mask_sp_padding, source="attention_backend")
+    check_attention_backend(name, mask_sp_padding)
     _configured_name = name
-    resolve_attention_backend(needs_mask=mask_sp_padding)
 
 
 def _validate(name: str, needs_mask: bool, source: str) -> AttentionBackend:

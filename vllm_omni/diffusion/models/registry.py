@@ -19,6 +19,8 @@ class PipelineSpec:
     runner: str  # "module:Class" of our pipeline runner
     size_multiple: int = 16  # VAE 8x times the 2x2 patch: sizes are rounded down to this
     default_steps: int = 50
+    # Qwen-Image's scheduler stretches sigmas to a terminal shift: one step divides 0 by 0 (NaN image).
+    min_steps: int = 2
     default_true_cfg_scale: float = 4.0
 
     def load_runner_class(self) -> type:

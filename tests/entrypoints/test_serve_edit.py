@@ -1,0 +1,149 @@
+"""`vllm-omni serve tiny/qwen-image-edit --ulysses-degree 2`: multipart edits over real HTTP.
+
+One server for the module, with a 1 MB upload limit so an oversized upload is cheap to send.
+Covers the openai client (one file as `image`, a list as `image[]`), CONTEXT.md's curl form,
+`size=auto`, and uploads that must be refused: unreadable, oversized, a decompression bomb.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+
+import httpx
+import numpy as np
+import pytest
+from openai import OpenAI
+from PIL import Image
+from server_process import HTTP_TIMEOUT_S, decode_image, start_server
+
+MODEL = "tiny/qwen-image-edit"
+PROMPT = "Add a cool hat to the cat."
+UPLOAD_LIMIT = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-edit") / "server.log"
+    srv = start_server([MODEL, "--ulysses-degree", "2", "--max-upload-bytes", str(UPLOAD_LIMIT)], log)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def source_png() -> bytes:
+    """A 300x200 gradient (not square, so `size=auto` shows the aspect ratio is kept)."""
+    gradient = np.linspace(0, 255, 300, dtype=np.uint8)[None, :, None].repeat(200, 0).repeat(3, 2)
+    return png(Image.fromarray(gradient))
+
+
+def bomb_png() -> bytes:
+    """A few hundred bytes whose header claims 60000x60000 pixels."""
+    data = bytearray(png(Image.new("RGB", (8, 8))))
+    data[16:24] = (60000).to_bytes(4, "big") * 2  # IHDR width and height
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")  # a valid chunk CRC: readers check it
+    return bytes(data)
+
+
+def edit(server, files, **fields) -> httpx.Response:
+    data = {"model": MODEL, "prompt": PROMPT, "size": "272x208", "num_inference_steps": "2", "seed": "5"}
+    data.update({k: str(v) for k, v in fields.items()})
+    return httpx.post(f"{server.url}/v1/images/edits", data=data, files=files, timeout=HTTP_TIMEOUT_S)
+
+
+@pytest.mark.parametrize(
+    "files,fields,param,words",
+    [
+        ({"image": ("a.png", b"definitely not an image", "image/png")}, {}, "image", "not a readable image"),
+        ({"image": ("a.png", b"\x89PNG" + bytes(UPLOAD_LIMIT), "image/png")}, {}, "image", "upload limit"),
+        ({"image": ("bomb.png", bomb_png(), "image/png")}, {}, "image", "pixels"),
+        (None, {}, "image", "image is required"),
+        ({"image": ("a.png", source_png(), "image/png"), "mask": ("m.png", source_png(), "image/png")}, {}, "mask", ""),
+        (
+            [("image[]", ("a.png", source_png(), "image/png")), ("image[]", ("b.png", source_png(), "image/png"))],
+            {},
+            "image",
+            "at most 1 image",
+        ),
+        ({"image": ("a.png", source_png(), "image/png")}, {"model": "Qwen/Nope"}, "model", "not served here"),
+        ({"image": ("a.png", source_png(), "image/png")}, {"size": "abc"}, "size", "WIDTHxHEIGHT"),
+        ({"image": ("a.png", source_png(), "image/png")}, {"num_inference_steps": "0"}, "num_inference_steps", ""),
+        ({"image": ("a.png", source_png(), "image/png")}, {"n": "two"}, "n", "integer"),
+        ({"image": ("a.png", source_png(), "image/png")}, {"response_format": "url"}, "response_format", ""),
+    ],
+    ids=[
+        "unreadable",
+        "oversized",
+        "decompression-bomb",
+        "no-image",
+        "mask",
+        "two-images-for-a-one-image-model",
+        "unknown-model",
+        "bad-size",
+        "zero-steps",
+        "bad-n",
+        "url-response",
+    ],
+)
+def test_bad_upload_or_field_is_400_naming_it(server, files, fields, param, words):
+    response = edit(server, files, **fields)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
+
+
+def test_json_body_on_the_edits_endpoint_is_400(server):
+    response = httpx.post(f"{server.url}/v1/images/edits", json={"prompt": PROMPT}, timeout=30)
+    assert response.status_code == 400 and "multipart/form-data" in response.json()["error"]["message"]
+
+
+# The server keeps serving after all of the above.
+def test_openai_client_edit_with_one_image_and_with_a_list_gives_the_same_image(server, client):
+    extra = {"num_inference_steps": 2, "seed": 5}
+    single = client.images.edit(
+        model=MODEL, image=("cat.png", source_png(), "image/png"), prompt=PROMPT, size="272x208", extra_body=extra
+    )
+    start = server.log_size()
+    listed = client.images.edit(
+        model=MODEL, image=[("cat.png", source_png(), "image/png")], prompt=PROMPT, size="272x208", extra_body=extra
+    )
+    assert decode_image(single.data[0].b64_json).size == (272, 208)
+    assert single.model_extra["seed"] == 5 and single.size == "272x208"
+    assert listed.data[0].b64_json == single.data[0].b64_json
+    server.wait_for_log(r"DiffusionEngine\.step breakdown: preprocess=", start)
+
+
+def test_curl_form_from_context_md_with_size_auto(server):
+    # CONTEXT.md's curl -F form; size=auto keeps the source's 3:2 aspect ratio at about 1 MP.
+    response = httpx.post(
+        f"{server.url}/v1/images/edits",
+        data={
+            "model": MODEL,
+            "prompt": PROMPT,
+            "negative_prompt": "' '",
+            "size": "auto",
+            "num_inference_steps": "2",
+            "guidance_scale": "4.0",
+            "seed": "42",
+            "response_format": "b64_json",
+        },
+        files={"image": ("cat.png", source_png(), "image/png")},
+        timeout=HTTP_TIMEOUT_S,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    image = decode_image(body["data"][0]["b64_json"])
+    assert image.size == (body["width"], body["height"]) and body["seed"] == 42
+    assert image.width % 16 == 0 and image.height % 16 == 0
+    assert abs(image.width / image.height - 1.5) < 0.05
+    assert 0.8e6 < image.width * image.height < 1.2e6

@@ -1,0 +1,184 @@
+"""`vllm-omni serve MODEL [flags]` (and `vllm serve MODEL --omni [flags]`): the flags and the command.
+
+`add_engine_args` defines the flags shared with `vllm-omni generate` (parallelism, padding,
+device, limits, deploy YAML); `engine_settings_from_args` merges them over the YAML, letting
+only the flags the user actually gave override it (every such flag defaults to None). cli/main.py
+builds the parser from here; this module stays free of torch and FastAPI so `--help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from vllm_omni.diffusion.data import DTYPES, EngineLimits
+
+DEFAULT_LIMITS = EngineLimits()
+
+# Flag -> (EngineLimits field, help). Defaults come from EngineLimits, the one place they live.
+LIMIT_FLAGS: dict[str, tuple[str, str]] = {
+    "--max-image-size": ("max_image_size", "largest width or height of an output image, in pixels"),
+    "--max-steps": ("max_steps", "largest num_inference_steps a request may ask for"),
+    "--max-n": ("max_n", "most images (n) one request may ask for"),
+    "--max-input-images": ("max_input_images", "most source images one edit request may upload"),
+    "--max-upload-bytes": ("max_upload_bytes", "largest uploaded image file, in bytes"),
+    "--max-input-pixels": (
+        "max_input_pixels",
+        "largest decoded source image, width*height (uploads claiming more are refused before decoding)",
+    ),
+}
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags that shape the engine; shared by `serve` and `generate`."""
+    parser.add_argument(
+        "model",
+        help="model to serve: a tiny embedded model (tiny/qwen-image, tiny/qwen-image-edit, "
+        "tiny/qwen-image-edit-plus), a local diffusers folder, or a hub id already in the Hugging Face cache",
+    )
+    parser.add_argument(
+        "--deploy-config",
+        metavar="PATH",
+        default=None,
+        help="deploy YAML (stages[0]: devices, parallel_config, default_sampling_params), or the name of a "
+        "packaged one (qwen_image, qwen_image_edit); flags given on the command line override it",
+    )
+
+    par = parser.add_argument_group("parallelism (world size = cfg_parallel_size * ulysses_degree * ring_degree)")
+    par.add_argument(
+        "--ulysses-degree",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="Ulysses sequence-parallel degree: GPUs (or CPU worker processes) that split each request; "
+        "must divide the model's attention heads (default: 1)",
+    )
+    par.add_argument(
+        "--ring-degree", type=positive_int, default=None, metavar="N", help="Ring attention degree (default: 1)"
+    )
+    par.add_argument(
+        "--cfg-parallel-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="2 runs the positive and negative CFG branches on separate ranks (default: 1)",
+    )
+    par.add_argument(
+        "--mask-sp-padding",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="mask the SP padding tokens (exact, masked attention kernel) instead of trimming them "
+        "(default: off; --no-mask-sp-padding overrides a deploy YAML that turns it on)",
+    )
+    par.add_argument(
+        "--trim-sp-padding",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with the mask off, slice the SP padding off after the all-to-all (exact, dense kernel); "
+        "--no-trim-sp-padding leaves it in unmasked (dense, approximate, warns once) (default: on)",
+    )
+
+    eng = parser.add_argument_group("engine")
+    eng.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="where the workers run (default: cuda when there are world-size GPUs, else cpu)",
+    )
+    eng.add_argument(
+        "--dtype",
+        default=None,
+        help=f"weights and activations: {', '.join(DTYPES)} (default: bfloat16 on cuda, float32 on cpu)",
+    )
+    eng.add_argument(
+        "--attention-backend",
+        default=None,
+        help="attention kernel: sdpa (dense) or sdpa_masked (default: sdpa_masked when the padding is "
+        "masked, else sdpa; env VLLM_OMNI_ATTENTION_BACKEND)",
+    )
+
+    lim = parser.add_argument_group("limits (requests beyond them are refused with 400 naming the field)")
+    for flag, (name, text) in LIMIT_FLAGS.items():
+        lim.add_argument(
+            flag,
+            type=positive_int,
+            default=None,
+            metavar="N",
+            help=f"{text} (default: {getattr(DEFAULT_LIMITS, name)})",
+        )
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    srv = parser.add_argument_group("server")
+    srv.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    srv.add_argument("--port", type=int, default=8000, metavar="PORT", help="port to listen on (default: 8000)")
+    srv.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients send and /v1/models lists (default: MODEL as given); requests may name either",
+    )
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: env VLLM_API_KEY, else no auth); "
+        "/health stays open",
+    )
+    srv.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"requests that may wait behind the running one; more get 429 (default: {DEFAULT_LIMITS.max_queue})",
+    )
+
+
+def engine_settings_from_args(args: argparse.Namespace) -> Any:
+    """The deploy YAML with the flags the user gave laid over it (an `EngineSettings`)."""
+    from vllm_omni.entrypoints.deploy_config import EngineSettings
+
+    limit_overrides = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _) in LIMIT_FLAGS.items()}
+    limit_overrides["max_queue"] = getattr(args, "max_queue", None)
+    return EngineSettings.resolve(
+        args.model,
+        deploy_config=args.deploy_config,
+        parallel_overrides={
+            "ulysses_degree": args.ulysses_degree,
+            "ring_degree": args.ring_degree,
+            "cfg_parallel_size": args.cfg_parallel_size,
+            "mask_sp_padding": args.mask_sp_padding,
+            "trim_sp_padding": args.trim_sp_padding,
+        },
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        limit_overrides=limit_overrides,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start the HTTP server; returns the process exit code."""
+    from vllm_omni.entrypoints.openai.api_server import ServerSettings, run_server
+
+    engine = engine_settings_from_args(args)
+    settings = ServerSettings(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY") or None,
+    )
+    return run_server(settings)

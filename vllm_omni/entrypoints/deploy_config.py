@@ -1,0 +1,253 @@
+"""Deploy YAML and the engine settings that the CLI builds from it and from its flags.
+
+A deploy file fixes a model's parallel layout and its request defaults:
+
+    stages:
+      - stage_id: 0
+        devices: "0,1,2,3,4,5,6,7"
+        parallel_config: {ulysses_degree: 8, mask_sp_padding: false}
+        default_sampling_params: {num_inference_steps: 50, true_cfg_scale: 4.0}
+
+`load_deploy_config` reads and checks one (unknown keys anywhere are errors naming the key);
+`EngineSettings.resolve` lays the command-line flags the user actually gave on top of it.
+`vllm-omni serve` and `vllm-omni generate` (entrypoints/cli/) call these. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_omni.diffusion.data import DiffusionParallelConfig, EngineLimits, normalize_dtype_name
+
+PACKAGED_DIR = Path(__file__).resolve().parent.parent / "deploy"
+
+_TOP_KEYS = ("stages",)
+_STAGE_KEYS = ("stage_id", "devices", "parallel_config", "default_sampling_params")
+
+# Request fields a deploy may give defaults for (GenerationParams names), with their types.
+SAMPLING_PARAM_TYPES: dict[str, type] = {
+    "negative_prompt": str,
+    "height": int,
+    "width": int,
+    "num_inference_steps": int,
+    "guidance_scale": float,
+    "true_cfg_scale": float,
+    "n": int,
+    "seed": int,
+}
+
+
+class DeployConfigError(ValueError):
+    """A deploy file that cannot be used; the message names the file and the key."""
+
+
+@dataclass
+class DeployConfig:
+    path: Path
+    stage_id: int = 0
+    devices: list[int] | None = None
+    parallel_config: dict[str, Any] = field(default_factory=dict)  # as written; checked by from_dict
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_deploy_path(name: str) -> Path:
+    """A file path, or the name of a packaged deploy (`qwen_image` -> vllm_omni/deploy/qwen_image.yaml)."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    packaged = PACKAGED_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    if os.sep not in name and packaged.is_file():
+        return packaged
+    choices = ", ".join(sorted(p.stem for p in PACKAGED_DIR.glob("*.yaml")))
+    raise DeployConfigError(f"deploy config {name!r} not found: not a file, nor a packaged deploy ({choices})")
+
+
+def load_deploy_config(name: str | os.PathLike) -> DeployConfig:
+    """Read and check a deploy YAML; every problem is a DeployConfigError naming the key."""
+    import yaml
+
+    path = resolve_deploy_path(str(name))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise DeployConfigError(f"{path}: cannot read it as YAML: {exc}") from None
+
+    def fail(message: str) -> DeployConfigError:
+        return DeployConfigError(f"{path}: {message}")
+
+    if not isinstance(data, dict):
+        raise fail("expected a mapping with a 'stages' list at the top")
+    _reject_unknown(data, _TOP_KEYS, "top-level", fail)
+    stages = data.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise fail("'stages' must be a non-empty list")
+    if len(stages) > 1:
+        # The diffusion models served here are one DiT stage; multi-stage pipelines are not built.
+        raise fail(f"'stages' has {len(stages)} entries; only single-stage deploys are supported")
+    stage = stages[0]
+    if not isinstance(stage, dict):
+        raise fail("stages[0] must be a mapping")
+    _reject_unknown(stage, _STAGE_KEYS, "stages[0]", fail)
+
+    stage_id = stage.get("stage_id", 0)
+    if isinstance(stage_id, bool) or not isinstance(stage_id, int) or stage_id < 0:
+        raise fail(f"stages[0].stage_id must be a non-negative integer, got {stage_id!r}")
+
+    parallel = stage.get("parallel_config") or {}
+    if not isinstance(parallel, dict):
+        raise fail(f"stages[0].parallel_config must be a mapping, got {type(parallel).__name__}")
+    try:
+        DiffusionParallelConfig.from_dict(parallel)  # unknown keys and bad values fail here, at start
+    except (TypeError, ValueError) as exc:
+        raise fail(f"stages[0].parallel_config: {exc}") from None
+
+    defaults = stage.get("default_sampling_params") or {}
+    if not isinstance(defaults, dict):
+        raise fail(f"stages[0].default_sampling_params must be a mapping, got {type(defaults).__name__}")
+    _reject_unknown(defaults, tuple(SAMPLING_PARAM_TYPES), "stages[0].default_sampling_params", fail)
+    for key, value in defaults.items():
+        problem = _sampling_value_problem(key, value)
+        if problem:
+            raise fail(f"stages[0].default_sampling_params.{key} {problem}, got {value!r}")
+
+    return DeployConfig(
+        path=path,
+        stage_id=stage_id,
+        devices=_parse_devices(stage.get("devices"), fail),
+        parallel_config=dict(parallel),
+        default_sampling_params=dict(defaults),
+    )
+
+
+def _reject_unknown(mapping: dict, allowed: tuple[str, ...], where: str, fail) -> None:
+    unknown = [key for key in mapping if key not in allowed]
+    if unknown:
+        raise fail(f"unknown {where} key(s): {', '.join(map(repr, unknown))}; allowed keys: {', '.join(allowed)}")
+
+
+def apply_sampling_defaults(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`values` (GenerationParams fields) with the deploy's defaults filling the ones left None."""
+    merged = dict(values)
+    for key, value in defaults.items():
+        if merged.get(key) is None:
+            merged[key] = value
+    if values.get("true_cfg_scale") is None and merged.get("negative_prompt") is None:
+        # True CFG needs a negative prompt; without one the engine samples plainly (scale 1).
+        merged["true_cfg_scale"] = None
+    return merged
+
+
+def _sampling_value_problem(key: str, value: Any) -> str | None:
+    kind = SAMPLING_PARAM_TYPES[key]
+    if kind is str:
+        return None if isinstance(value, str) else "must be a string"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "must be a number"
+    if kind is int:
+        if not isinstance(value, int):
+            return "must be an integer"
+        if key == "seed":
+            return None if value >= 0 else "must be >= 0"
+        return None if value >= 1 else "must be >= 1"
+    return None if value >= 0 else "must be >= 0"
+
+
+def _parse_devices(value: Any, fail) -> list[int] | None:
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [value]
+    try:
+        devices = [int(str(item).strip()) for item in items]
+    except ValueError:
+        devices = []
+    if not devices or any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+        raise fail(f'stages[0].devices must list distinct GPU indices, like "0,1" or [0, 1]; got {value!r}')
+    return devices
+
+
+@dataclass
+class EngineSettings:
+    """Everything needed to start an engine, after the YAML and the flags were merged."""
+
+    model: str
+    parallel_config: DiffusionParallelConfig
+    device: str | None = None
+    dtype: str | None = None
+    attention_backend: str | None = None
+    limits: EngineLimits = field(default_factory=EngineLimits)
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    devices: list[int] | None = None
+    deploy_config: Path | None = None
+
+    @classmethod
+    def resolve(
+        cls,
+        model: str,
+        *,
+        deploy_config: str | None = None,
+        parallel_overrides: dict[str, Any] | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        attention_backend: str | None = None,
+        limit_overrides: dict[str, Any] | None = None,
+    ) -> EngineSettings:
+        """YAML first, then every override that is not None (None means "the user did not give it")."""
+        deploy = load_deploy_config(deploy_config) if deploy_config else None
+        parallel = DiffusionParallelConfig.from_dict(deploy.parallel_config if deploy else None)
+        given = {k: v for k, v in (parallel_overrides or {}).items() if v is not None}
+        if given:
+            parallel = parallel.replace(**given)
+        limits = EngineLimits(**{k: v for k, v in (limit_overrides or {}).items() if v is not None})
+        for name, value in vars(limits).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        return cls(
+            model=model,
+            parallel_config=parallel,
+            device=device,
+            dtype=None if dtype is None else normalize_dtype_name(dtype),
+            attention_backend=attention_backend,
+            limits=limits,
+            default_sampling_params=dict(deploy.default_sampling_params) if deploy else {},
+            devices=deploy.devices if deploy else None,
+            deploy_config=deploy.path if deploy else None,
+        )
+
+    def apply_devices(self) -> None:
+        """Pin the deploy's GPUs (CUDA_VISIBLE_DEVICES) before any worker starts; CPU runs ignore it.
+
+        The indices count within an existing CUDA_VISIBLE_DEVICES (a scheduler's allocation), as
+        CUDA would count them.
+        """
+        if self.devices is None or self.device == "cpu":
+            return
+        if len(self.devices) < self.parallel_config.world_size:
+            raise ValueError(
+                f"devices lists {len(self.devices)} GPU(s) but the parallel config needs "
+                f"{self.parallel_config.world_size} (world size)"
+            )
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        chosen = [str(d) for d in self.devices]
+        if visible:
+            allocated = [v.strip() for v in visible.split(",") if v.strip()]
+            if max(self.devices) >= len(allocated):
+                raise ValueError(
+                    f"devices {self.devices} reach beyond CUDA_VISIBLE_DEVICES={visible} ({len(allocated)} GPU(s))"
+                )
+            chosen = [allocated[d] for d in self.devices]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
+
+    def engine_config(self) -> Any:
+        """The `OmniDiffusionConfig` for `DiffusionEngine`."""
+        from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+        return OmniDiffusionConfig(
+            model=self.model,
+            parallel_config=self.parallel_config,
+            device=self.device,
+            dtype=self.dtype,
+            attention_backend=self.attention_backend,
+        )

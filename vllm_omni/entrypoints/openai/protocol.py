@@ -1,0 +1,115 @@
+"""Request and response bodies of the OpenAI-style image API, and the size parser.
+
+The generation body is JSON; the edit body is the same fields as multipart form values (the
+api_server validates both with these models). Responses follow OpenAI's images schema
+(`created`, `data[].b64_json`) and add the seed used and the real output size. Used by
+openai/api_server.py and the one-shot CLI (cli/generate.py, for `parse_size`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_SIZE = re.compile(r"^\s*(-?\d+)\s*[xX]\s*(-?\d+)\s*$")
+
+
+def parse_size(size: str, max_side: int) -> tuple[int, int]:
+    """'WIDTHxHEIGHT' -> (width, height); a ValueError naming `size` for anything else."""
+    match = _SIZE.match(size) if isinstance(size, str) else None
+    if match is None:
+        raise ValueError(f"size must be 'WIDTHxHEIGHT' (e.g. '1024x1024'), got {size!r}")
+    width, height = int(match.group(1)), int(match.group(2))
+    if width < 1 or height < 1:
+        raise ValueError(f"size must have a positive width and height, got {size!r}")
+    if width > max_side or height > max_side:
+        raise ValueError(f"size {size!r} is too large: width and height must be at most {max_side}")
+    return width, height
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by generations and edits. None means "the deploy's default, else the model's"."""
+
+    # Typos such as "num_steps" would otherwise be ignored silently and waste a GPU run.
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    model: str | None = None
+    negative_prompt: str | None = None
+    size: str | None = Field(None, description="'WIDTHxHEIGHT', or 'auto'")
+    n: int | None = Field(None, description="images to generate (default 1)")
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    seed: int | None = None
+    response_format: str | None = Field("b64_json", description="only 'b64_json'")
+    output_format: Literal["png", "jpeg", "webp"] | None = Field(None, description="default 'png'")
+    output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100")
+    stream: bool | None = None  # only false: images come back whole
+    background: str | None = None  # only "auto" / "opaque": no transparent output
+    # Sent by some OpenAI clients; accepted and ignored.
+    user: str | None = None
+    quality: str | None = None
+    style: str | None = None
+    moderation: str | None = None
+    safety_identifier: str | None = None
+
+
+class ImageGenerationRequest(_SamplingFields):
+    """POST /v1/images/generations (JSON)."""
+
+
+class ImageEditRequest(_SamplingFields):
+    """The text fields of POST /v1/images/edits (multipart); the images arrive as file parts."""
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImageResponse(BaseModel):
+    """OpenAI's ImagesResponse plus what a diffusion client needs to reproduce the result."""
+
+    created: int
+    data: list[ImageData]
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    size: str  # the real output size, "WIDTHxHEIGHT" (after rounding down to the model's multiple)
+    width: int
+    height: int
+    seed: int  # the seed used (drawn by the server when the request gave none)
+    id: str  # the request id, also in the server log
+    timings_ms: dict[str, float]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape; its client reads `error.message`."""
+
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "vllm-omni"
+    root: str  # the model as given on the command line
+    task: str | None = None  # "generate" or "edit", once the model folder is resolved
+    ready: bool
+    parallel_config: dict[str, Any]  # the effective one: deploy YAML with the flags applied
+    default_sampling_params: dict[str, Any]
+    limits: dict[str, int]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
