@@ -5,13 +5,15 @@ Same random weights (a checkpoint saved by the diffusers class and loaded by our
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel as ReferenceTransformer
 
 from vllm_omni.diffusion.data import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed import sequence_parallel
-from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
+from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
 from vllm_omni.logger import reset_warning_once
 
@@ -123,15 +125,15 @@ def sp_forward(folder: str, case: str, mode: str, batch: int, text_len: int, mas
     if mask_rows is not None:
         inputs["encoder_hidden_states_mask"] = torch.tensor(mask_rows)
     state = get_parallel_state()
-    original_config, original_pad = state.config, sequence_parallel._pad_tail
-    state.config = _MODES[mode].replace(ulysses_degree=original_config.ulysses_degree)
+    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
+    original_pad = sequence_parallel._pad_tail
     if random_padding:
         sequence_parallel._pad_tail = _random_pad_tail
     try:
-        with torch.no_grad():
+        with use_parallel_state(dataclasses.replace(state, config=config)), torch.no_grad():
             return model(**inputs)[0]
     finally:
-        state.config, sequence_parallel._pad_tail = original_config, original_pad
+        sequence_parallel._pad_tail = original_pad
 
 
 def reset_warnings():

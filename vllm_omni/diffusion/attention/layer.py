@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from vllm_omni.diffusion.attention.backends import AttentionBackend, resolve_attention_backend
-from vllm_omni.diffusion.distributed.comm import all_to_all, pack_seq_to_head, unpack_head_to_seq
+from vllm_omni.diffusion.distributed.comm import all_to_all
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
     TEXT,
@@ -35,21 +35,26 @@ def pack_streams(layout: JointLayout, streams: dict[str, QKV]) -> torch.Tensor:
     world = layout.world_size
     send = query.new_empty(world, 3, batch, layout.local_len, heads // world, head_dim)
     for slot in layout.slots:
-        local = slice(slot.local_start, slot.local_start + slot.shard.local_seq_len)
+        n = slot.shard.local_seq_len
+        dst = send[:, :, :, slot.local_start : slot.local_start + n]
         for i, tensor in enumerate(streams[slot.name]):
-            if tensor.shape[1] != slot.shard.local_seq_len:
+            if tensor.shape[1] != n:
                 raise ValueError(
-                    f"{slot.name} stream has {tensor.shape[1]} local tokens, expected "
-                    f"{slot.shard.local_seq_len}: shard it with shard_with_auto_pad"
+                    f"{slot.name} stream has {tensor.shape[1]} local tokens, expected {n}: "
+                    "shard it with shard_with_auto_pad"
                 )
-            pack_seq_to_head(send[:, i, :, local], tensor)
+            # head group p goes to rank p
+            dst[:, i].copy_(tensor.reshape(batch, n, world, heads // world, head_dim).permute(2, 0, 1, 3, 4))
     return send
 
 
 def unpack_streams(layout: JointLayout, back: torch.Tensor) -> list[torch.Tensor]:
     """Each stream's [B, S_local, H, D] output from the head->seq all-to-all's result, in layout order."""
+    world, batch, _, heads, head_dim = back.shape
     return [
-        unpack_head_to_seq(back[:, :, slot.local_start : slot.local_start + slot.shard.local_seq_len])
+        back[:, :, slot.local_start : slot.local_start + slot.shard.local_seq_len]
+        .permute(1, 2, 0, 3, 4)
+        .reshape(batch, slot.shard.local_seq_len, world * heads, head_dim)
         for slot in layout.slots
     ]
 
@@ -62,22 +67,20 @@ def attend_joint(recv: torch.Tensor, layout: JointLayout, backend: AttentionBack
     mode), the kernel runs, and its output is written straight into the [P, B, S_local,
     H/P, D] buffer the reverse all-to-all sends.
     """
-    world, _, batch, _, heads, head_dim = recv.shape
+    world, _, batch, local_len, heads, head_dim = recv.shape
     joint = recv.new_empty(3, batch, layout.query_len, heads, head_dim)
     for slot in layout.slots:
-        n = slot.shard.local_seq_len
-        local = slice(slot.local_start, slot.local_start + n)
-        dst = joint[:, :, slot.joint_offset : slot.joint_offset + world * n].unflatten(2, (world, n))
-        dst.copy_(recv[:, :, :, local].permute(1, 2, 0, 3, 4, 5))
-    query, key, value = joint[0], joint[1, :, : layout.kv_len], joint[2, :, : layout.kv_len]
-    out = backend(query, key, value, layout.key_mask)
+        n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset
+        dst = joint[:, :, offset : offset + world * n].view(3, batch, world, n, heads, head_dim)
+        dst.copy_(recv[:, :, :, start : start + n].permute(1, 2, 0, 3, 4, 5))
+    kv = joint[1:, :, : layout.kv_len]
+    out = backend(joint[0], kv[0], kv[1], layout.key_mask)
 
-    send = out.new_empty(world, batch, layout.local_len, heads, head_dim)
+    send = out.new_empty(world, batch, local_len, heads, head_dim)
     for slot in layout.slots:
-        n = slot.shard.local_seq_len
-        local = slice(slot.local_start, slot.local_start + n)
-        src = out[:, slot.joint_offset : slot.joint_offset + world * n].unflatten(1, (world, n))
-        send[:, :, local].copy_(src.permute(1, 0, 2, 3, 4))
+        n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset
+        src = out[:, offset : offset + world * n].view(batch, world, n, heads, head_dim)
+        send[:, :, start : start + n].copy_(src.permute(1, 0, 2, 3, 4))
     return send
 
 

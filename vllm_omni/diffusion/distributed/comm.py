@@ -12,21 +12,37 @@ import torch
 import torch.distributed as dist
 
 
-def all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+class SimulatedGroup:
+    """Stands in for a group of `size` ranks inside one process, for benchmarks on one GPU.
+
+    Exchanges keep every shape (so a rank does exactly the work of a real Ulysses-N rank)
+    but move data locally; the values are this rank's own, so only timings are meaningful.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def group_size(group: dist.ProcessGroup | SimulatedGroup) -> int:
+    return group.size if isinstance(group, SimulatedGroup) else dist.get_world_size(group)
+
+
+def all_to_all(send: torch.Tensor, group: dist.ProcessGroup | SimulatedGroup) -> torch.Tensor:
     """Send `send[i]` to rank i of `group`; return `recv` with `recv[i]` from rank i."""
-    if send.shape[0] != dist.get_world_size(group):
+    if send.shape[0] != group_size(group):
         raise ValueError(f"all_to_all: dim 0 must equal the group size, got {tuple(send.shape)}")
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    if isinstance(group, SimulatedGroup):
+        recv.copy_(send)
+    else:
+        dist.all_to_all_single(recv, send.contiguous(), group=group)
     return recv
 
 
-def pack_seq_to_head(dst: torch.Tensor, x: torch.Tensor) -> None:
-    """Write `x` [B, S_local, H, D] into `dst` [P, B, S_local, H/P, D]: head group i -> chunk i."""
-    world = dst.shape[0]
-    dst.copy_(x.unflatten(2, (world, -1)).permute(2, 0, 1, 3, 4))
-
-
-def unpack_head_to_seq(src: torch.Tensor) -> torch.Tensor:
-    """After the reverse exchange: [P, B, S_local, H/P, D] -> [B, S_local, H, D] (inverse of the packing)."""
-    return src.permute(1, 2, 0, 3, 4).flatten(2, 3)
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup | SimulatedGroup) -> list[torch.Tensor]:
+    """Every rank's `x`, in rank order."""
+    if isinstance(group, SimulatedGroup):
+        return [x.clone() for _ in range(group.size)]
+    chunks = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(chunks, x.contiguous(), group=group)
+    return chunks

@@ -8,12 +8,15 @@ run of consecutive ranks (consecutive GPUs, the fastest links).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.distributed.comm import SimulatedGroup
 
 
 @dataclass
@@ -21,7 +24,7 @@ class ParallelState:
     config: DiffusionParallelConfig
     rank: int
     world_size: int
-    sp_group: dist.ProcessGroup | None  # None when this process is alone in its SP group
+    sp_group: dist.ProcessGroup | SimulatedGroup | None  # None when this process is alone in its SP group
     cfg_group: dist.ProcessGroup | None
 
     @property
@@ -81,6 +84,27 @@ def initialize_parallel_state(
                 cfg_group = group
     _STATE = ParallelState(config=config, rank=rank, world_size=world_size, sp_group=sp_group, cfg_group=cfg_group)
     return _STATE
+
+
+def initialize_simulated_parallel_state(config: DiffusionParallelConfig, rank: int = 0) -> ParallelState:
+    """Act as `rank` of an SP group that exists only in shape (benchmarks on one GPU; see comm.SimulatedGroup)."""
+    global _STATE
+    if config.cfg_parallel_size != 1:
+        raise ValueError("a simulated group covers sequence parallelism only (cfg_parallel_size=1)")
+    group = SimulatedGroup(config.sequence_parallel_size) if config.sequence_parallel_size > 1 else None
+    _STATE = ParallelState(config=config, rank=rank, world_size=config.world_size, sp_group=group, cfg_group=None)
+    return _STATE
+
+
+@contextlib.contextmanager
+def use_parallel_state(state: ParallelState | None) -> Iterator[ParallelState | None]:
+    """Temporarily run as `state` (None: a plain single process); tests and benchmarks switch modes with it."""
+    global _STATE
+    previous, _STATE = _STATE, state
+    try:
+        yield state
+    finally:
+        _STATE = previous
 
 
 def get_parallel_state() -> ParallelState | None:

@@ -22,11 +22,12 @@ import contextvars
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from vllm_omni.diffusion.data import DiffusionParallelConfig, PaddingMode
+from vllm_omni.diffusion.distributed.comm import all_gather
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.logger import init_logger
 
@@ -88,7 +89,7 @@ class JointLayout:
 class SequenceParallelContext:
     """Per-forward SP state: group, policy, and the streams sharded so far."""
 
-    group: dist.ProcessGroup | None
+    group: Any  # a torch ProcessGroup, a SimulatedGroup, or None for one rank
     world_size: int
     rank: int
     ulysses_degree: int
@@ -245,6 +246,4 @@ def gather_sequence(x: torch.Tensor, dim: int, stream: str = IMAGE) -> torch.Ten
     if ctx is None or not ctx.enabled:
         return x
     dim = dim % x.dim()
-    chunks = [torch.empty_like(x) for _ in range(ctx.world_size)]
-    dist.all_gather(chunks, x.contiguous(), group=ctx.group)
-    return torch.cat(chunks, dim=dim).narrow(dim, 0, ctx.streams[stream].original_seq_len)
+    return torch.cat(all_gather(x, ctx.group), dim=dim).narrow(dim, 0, ctx.streams[stream].original_seq_len)

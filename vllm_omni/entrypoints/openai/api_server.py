@@ -661,6 +661,8 @@ def run_server(settings: ServerSettings) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    # Bind before anything starts: a busy port fails here, not after the workers began loading.
+    sock = config.bind_socket()
     logger.info(
         "Serving %s on http://%s:%d (parallel config %s%s)",
         settings.served_model_name or settings.engine.model,
@@ -669,5 +671,5 @@ def run_server(settings: ServerSettings) -> int:
         settings.engine.parallel_config.to_dict(),
         f", deploy config {settings.engine.deploy_config}" if settings.engine.deploy_config else "",
     )
-    uvicorn_server.run()
+    uvicorn_server.run(sockets=[sock])
     return server.exit_code
