@@ -2,7 +2,7 @@
 
 Times what one rank does between the two all-to-alls (joining the streams, the kernel, and
 the layout copy that feeds the reverse all-to-all) at real model shapes, bf16, one GPU.
-Modes are interleaved, each timed as a CUDA-graph replay between CUDA events, median of
+Modes are interleaved in a new random order each round, each timed as a CUDA-graph replay between CUDA events, median of
 --iters runs after warm-up. A reference row `slice_pad` shows the naive trim (slice each
 stream, dense kernel, F.pad the output back) that the library avoids.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 from dataclasses import dataclass
@@ -130,8 +131,10 @@ def bench_case(case: Case, iters: int, warmup: int, device, dtype) -> dict[tuple
             call()
     keys = list(calls)
     events = {key: [] for key in keys}
-    for i in range(iters):
-        for key in keys[i % len(keys) :] + keys[: i % len(keys)]:  # rotate: no mode always runs first
+    order = random.Random(0)
+    for _ in range(iters):
+        order.shuffle(keys)  # a new order each round: no mode always follows the same one
+        for key in keys:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             calls[key]()

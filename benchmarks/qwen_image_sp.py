@@ -4,7 +4,8 @@ Real dimensions (60 layers, 24 heads x 128, joint_attention_dim 3584; 20.4B para
 random bf16 weights built on the GPU; every variant shares the same weight tensors. At
 1024x1024 (4096 image tokens) and 1328x1328 (6889, padded at U2) it times, interleaved:
 ours U1, ours U2 in trim / none / mask, diffusers U1, diffusers Ulysses U2 and diffusers
-Ulysses-anything U2. CUDA events on rank 0, median of --iters rounds.
+Ulysses-anything U2, and our forwards replayed as CUDA graphs (what the engine runs on GPUs).
+CUDA events on rank 0, median of --iters rounds, the variants in a new random order each round.
 
     torchrun --nproc_per_node 2 benchmarks/qwen_image_sp.py     # two GPUs, real NCCL all-to-alls
     python benchmarks/qwen_image_sp.py --simulate               # one GPU: rank 0 of a simulated U2
@@ -20,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import statistics
 import sys
 import traceback
@@ -32,6 +34,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
+from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward  # noqa: E402
 from vllm_omni.diffusion.data import DiffusionParallelConfig  # noqa: E402
 from vllm_omni.diffusion.distributed.parallel_state import (  # noqa: E402
     initialize_parallel_state,
@@ -103,12 +106,17 @@ def make_inputs(side: int, device: torch.device) -> dict:
     )
 
 
-def variants(models: dict, u2_state, simulate: bool) -> dict:
-    """name -> (model, parallel state for our model or None)."""
-    out = {"ours U1": (models["ours"], None)}
-    for mode, flags in MODES.items():
-        config = DiffusionParallelConfig(ulysses_degree=2, **flags)
-        out[f"ours U2 {mode}"] = (models["ours"], dataclasses.replace(u2_state, config=config))
+def variants(models: dict, u2_state, simulate: bool, graphs: bool) -> dict:
+    """name -> (callable taking the forward's keyword arguments, parallel state for our model or None)."""
+    ours = {"": models["ours"]}
+    if graphs:
+        ours[" graph"] = CUDAGraphForward(models["ours"].forward)
+    out = {}
+    for suffix, fn in ours.items():
+        out[f"ours U1{suffix}"] = (fn, None)
+        for mode, flags in MODES.items():
+            config = DiffusionParallelConfig(ulysses_degree=2, **flags)
+            out[f"ours U2 {mode}{suffix}"] = (fn, dataclasses.replace(u2_state, config=config))
     out["diffusers U1"] = (models["diffusers"], None)
     if not simulate:
         out["diffusers U2 ulysses"] = (models["diffusers_ulysses"], None)
@@ -120,8 +128,10 @@ def time_size(name_to_variant: dict, inputs: dict, iters: int, warmup: int, rank
     timings: dict[str, list[float]] = {name: [] for name in name_to_variant}
     errors: dict[str, str] = {}
     names = list(name_to_variant)
+    order = random.Random(0)  # same shuffle on every rank
     for i in range(warmup + iters):
-        for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate the order each round
+        order.shuffle(names)  # a new order each round: no variant always follows the same one
+        for name in names:
             if name in errors:
                 continue
             model, state = name_to_variant[name]
@@ -172,9 +182,13 @@ def write_docs(rows: list[dict], path: Path, setup: str) -> None:
     lines += ["", "| ratio | " + " | ".join(SIZES) + " |", "|---|" + "---|" * len(SIZES)]
     for a, b in [
         ("ours U2 trim", "ours U1"),
+        ("ours U2 trim graph", "ours U1 graph"),
+        ("ours U2 trim graph", "ours U1"),
         ("ours U2 trim", "ours U2 none"),
+        ("ours U2 trim graph", "ours U2 none graph"),
         ("ours U2 mask", "ours U2 none"),
-        ("ours U2 trim", "diffusers U2 ulysses_anything"),
+        ("ours U2 mask graph", "ours U2 none graph"),
+        ("ours U2 trim graph", "diffusers U2 ulysses_anything"),
         ("ours U1", "diffusers U1"),
     ]:
         if a in table and b in table:
@@ -193,6 +207,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layers", type=int, default=60, help="fewer layers for a quick check")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph variants of our model")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--docs", type=Path, default=ROOT / "docs/benchmarks.md")
     args = parser.parse_args()
@@ -216,7 +231,11 @@ def main() -> None:
     rows = []
     for size, side in SIZES.items():
         result = time_size(
-            variants(models, u2_state, args.simulate), make_inputs(side, device), args.iters, args.warmup, rank
+            variants(models, u2_state, args.simulate, not args.no_graphs),
+            make_inputs(side, device),
+            args.iters,
+            args.warmup,
+            rank,
         )
         for variant, value in result.items():
             ms = value if isinstance(value, float) else None

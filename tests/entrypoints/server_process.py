@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import re
 import signal
@@ -85,6 +86,11 @@ class ServerProcess:
             time.sleep(0.1)
         raise AssertionError(f"{pattern!r} not in the server log:\n{self.log(start)[-4000:]}")
 
+    def wait_past(self, pattern: str, start: int = 0, timeout: float = HTTP_TIMEOUT_S) -> int:
+        """Like `wait_for_log`; returns the log offset just past the match."""
+        match = self.wait_for_log(pattern, start, timeout)
+        return start + len(match.string[: match.end()].encode())
+
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def first_health(self) -> httpx.Response:
@@ -155,6 +161,18 @@ class ServerProcess:
             if ppid == self.proc.pid and b"spawn_main" in cmdline:
                 pids.append(int(entry.name))
         return sorted(pids)
+
+
+def open_request(url: str, path: str, body: dict, headers: dict[str, str] | None = None) -> socket.socket:
+    """Send a JSON POST on a raw socket and leave it open: closing it is a client disconnect."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    lines.append(f"Content-Length: {len(payload)}")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
+    return sock
 
 
 def process_alive(pid: int) -> bool:

@@ -108,30 +108,46 @@ def test_json_body_on_the_edits_endpoint_is_400(server):
 
 
 # The server keeps serving after all of the above.
-def test_openai_client_edit_with_one_image_and_with_a_list_gives_the_same_image(server, client):
-    extra = {"num_inference_steps": 2, "seed": 5}
-    single = client.images.edit(
-        model=MODEL, image=("cat.png", source_png(), "image/png"), prompt=PROMPT, size="272x208", extra_body=extra
-    )
+def test_openai_client_edits_one_image_sent_as_image(server, client):
     start = server.log_size()
-    listed = client.images.edit(
-        model=MODEL, image=[("cat.png", source_png(), "image/png")], prompt=PROMPT, size="272x208", extra_body=extra
+    response = client.images.edit(
+        model=MODEL,
+        image=("cat.png", source_png(), "image/png"),
+        prompt=PROMPT,
+        size="272x208",
+        response_format="b64_json",
+        extra_body={"num_inference_steps": 2, "seed": 5},
     )
-    assert decode_image(single.data[0].b64_json).size == (272, 208)
-    assert single.model_extra["seed"] == 5 and single.size == "272x208"
-    assert listed.data[0].b64_json == single.data[0].b64_json
+    assert decode_image(response.data[0].b64_json).size == (272, 208)
+    assert response.model_extra["seed"] == 5 and response.size == "272x208"
     server.wait_for_log(r"DiffusionEngine\.step breakdown: preprocess=", start)
 
 
-def test_curl_form_from_context_md_with_size_auto(server):
-    # CONTEXT.md's curl -F form; size=auto keeps the source's 3:2 aspect ratio at about 1 MP.
+def test_openai_client_sends_a_list_as_image_brackets_and_size_auto_keeps_the_aspect(server, client):
+    # The client sends a list as `image[]` parts. size=auto: the source's 3:2 aspect ratio at about 1 MP.
+    response = client.images.edit(
+        model=MODEL,
+        image=[("cat.png", source_png(), "image/png")],
+        prompt=PROMPT,
+        size="auto",
+        extra_body={"num_inference_steps": 2, "seed": 6},
+    )
+    image = decode_image(response.data[0].b64_json)
+    assert image.size == (response.model_extra["width"], response.model_extra["height"])
+    assert image.width % 16 == 0 and image.height % 16 == 0
+    assert abs(image.width / image.height - 1.5) < 0.05
+    assert 0.8e6 < image.width * image.height < 1.2e6
+
+
+def test_curl_form_from_context_md(server):
+    # CONTEXT.md's curl -F form, with the tiny model, a smaller size and 2 steps.
     response = httpx.post(
         f"{server.url}/v1/images/edits",
         data={
             "model": MODEL,
             "prompt": PROMPT,
             "negative_prompt": "' '",
-            "size": "auto",
+            "size": "272x208",
             "num_inference_steps": "2",
             "guidance_scale": "4.0",
             "seed": "42",
@@ -142,8 +158,5 @@ def test_curl_form_from_context_md_with_size_auto(server):
     )
     assert response.status_code == 200, response.text
     body = response.json()
-    image = decode_image(body["data"][0]["b64_json"])
-    assert image.size == (body["width"], body["height"]) and body["seed"] == 42
-    assert image.width % 16 == 0 and image.height % 16 == 0
-    assert abs(image.width / image.height - 1.5) < 0.05
-    assert 0.8e6 < image.width * image.height < 1.2e6
+    assert body["seed"] == 42 and body["size"] == "272x208"
+    assert decode_image(body["data"][0]["b64_json"]).size == (272, 208)

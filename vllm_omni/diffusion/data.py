@@ -113,7 +113,7 @@ class OmniDiffusionConfig:
     device: str | None = None  # "cpu" or "cuda"; None picks CUDA when there are enough GPUs
     dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
     attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode
-    seed_offset: int = 0
+    enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():

@@ -26,6 +26,7 @@ from vllm_omni.diffusion.data import (
     EngineLimits,
     GenerationParams,
     OmniDiffusionConfig,
+    RequestCancelled,
     RequestFailed,
 )
 from vllm_omni.diffusion.executor import MultiprocExecutor
@@ -123,7 +124,8 @@ class DiffusionEngine:
         self.config = config
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
-        self._cancel_tokens: dict[str, int] = {}
+        self._cancel_tokens: dict[str, int] = {}  # running request id -> the executor's cancel token
+        self._cancelled_early: dict[str, None] = {}  # ids cancelled before they ran (insertion-ordered)
         logger.info(
             "Starting %d worker(s) for %s (%s) on %s, %s, ulysses_degree=%d, padding=%s",
             parallel.world_size,
@@ -157,11 +159,16 @@ class DiffusionEngine:
         return f"req-{uuid.uuid4().hex[:12]}"
 
     def cancel(self, request_id: str) -> None:
-        """Stop `request_id` at its next denoising step (no-op if it already finished)."""
-        token = self._cancel_tokens.get(request_id)
-        if token is not None:
-            logger.info("Cancelling request %s", request_id)
-            self.executor.cancel(token)
+        """Stop `request_id` at its next denoising step; a request not started yet will not start."""
+        with self._id_lock:
+            token = self._cancel_tokens.get(request_id)
+            if token is None:
+                self._cancelled_early[request_id] = None  # step() checks this when it registers the id
+                while len(self._cancelled_early) > 1024:
+                    self._cancelled_early.pop(next(iter(self._cancelled_early)))
+                return
+        logger.info("Cancelling request %s", request_id)
+        self.executor.cancel(token)
 
     def preprocess(self, params: GenerationParams) -> DiffusionRequest:
         """Validate user input into a request; every problem is a ValueError naming the field."""
@@ -243,7 +250,10 @@ class DiffusionEngine:
         start = time.perf_counter()
         request = self.preprocess(params)
         preprocessed = time.perf_counter()
-        self._cancel_tokens[request.request_id] = request.cancel_token
+        with self._id_lock:
+            if self._cancelled_early.pop(request.request_id, False) is None:
+                raise RequestCancelled(f"request {request.request_id} cancelled before it started")
+            self._cancel_tokens[request.request_id] = request.cancel_token
         try:
             images = self.executor.execute(request)
         finally:

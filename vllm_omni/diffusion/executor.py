@@ -143,13 +143,16 @@ class MultiprocExecutor:
             self._lock.release()
 
     def shutdown(self) -> None:
-        for q in getattr(self, "_request_queues", []):
+        """Ask idle workers to leave their loop; kill the rest (still loading, or busy)."""
+        if self._ready.is_set() and self._lock.acquire(timeout=1.0):
             try:
-                q.put(None)
-            except (OSError, ValueError):
-                pass
-        for proc in self._procs:
-            proc.join(timeout=10)
+                for q in self._request_queues:
+                    q.put(None)
+                deadline = time.monotonic() + 10
+                for proc in self._procs:
+                    proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            finally:
+                self._lock.release()
         self._kill_all()
 
     def _kill_all(self) -> None:
@@ -159,6 +162,10 @@ class MultiprocExecutor:
         for proc in self._procs:
             proc.join(timeout=10)
         self._ready.clear()
+        for q in [*getattr(self, "_request_queues", []), getattr(self, "_results", None)]:
+            if q is not None:
+                q.close()
+                q.cancel_join_thread()  # the readers are gone: do not wait to flush
 
     # ---- requests ----------------------------------------------------------------------------
 

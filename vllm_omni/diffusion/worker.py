@@ -65,7 +65,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
 
     spec = read_pipeline_spec(Path(model_path))
     dtype = getattr(torch, config.dtype)
-    runner = spec.load_runner_class()(model_path, spec, device, dtype, rank)
+    runner = spec.load_runner_class()(model_path, spec, device, dtype, rank, enforce_eager=config.enforce_eager)
     heads = runner.num_attention_heads
     if heads % parallel.ulysses_degree:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]

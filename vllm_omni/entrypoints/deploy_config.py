@@ -177,6 +177,7 @@ class EngineSettings:
     device: str | None = None
     dtype: str | None = None
     attention_backend: str | None = None
+    enforce_eager: bool = False
     limits: EngineLimits = field(default_factory=EngineLimits)
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     devices: list[int] | None = None
@@ -192,6 +193,7 @@ class EngineSettings:
         device: str | None = None,
         dtype: str | None = None,
         attention_backend: str | None = None,
+        enforce_eager: bool = False,
         limit_overrides: dict[str, Any] | None = None,
     ) -> EngineSettings:
         """YAML first, then every override that is not None (None means "the user did not give it")."""
@@ -210,6 +212,7 @@ class EngineSettings:
             device=device,
             dtype=None if dtype is None else normalize_dtype_name(dtype),
             attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
             limits=limits,
             default_sampling_params=dict(deploy.default_sampling_params) if deploy else {},
             devices=deploy.devices if deploy else None,
@@ -250,4 +253,5 @@ class EngineSettings:
             device=self.device,
             dtype=self.dtype,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
         )

@@ -32,6 +32,7 @@ class Omni:
         device: str | None = None,
         dtype: Any = None,
         attention_backend: str | None = None,
+        enforce_eager: bool = False,
         limits: EngineLimits | None = None,
     ) -> None:
         from vllm_omni.diffusion.engine import DiffusionEngine
@@ -49,6 +50,7 @@ class Omni:
             device=device,
             dtype=None if dtype is None else normalize_dtype_name(dtype),
             attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
         )
         self.engine = DiffusionEngine(config, limits)
         try:

@@ -148,11 +148,11 @@ class SequenceParallelContext:
 
         key_mask = None
         if self.padding_mode == "mask" and total_pad:
-            valid = torch.zeros(query_len, dtype=torch.bool)
+            # Built on the device (no host copy), so a CUDA graph can capture it too.
+            bias = torch.full((query_len,), float("-inf"), dtype=dtype, device=device)
             for slot in slots:
-                valid[slot.joint_offset : slot.joint_offset + slot.shard.original_seq_len] = True
-            bias = torch.zeros(query_len, dtype=dtype).masked_fill_(~valid, float("-inf"))
-            key_mask = bias.view(1, 1, 1, query_len).to(device)
+                bias[slot.joint_offset : slot.joint_offset + slot.shard.original_seq_len] = 0
+            key_mask = bias.view(1, 1, 1, query_len)
         elif self.padding_mode == "none" and total_pad:
             true_len = sum(slot.shard.original_seq_len for slot in slots)
             logger.warning_once(

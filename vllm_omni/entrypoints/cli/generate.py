@@ -101,6 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         device=settings.device,
         dtype=settings.dtype,
         attention_backend=settings.attention_backend,
+        enforce_eager=settings.enforce_eager,
         limits=settings.limits,
     ) as omni:
         print(f"Engine ready in {time.perf_counter() - start:.1f} s", flush=True)

@@ -108,6 +108,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "masked, else sdpa; env VLLM_OMNI_ATTENTION_BACKEND)",
     )
 
+    eng.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the transformer eagerly: no CUDA graphs (CUDA only; CPU always runs eagerly)",
+    )
+
     lim = parser.add_argument_group("limits (requests beyond them are refused with 400 naming the field)")
     for flag, (name, text) in LIMIT_FLAGS.items():
         lim.add_argument(
@@ -165,6 +171,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> Any:
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         limit_overrides=limit_overrides,
     )
 

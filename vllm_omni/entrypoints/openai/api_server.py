@@ -52,7 +52,6 @@ from vllm_omni.logger import init_logger
 logger = init_logger(__name__)
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks whether its client is still there
-RECANCEL_S = 2.0  # re-send a cancel this often: the first may land before the engine knows the id
 CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it, but the access log does
 EDIT_IMAGE_KEYS = ("image", "image[]")  # plus image[0], image[1], ...: the openai client's list forms
 
@@ -133,6 +132,7 @@ class ImageServer:
         self._running: _Job | None = None
         self._tasks: list[asyncio.Task] = []
         self._shutting_down = False
+        self._loaded = False  # the first load finished; later respawns do not reset it
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -158,6 +158,7 @@ class ImageServer:
             self._fail(1)
             return
         if self.engine is not None and not self._shutting_down:
+            self._loaded = True
             logger.info("Engine ready in %.1f s: serving %s", time.perf_counter() - started, self._names())
 
     def _create_engine_and_wait(self) -> None:
@@ -207,6 +208,7 @@ class ImageServer:
             if not job.future.done():
                 job.future.set_exception(_ShuttingDown())
         if self._running is not None and self.engine is not None:
+            self._running.cancelled = True
             self.engine.cancel(self._running.request_id)
 
     async def stop(self) -> None:
@@ -265,10 +267,11 @@ class ImageServer:
         if self._shutting_down:
             raise ApiError(503, "the server is shutting down")
         engine = self.engine
-        if engine is None or not engine.is_ready:
-            if engine is not None and engine.executor.failed:
-                raise ApiError(503, f"the workers are down: {engine.executor.failed}")
+        if engine is not None and engine.executor.failed:
+            raise ApiError(503, f"the workers are down: {engine.executor.failed}")
+        if engine is None or not self._loaded:
             raise ApiError(503, "the model is still loading; poll GET /health until it answers 200")
+        # While a dead worker's group is respawned, requests still queue: the engine waits for it.
         return engine
 
     # ---- requests -----------------------------------------------------------------------------
@@ -331,6 +334,9 @@ class ImageServer:
             if param in ("height", "width") and body.size is not None:
                 message, param = f"size {body.size!r}: {message}", "size"
             raise ApiError(400, message, param=param) from None
+        except Exception as exc:
+            logger.exception("Request %s: validation failed unexpectedly", request_id)
+            raise ApiError(500, f"could not validate the request: {type(exc).__name__}: {exc}") from None
         # Run exactly what was checked: the drawn seed, the rounded size, the decoded images.
         params = GenerationParams(
             prompt=checked.prompt,
@@ -416,25 +422,26 @@ class ImageServer:
         return job
 
     async def _wait(self, http: Request, job: _Job, engine: Any) -> Any:
-        recancel_at = None
+        """The job's result; cancels it when the client goes away or the server shuts down."""
+        cancelled = False
         while True:
             done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
             if done:
                 return job.future.result()
-            if recancel_at is None:
-                if not await http.is_disconnected():
-                    continue
-                job.cancelled = True
-                if job in self._waiting:
-                    self._waiting.remove(job)
-                    logger.info("Request %s dropped from the queue: client disconnected", job.request_id)
-                    raise _ClientGone()
-                logger.info("Request %s: client disconnected, cancelling at the next step", job.request_id)
-                engine.cancel(job.request_id)
-                recancel_at = time.monotonic() + RECANCEL_S
-            elif time.monotonic() >= recancel_at:
-                engine.cancel(job.request_id)
-                recancel_at = time.monotonic() + RECANCEL_S
+            if cancelled:
+                continue
+            gone = await http.is_disconnected()
+            if not gone and not self._shutting_down:
+                continue
+            job.cancelled = True  # not started yet: the consumer skips it
+            if job in self._waiting:
+                self._waiting.remove(job)
+                logger.info("Request %s dropped from the queue: client disconnected", job.request_id)
+                raise _ClientGone()
+            reason = "client disconnected" if gone else "shutting down"
+            logger.info("Request %s: %s, cancelling at the next step", job.request_id, reason)
+            engine.cancel(job.request_id)
+            cancelled = True
 
     async def _consume(self) -> None:
         """The single consumer: FIFO, one request at a time."""

@@ -13,6 +13,7 @@ import diffusers
 import numpy as np
 import torch
 
+from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward
 from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
 from vllm_omni.diffusion.models.registry import PipelineSpec
@@ -21,9 +22,19 @@ StepCallback = Callable[[int], None]
 
 
 class QwenImageRunner:
-    def __init__(self, path: Path, spec: PipelineSpec, device: torch.device, dtype: torch.dtype, rank: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        spec: PipelineSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int,
+        enforce_eager: bool = False,
+    ) -> None:
         self.spec = spec
         transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", dtype=dtype)
+        if device.type == "cuda" and not enforce_eager:
+            transformer.forward = CUDAGraphForward(transformer.forward)
         pipeline_class = getattr(diffusers, spec.diffusers_class)
         self.pipe = pipeline_class.from_pretrained(path, transformer=transformer, dtype=dtype).to(device)
         self.pipe.set_progress_bar_config(disable=rank != 0, desc="denoising")

@@ -171,11 +171,10 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
             # Edit-2511: the first image (the one being generated) uses the timestep, the
             # reference images timestep 0; the index picks per token and travels with the image stream.
             timestep = torch.cat([timestep, timestep * 0], dim=0)
-            modulate_index = torch.tensor(
-                [[0] * prod(sample[0]) + [1] * sum(prod(s) for s in sample[1:]) for sample in img_shapes],
-                device=timestep.device,
-                dtype=torch.int,
-            )
+            # Built on the device (no host copy, so CUDA graphs can capture it): 0 for the
+            # generated image's tokens, 1 for the reference images' tokens.
+            positions = torch.arange(img_freqs.shape[0], device=timestep.device)
+            modulate_index = torch.stack([(positions >= prod(sample[0])).int() for sample in img_shapes])
             modulate_index = shard_with_auto_pad(modulate_index, 1, IMAGE)
 
         if guidance is not None:

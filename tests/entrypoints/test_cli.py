@@ -1,0 +1,166 @@
+"""The command line: fast `--help` documenting every flag, the `--omni` hand-off's argv, the one-shot
+`generate`, and servers that must refuse to start (bad deploy YAML, unknown model, lost workers)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from PIL import Image
+from server_process import REPO, ServerProcess, omni_command, process_alive, server_env, start_server
+
+MODEL = "tiny/qwen-image"
+
+
+def run(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=server_env(**env), cwd=REPO)
+
+
+def test_help_documents_every_flag_and_imports_neither_torch_nor_fastapi():
+    script = textwrap.dedent(
+        """
+        import contextlib, io, sys
+        from vllm_omni.entrypoints.cli.main import main
+        for command in ("serve", "generate"):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+                main([command, "--help"])
+            print(out.getvalue())
+        print("HEAVY:", sorted(m for m in ("torch", "fastapi", "uvicorn", "diffusers", "vllm") if m in sys.modules))
+        """
+    )
+    result = run([sys.executable, "-c", script])
+    assert result.returncode == 0, result.stderr
+    assert "HEAVY: []" in result.stdout
+    help_text = result.stdout
+    for flag in (
+        "--host",
+        "--port",
+        "--ulysses-degree",
+        "--ring-degree",
+        "--cfg-parallel-size",
+        "--mask-sp-padding",
+        "--no-trim-sp-padding",
+        "--attention-backend",
+        "--dtype",
+        "--device",
+        "--deploy-config",
+        "--api-key",
+        "--max-queue",
+        "--max-image-size",
+        "--max-steps",
+        "--max-n",
+        "--max-input-images",
+        "--max-upload-bytes",
+        "--max-input-pixels",
+        "--served-model-name",
+        "--enforce-eager",
+    ):
+        assert flag in help_text, flag
+    for flag in ("--prompt", "--image", "--negative-prompt", "--size", "--steps", "--seed", "--output"):
+        assert flag in help_text, flag
+
+
+def test_argv_as_vllm_hands_it_over_is_accepted():
+    # vLLM calls main() with sys.argv untouched: ['vllm', 'serve', MODEL, '--omni', ...].
+    script = "import sys\nfrom vllm_omni.entrypoints.cli.main import main\n"
+    script += f"sys.argv = ['vllm', 'serve', {MODEL!r}, '--omni', '--ulysses-degree', '2', '--help']\nmain()\n"
+    result = run([sys.executable, "-c", script])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: vllm serve")
+
+
+def test_generate_writes_the_images_and_prints_the_step_breakdown(tmp_path):
+    output = tmp_path / "out" / "cat.png"
+    result = run(
+        omni_command(
+            "generate",
+            MODEL,
+            "--prompt",
+            "a cat holding a sign that says hello world",
+            "--size",
+            "272x208",
+            "--steps",
+            "2",
+            "--seed",
+            "3",
+            "--n",
+            "2",
+            "--ulysses-degree",
+            "2",
+            "--mask-sp-padding",
+            "--output",
+            str(output),
+        ),
+        VLLM_LOGGING_LEVEL="DEBUG",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "DiffusionEngine.step breakdown: preprocess=" in result.stdout
+    assert "Auto-padded sequence from 221 to 222 (pad_size=1, world_size=2, dim=1)" in result.stderr
+    assert "padding=mask" in result.stderr
+    for path in (output, output.with_name("cat-1.png")):
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.size == (272, 208)
+        assert f"Wrote {path} (272x208, seed 3)" in result.stdout
+
+
+def test_generate_with_bad_input_says_which_field(tmp_path):
+    result = run(omni_command("generate", MODEL, "--prompt", "x", "--size", "abc", "--output", str(tmp_path / "x.png")))
+    assert result.returncode == 2 and "size must be 'WIDTHxHEIGHT'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "yaml_text,key",
+    [
+        ("stages:\n  - stage_id: 0\n    parallel_config: {ulysses_degre: 2}\n", "ulysses_degre"),
+        ("stages:\n  - stage_id: 0\n    default_sampling_params: {steps: 2}\n", "steps"),
+        ("stages:\n  - stage_id: 0\nmodel: x\n", "model"),
+    ],
+)
+def test_serve_with_an_unknown_yaml_key_fails_at_start_naming_it(tmp_path, yaml_text, key):
+    (tmp_path / "bad.yaml").write_text(yaml_text)
+    result = run(omni_command("serve", MODEL, "--deploy-config", str(tmp_path / "bad.yaml"), "--port", "1"))
+    assert result.returncode == 2
+    assert "unknown" in result.stderr and f"'{key}'" in result.stderr
+
+
+def test_serve_of_an_unknown_model_exits_nonzero_naming_it(tmp_path):
+    server = ServerProcess(omni_command("serve", "no-such-org/no-such-model"), tmp_path / "server.log")
+    try:
+        assert server.wait_exit() == 1
+        assert "no-such-org/no-such-model" in server.log() and "not found" in server.log()
+    finally:
+        server.close()
+
+
+def test_server_exits_nonzero_when_its_workers_cannot_be_brought_back(tmp_path):
+    from vllm_omni.diffusion.loader import resolve_model_path
+
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model_path(MODEL), model)
+    server = start_server([str(model), "--ulysses-degree", "2"], tmp_path / "server.log")
+    try:
+        shutil.rmtree(model / "transformer")  # a respawned worker can no longer load the model
+        os.kill(server.worker_pids()[0], signal.SIGKILL)
+        assert server.wait_exit() == 1
+        assert "cannot be brought back" in server.log()
+    finally:
+        server.close()
+
+
+def test_sigterm_while_the_workers_load_exits_0_and_leaves_no_workers(tmp_path):
+    server = ServerProcess(omni_command("serve", MODEL, "--ulysses-degree", "2"), tmp_path / "server.log")
+    try:
+        assert server.first_health().status_code == 503
+        workers = []
+        while len(workers) < 2 and server.proc.poll() is None:
+            workers = server.worker_pids()
+        assert server.terminate() == 0
+        assert not any(process_alive(pid) for pid in workers)
+    finally:
+        server.close()

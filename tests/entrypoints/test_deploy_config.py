@@ -1,0 +1,122 @@
+"""Deploy YAML loading and the merge of YAML and flags (no processes started)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_omni.entrypoints.cli.main import build_parser
+from vllm_omni.entrypoints.cli.serve import engine_settings_from_args
+from vllm_omni.entrypoints.deploy_config import (
+    DeployConfigError,
+    EngineSettings,
+    apply_sampling_defaults,
+    load_deploy_config,
+)
+
+GOOD = """\
+stages:
+  - stage_id: 0
+    devices: "0,1"
+    parallel_config: {ulysses_degree: 2, mask_sp_padding: true}
+    default_sampling_params: {num_inference_steps: 8, true_cfg_scale: 2.5}
+"""
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "deploy.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "qwen_image_edit"])
+def test_packaged_deploys_load_by_name(name):
+    deploy = load_deploy_config(name)
+    assert deploy.path.name == f"{name}.yaml"
+    assert deploy.parallel_config["ulysses_degree"] == 8 and deploy.devices == list(range(8))
+    assert deploy.default_sampling_params["num_inference_steps"] == 50
+
+
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        (GOOD + "extra: 1\n", "'extra'"),
+        (GOOD.replace("stage_id: 0", "stage_id: 0\n    engine: x"), "'engine'"),
+        (GOOD.replace("ulysses_degree: 2", "ulysses_degre: 2"), "'ulysses_degre'"),
+        (GOOD.replace("num_inference_steps: 8", "num_steps: 8"), "'num_steps'"),
+    ],
+    ids=["top-level", "stage", "parallel_config", "default_sampling_params"],
+)
+def test_unknown_key_anywhere_is_an_error_naming_it(tmp_path, text, key):
+    with pytest.raises(DeployConfigError, match=f"unknown .*{key}"):
+        load_deploy_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("stages: []\n", "non-empty list"),
+        (GOOD + GOOD.replace("stages:\n", ""), "single-stage"),
+        (GOOD.replace('"0,1"', '"zero"'), "devices"),
+        (GOOD.replace("num_inference_steps: 8", "num_inference_steps: 0"), "num_inference_steps must be >= 1"),
+        (GOOD.replace("true_cfg_scale: 2.5", "true_cfg_scale: high"), "true_cfg_scale must be a number"),
+        (GOOD.replace("ulysses_degree: 2", "ulysses_degree: 0"), "ulysses_degree must be a positive integer"),
+        (GOOD.replace("mask_sp_padding: true", "mask_sp_padding: 3"), "mask_sp_padding must be a boolean"),
+        ("stages: [\n", "cannot read it as YAML"),
+    ],
+)
+def test_bad_values_are_errors_naming_the_key(tmp_path, text, words):
+    with pytest.raises(DeployConfigError, match=words):
+        load_deploy_config(write(tmp_path, text))
+
+
+def test_missing_file_is_an_error_listing_the_packaged_ones():
+    with pytest.raises(DeployConfigError, match="qwen_image, qwen_image_edit"):
+        load_deploy_config("/nonexistent/deploy.yaml")
+
+
+def settings(tmp_path, *flags: str) -> EngineSettings:
+    args = build_parser().parse_args(
+        ["serve", "tiny/qwen-image", "--deploy-config", str(write(tmp_path, GOOD)), *flags]
+    )
+    return engine_settings_from_args(args)
+
+
+def test_yaml_applies_where_no_flag_is_given(tmp_path):
+    resolved = settings(tmp_path)
+    assert resolved.parallel_config.ulysses_degree == 2 and resolved.parallel_config.mask_sp_padding is True
+    assert resolved.default_sampling_params == {"num_inference_steps": 8, "true_cfg_scale": 2.5}
+    assert resolved.devices == [0, 1]
+
+
+def test_given_flags_override_the_yaml(tmp_path):
+    resolved = settings(tmp_path, "--ulysses-degree", "3", "--no-mask-sp-padding", "--no-trim-sp-padding")
+    parallel = resolved.parallel_config
+    assert (parallel.ulysses_degree, parallel.sequence_parallel_size) == (3, 3)
+    assert parallel.mask_sp_padding is False and parallel.trim_sp_padding is False
+    assert parallel.padding_mode == "none"
+
+
+def test_limit_flags_set_engine_limits(tmp_path):
+    resolved = settings(tmp_path, "--max-steps", "12", "--max-queue", "3", "--max-upload-bytes", "1000")
+    assert (resolved.limits.max_steps, resolved.limits.max_queue, resolved.limits.max_upload_bytes) == (12, 3, 1000)
+    assert resolved.limits.max_n == 4  # untouched default
+
+
+def test_sampling_defaults_fill_only_what_the_request_left_out():
+    defaults = {"num_inference_steps": 8, "true_cfg_scale": 2.5, "negative_prompt": None}
+    merged = apply_sampling_defaults({"num_inference_steps": 2, "negative_prompt": " ", "seed": None}, defaults)
+    assert merged["num_inference_steps"] == 2 and merged["true_cfg_scale"] == 2.5
+    # True CFG needs a negative prompt: without one the default scale is not forced on.
+    assert apply_sampling_defaults({"negative_prompt": None}, defaults)["true_cfg_scale"] is None
+
+
+def test_devices_count_within_an_existing_cuda_visible_devices(tmp_path, monkeypatch):
+    resolved = settings(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    resolved.apply_devices()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5"
+    too_few = settings(tmp_path, "--ulysses-degree", "3")
+    with pytest.raises(ValueError, match="needs 3"):
+        too_few.apply_devices()

@@ -1,0 +1,116 @@
+"""Server options end to end: deploy YAML with flags over it, bearer auth, and the queue limit.
+
+One server for the module: the YAML asks for Ulysses 3 with masked padding and 3 default
+steps; `--ulysses-degree 2` overrides the degree only. `--api-key` turns auth on and
+`--max-queue 1` lets one request wait behind the running one. `--served-model-name` gives the
+tiny model the real one's name.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_process import HTTP_TIMEOUT_S, decode_image, open_request, start_server
+
+MODEL = "tiny/qwen-image"
+SERVED = "Qwen/Qwen-Image"  # what clients of the real model send (CONTEXT.md's curl)
+KEY = "sk-test-omni"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG_STEPS = 4000
+DEPLOY_YAML = """\
+stages:
+  - stage_id: 0
+    devices: "0,1,2"
+    parallel_config:
+      ulysses_degree: 3
+      mask_sp_padding: true
+    default_sampling_params:
+      num_inference_steps: 3
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve-options")
+    (folder / "deploy.yaml").write_text(DEPLOY_YAML)
+    args = [MODEL, "--deploy-config", str(folder / "deploy.yaml"), "--ulysses-degree", "2"]
+    args += ["--api-key", KEY, "--max-queue", "1", "--max-steps", str(LONG_STEPS), "--served-model-name", SERVED]
+    srv = start_server(args, folder / "server.log")
+    yield srv
+    srv.close()
+
+
+def post(server, headers=AUTH, **fields) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "a red cube", "size": "80x48", "seed": 0}
+    body.update(fields)
+    return httpx.post(f"{server.url}/v1/images/generations", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
+
+
+def test_flags_override_the_yaml_and_only_the_flags_given(server):
+    card = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]
+    assert card["parallel_config"]["ulysses_degree"] == 2  # the flag
+    assert card["parallel_config"]["sequence_parallel_size"] == 2
+    assert card["parallel_config"]["mask_sp_padding"] is True  # the YAML; no flag given
+    assert card["parallel_config"]["trim_sp_padding"] is True  # the default
+    assert card["default_sampling_params"] == {"num_inference_steps": 3}
+    assert "Starting 2 worker(s) for tiny/qwen-image" in server.log()
+    assert "ulysses_degree=2, padding=mask" in server.log()
+
+
+def test_served_model_name_is_listed_and_both_names_are_accepted(server):
+    models = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]
+    assert [(m["id"], m["root"]) for m in models] == [(SERVED, MODEL)]
+    assert post(server, model=SERVED).status_code == 200
+    assert post(server, model=MODEL).status_code == 200
+    response = post(server, model="Qwen/Qwen-Image-Edit")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+def test_yaml_default_steps_apply_when_the_request_gives_none(server):
+    start = server.log_size()
+    response = post(server)
+    assert response.status_code == 200, response.text
+    assert decode_image(response.json()["data"][0]["b64_json"]).size == (80, 48)
+    server.wait_for_log(r"Request img-\w+ done: size=80x48, steps=3,", start)
+    assert post(server, num_inference_steps=2).status_code == 200
+    server.wait_for_log(r"Request img-\w+ done: size=80x48, steps=2,", start)
+
+
+def test_v1_needs_the_api_key_and_health_does_not(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    response = post(server, headers={})
+    assert response.status_code == 401 and "API key" in response.json()["error"]["message"]
+
+
+def test_openai_client_with_the_key_works_and_without_it_is_refused(server):
+    good = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=HTTP_TIMEOUT_S)
+    response = good.images.generate(model=MODEL, prompt="a red cube", size="80x48", extra_body={"seed": 1})
+    assert decode_image(response.data[0].b64_json).size == (80, 48)
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.images.generate(model=MODEL, prompt="a red cube", size="80x48")
+
+
+def test_full_queue_is_429_and_a_waiting_request_whose_client_left_is_dropped(server):
+    start = server.log_size()
+    body = {"prompt": "a red cube", "size": "80x48", "num_inference_steps": LONG_STEPS}
+    running = open_request(server.url, "/v1/images/generations", body, AUTH)
+    first = server.wait_for_log(rf"Request (img-\w+) queued: size=80x48, steps={LONG_STEPS}", start).group(1)
+    server.wait_for_log(rf"Request {first} running", start)
+    waiting = open_request(server.url, "/v1/images/generations", body, AUTH)
+    second = server.wait_for_log(rf"Request ((?!{first})img-\w+) queued: size=80x48, steps={LONG_STEPS}", start).group(
+        1
+    )
+
+    refused = post(server)
+    assert refused.status_code == 429 and "queue is full" in refused.json()["error"]["message"]
+
+    waiting.close()
+    server.wait_for_log(rf"Request {second} dropped from the queue: client disconnected", start)
+    running.close()
+    server.wait_for_log(rf"request {first} cancelled at step \d+", start)
+    assert post(server).status_code == 200
+    assert f"Request {second} running" not in server.log(start)
