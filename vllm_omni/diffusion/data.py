@@ -182,6 +182,8 @@ class DiffusionRequest:
     num_images: int = 1
     seed: int = 0
     cancel_token: int = 0  # the executor's number for this request; cancelling flags it
+    output_type: Literal["pil", "np"] = "pil"
+    preprocess_ms: float = 0.0  # time validation took (the server validates before queueing)
 
 
 @dataclass

@@ -172,6 +172,7 @@ class DiffusionEngine:
 
     def preprocess(self, params: GenerationParams) -> DiffusionRequest:
         """Validate user input into a request; every problem is a ValueError naming the field."""
+        start = time.perf_counter()
         limits, spec = self.limits, self.spec
         if not isinstance(params.prompt, str) or not params.prompt.strip():
             raise ValueError("prompt must be a non-empty string")
@@ -217,7 +218,7 @@ class DiffusionEngine:
         with self._id_lock:
             token = next(self._ids)
         request_id = params.request_id or self.new_request_id()
-        return DiffusionRequest(
+        request = DiffusionRequest(
             request_id=request_id,
             prompt=params.prompt,
             negative_prompt=params.negative_prompt,
@@ -230,7 +231,10 @@ class DiffusionEngine:
             num_images=n,
             seed=seed,
             cancel_token=token,
+            output_type=params.output_type,
         )
+        request.preprocess_ms = (time.perf_counter() - start) * 1e3
+        return request
 
     def _check_size(self, name: str, value: Any) -> int | None:
         if value is None:
@@ -245,10 +249,12 @@ class DiffusionEngine:
             value = rounded
         return value
 
-    def step(self, params: GenerationParams) -> DiffusionOutput:
-        """Run one request end to end and log the time of each phase."""
-        start = time.perf_counter()
-        request = self.preprocess(params)
+    def step(self, params: GenerationParams | DiffusionRequest) -> DiffusionOutput:
+        """Run one request end to end and log the time of each phase.
+
+        A `DiffusionRequest` from `preprocess` (the server validates before queueing) is run as is.
+        """
+        request = params if isinstance(params, DiffusionRequest) else self.preprocess(params)
         preprocessed = time.perf_counter()
         with self._id_lock:
             if self._cancelled_early.pop(request.request_id, False) is None:
@@ -259,13 +265,13 @@ class DiffusionEngine:
         finally:
             self._cancel_tokens.pop(request.request_id, None)
         waited = time.perf_counter()
-        output = self.postprocess(request, images, params.output_type)
+        output = self.postprocess(request, images, request.output_type)
         done = time.perf_counter()
         timings = {
-            "preprocess": (preprocessed - start) * 1e3,
+            "preprocess": request.preprocess_ms,
             "add_req_and_wait": (waited - preprocessed) * 1e3,
             "postprocess": (done - waited) * 1e3,
-            "total": (done - start) * 1e3,
+            "total": request.preprocess_ms + (done - preprocessed) * 1e3,
         }
         logger.info(
             "DiffusionEngine.step breakdown: preprocess=%.2f ms, add_req_and_wait=%.2f ms, "

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from vllm_omni.diffusion.data import GenerationParams, RequestCancelled, RequestFailed
+from vllm_omni.diffusion.data import DiffusionRequest, GenerationParams, RequestCancelled, RequestFailed
 from vllm_omni.entrypoints.deploy_config import EngineSettings, apply_sampling_defaults
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -98,7 +98,7 @@ class _ShuttingDown(Exception):
 @dataclass
 class _Job:
     request_id: str
-    params: GenerationParams
+    request: DiffusionRequest  # validated by engine.preprocess
     future: asyncio.Future
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
@@ -337,21 +337,8 @@ class ImageServer:
         except Exception as exc:
             logger.exception("Request %s: validation failed unexpectedly", request_id)
             raise ApiError(500, f"could not validate the request: {type(exc).__name__}: {exc}") from None
-        # Run exactly what was checked: the drawn seed, the rounded size, the decoded images.
-        params = GenerationParams(
-            prompt=checked.prompt,
-            negative_prompt=checked.negative_prompt,
-            image=checked.images,
-            height=checked.height,
-            width=checked.width,
-            num_inference_steps=checked.num_inference_steps,
-            guidance_scale=checked.guidance_scale,
-            true_cfg_scale=checked.true_cfg_scale,
-            n=checked.num_images,
-            seed=checked.seed,
-            request_id=request_id,
-        )
-        job = self._enqueue(params)
+        # The engine runs exactly what was checked: the drawn seed, the rounded size, the decoded images.
+        job = self._enqueue(checked)
         size = f"{checked.width}x{checked.height}" if checked.width else "auto"
         logger.info(
             "Request %s queued: size=%s, steps=%d, seed=%d, n=%d (position %d)",
@@ -409,14 +396,14 @@ class ImageServer:
         )
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": request_id})
 
-    def _enqueue(self, params: GenerationParams) -> _Job:
+    def _enqueue(self, request: DiffusionRequest) -> _Job:
         if len(self._waiting) >= self.limits.max_queue:
             raise ApiError(
                 429,
                 f"the queue is full ({self.limits.max_queue} request(s) waiting behind the running one); retry later",
                 code="queue_full",
             )
-        job = _Job(params.request_id, params, asyncio.get_running_loop().create_future())
+        job = _Job(request.request_id, request, asyncio.get_running_loop().create_future())
         self._waiting.append(job)
         self._wakeup.set()
         return job
@@ -472,7 +459,7 @@ class ImageServer:
     def _step(self, job: _Job) -> Any:
         if job.cancelled:
             raise RequestCancelled(f"request {job.request_id} cancelled before it started")
-        return self.engine.step(job.params)
+        return self.engine.step(job.request)
 
 
 def _encode_b64(images: list[Any], fmt: str, compression: int | None) -> list[str]:
