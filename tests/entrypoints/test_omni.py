@@ -175,6 +175,13 @@ def test_failure_inside_workers_raises_and_engine_stays_usable(engines):
     assert omni.generate(PROMPT, height=32, width=32, num_inference_steps=2, seed=0)[0].size == (32, 32)
 
 
+def _wait_until_running(omni: Omni, request_id: str | None = None) -> None:
+    deadline = time.monotonic() + 60
+    while not (omni.engine._cancel_tokens if request_id is None else request_id in omni.engine._cancel_tokens):
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
+
+
 def test_cancel_stops_a_running_request_at_the_next_step(engines):
     omni = engines("tiny/qwen-image", 2)
     outcome: dict = {}
@@ -182,16 +189,15 @@ def test_cancel_stops_a_running_request_at_the_next_step(engines):
     def run():
         try:
             omni.engine.step(
-                GenerationParams(
-                    PROMPT, height=HEIGHT, width=WIDTH, num_inference_steps=200, seed=0, request_id="to-cancel"
-                )
+                GenerationParams(PROMPT, height=512, width=512, num_inference_steps=200, seed=0, request_id="to-cancel")
             )
         except Exception as exc:  # noqa: BLE001
             outcome["error"] = exc
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(2.0)
+    _wait_until_running(omni, "to-cancel")
+    time.sleep(0.5)  # a few steps in
     omni.engine.cancel("to-cancel")
     thread.join(timeout=60)
     assert not thread.is_alive()
@@ -208,10 +214,16 @@ def test_dead_worker_is_respawned_idle_and_mid_request():
         assert omni.generate(PROMPT, height=32, width=32, num_inference_steps=2, seed=0)
         assert executor.restarts == 1 and omni.engine.is_healthy()
 
-        killer = threading.Timer(2.0, lambda: executor._procs[1].kill())
+        def kill_rank_1_once_running():
+            _wait_until_running(omni)
+            time.sleep(0.5)
+            executor._procs[1].kill()
+
+        killer = threading.Thread(target=kill_rank_1_once_running)
         killer.start()
         with pytest.raises(RequestFailed, match="worker died"):
-            omni.generate(PROMPT, height=HEIGHT, width=WIDTH, num_inference_steps=200, seed=0)
+            omni.generate(PROMPT, height=512, width=512, num_inference_steps=200, seed=0)
+        killer.join()
         assert executor.restarts == 2
         assert omni.generate(PROMPT, height=32, width=32, num_inference_steps=2, seed=0)
 
