@@ -17,10 +17,10 @@ import json
 import os
 import pathlib
 import re
-import shutil
-import tempfile
 
 import torch
+
+from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 
 TINY_MODELS: dict[str, str] = {
     "tiny/qwen-image": "QwenImagePipeline",
@@ -358,35 +358,8 @@ def build_tiny_model(name: str, folder: str | os.PathLike) -> None:
     pipe.save_pretrained(folder, safe_serialization=True)
 
 
-def _cache_root(cache_dir: str | None) -> pathlib.Path:
-    if cache_dir is None:
-        cache_dir = os.environ.get("VLLM_OMNI_CACHE") or os.path.join("~", ".cache", "vllm_omni")
-    return pathlib.Path(cache_dir).expanduser()
-
-
 def tiny_model_path(name: str, cache_dir: str | None = None) -> pathlib.Path:
-    """Return the cached folder of tiny model ``name``, building it on first use.
-
-    Concurrent callers may both build; each builds into its own temporary folder next to the
-    target and renames it into place, and the loser of the rename discards its copy.
-    """
+    """Return the cached folder of tiny model ``name``, building it on first use."""
     if name not in TINY_MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(sorted(TINY_MODELS))}")
-    target = _cache_root(cache_dir) / "tiny" / f"{name.split('/', 1)[1]}-{_CACHE_VERSION}"
-    if (target / "model_index.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        build_tiny_model(name, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache folder should read like any other
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            # Another process finished first (the target is now a non-empty folder).
-            if not (target / "model_index.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return cached_tiny_model(name, _CACHE_VERSION, build_tiny_model, cache_dir)
