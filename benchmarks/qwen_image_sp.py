@@ -106,11 +106,25 @@ def make_inputs(side: int, device: torch.device) -> dict:
     )
 
 
+def with_cuda_graphs(model):
+    """`model`'s forward with its sharded part replayed as CUDA graphs, as the engine's runner does it."""
+    graphed = CUDAGraphForward(model.forward_sharded)
+
+    def forward(**kwargs):
+        model.forward_sharded = graphed
+        try:
+            return model(**kwargs)
+        finally:
+            del model.forward_sharded
+
+    return forward
+
+
 def variants(models: dict, u2_state, simulate: bool, graphs: bool) -> dict:
     """name -> (callable taking the forward's keyword arguments, parallel state for our model or None)."""
     ours = {"": models["ours"]}
     if graphs:
-        ours[" graph"] = CUDAGraphForward(models["ours"].forward)
+        ours[" graph"] = with_cuda_graphs(models["ours"])
     out = {}
     for suffix, fn in ours.items():
         out[f"ours U1{suffix}"] = (fn, None)

@@ -6,13 +6,17 @@ H200: Qwen-Image U2 at 1328x1328 took 188 ms eagerly, about what the host needs 
 A denoising loop calls the transformer with the same shapes at every step, so the runner
 captures the forward once per shape (the all-to-alls included) and replays it.
 
-The wrapped forward must not synchronise with the host or copy from host memory; calls it
-cannot replay (a text mask, ControlNet residuals, CPU tensors) run eagerly.
+The runner wraps each transformer's `forward_sharded` (the per-step work on a rank's shards,
+keyword arguments only, one tensor out); the model's `forward` does the host-side preparation
+(text-mask compaction, say) before it. The wrapped function must not synchronise with the
+host or copy from host memory; calls it cannot replay (CPU tensors, tensors inside lists such
+as ControlNet residuals) run eagerly.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -22,28 +26,53 @@ from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
-_TENSOR_INPUTS = ("hidden_states", "encoder_hidden_states", "timestep", "guidance", "additional_t_cond")
-
 
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict[str, torch.Tensor], output: torch.Tensor):
         self.graph, self.inputs, self.output = graph, inputs, output
 
 
-class CUDAGraphForward:
-    """Drop-in for `model.forward` (diffusers calling convention: keyword arguments, tuple output)."""
+class _NotReplayable(Exception):
+    pass
 
-    def __init__(self, forward, max_graphs: int = 8) -> None:
+
+def _static_value(value: Any) -> Hashable:
+    """A hashable stand-in for a non-tensor argument; the graph is only valid for this exact value.
+
+    Tensors inside containers (ControlNet residual lists, say) and arbitrary objects cannot be
+    copied into a captured graph, so calls carrying them run eagerly.
+    """
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_static_value(v) for v in value))
+    if isinstance(value, dict) and not value:
+        return "{}"
+    raise _NotReplayable(type(value).__name__)
+
+
+class CUDAGraphForward:
+    """Drop-in for a function called with keyword arguments that returns one tensor.
+
+    Every tensor argument, whatever its name, becomes a static input of the graph, copied in
+    before each replay; every other argument is part of the graph's key. A call the graph
+    cannot replay (a CPU tensor, tensors inside a container, an object) runs eagerly.
+    """
+
+    def __init__(self, forward: Callable[..., torch.Tensor], max_graphs: int = 8) -> None:
         self.forward = forward
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.pool = None
         self.disabled = False
 
-    def __call__(self, **kwargs: Any):
-        if self.disabled or not self._replayable(kwargs):
+    def __call__(self, **kwargs: Any) -> torch.Tensor:
+        if self.disabled:
             return self.forward(**kwargs)
-        key = self._key(kwargs)
+        try:
+            key = self._key(kwargs)
+        except _NotReplayable:
+            return self.forward(**kwargs)
         entry = self.graphs.get(key)
         if entry is None:
             try:
@@ -62,38 +91,29 @@ class CUDAGraphForward:
         for name, static in entry.inputs.items():
             static.copy_(kwargs[name])
         entry.graph.replay()
-        output = entry.output.clone()
-        if kwargs.get("return_dict", True):
-            from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-            return Transformer2DModelOutput(sample=output)
-        return (output,)
-
-    @staticmethod
-    def _replayable(kwargs: dict[str, Any]) -> bool:
-        hidden = kwargs.get("hidden_states")
-        return (
-            isinstance(hidden, torch.Tensor)
-            and hidden.is_cuda
-            and kwargs.get("encoder_hidden_states_mask") is None
-            and kwargs.get("controlnet_block_samples") is None
-            and not kwargs.get("attention_kwargs")
-        )
+        return entry.output.clone()
 
     @staticmethod
     def _key(kwargs: dict[str, Any]) -> tuple:
+        """Shapes and dtypes of the tensor arguments, the other arguments' values, the SP layout.
+
+        Raises _NotReplayable for a call that must run eagerly.
+        """
+        tensors, values = [], []
+        for name, value in sorted(kwargs.items()):
+            if isinstance(value, torch.Tensor):
+                if not value.is_cuda:
+                    raise _NotReplayable(f"{name} is on {value.device}")
+                tensors.append((name, tuple(value.shape), value.dtype, value.device.index))
+            else:
+                values.append((name, _static_value(value)))
         state = get_parallel_state()
-        shapes = tuple(
-            (name, tuple(kwargs[name].shape), kwargs[name].dtype)
-            for name in _TENSOR_INPUTS
-            if isinstance(kwargs.get(name), torch.Tensor)
-        )
         parallel = (state.sp_world_size, state.config.padding_mode) if state else None
-        return shapes, repr(kwargs.get("img_shapes")), parallel
+        return tuple(tensors), tuple(values), parallel
 
     def _capture(self, kwargs: dict[str, Any]) -> _Graph:
-        inputs = {name: kwargs[name].clone() for name in _TENSOR_INPUTS if isinstance(kwargs.get(name), torch.Tensor)}
-        call = dict(kwargs, **inputs, return_dict=False)
+        inputs = {name: value.clone() for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
+        call = dict(kwargs, **inputs)
         # Warm up on a side stream (lazy inits, caches, NCCL communicators), then capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -104,6 +124,6 @@ class CUDAGraphForward:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: share memory
         with torch.cuda.graph(graph, pool=self.pool):
-            output = self.forward(**call)[0]
-        logger.info("Captured a CUDA graph for the transformer: %s", self._key(kwargs)[0])
+            output = self.forward(**call)
+        logger.debug("Captured a CUDA graph for the transformer: %s", self._key(kwargs)[0])
         return _Graph(graph, inputs, output)

@@ -146,23 +146,34 @@ class EngineLimits:
     max_upload_bytes: int = 20 * 1024 * 1024  # one uploaded image file
     max_input_pixels: int = 40_000_000  # decoded source image, w*h (no decompression bombs)
     max_queue: int = 64  # requests waiting in the server's queue
+    max_frames: int = 257  # video frames per request
+    max_fps: int = 120
+
+
+OutputType = Literal["pil", "np", "uint8"]
 
 
 @dataclass
 class GenerationParams:
-    """A request as the user gave it; `DiffusionEngine.preprocess` validates it into a `DiffusionRequest`."""
+    """A request as the user gave it; `DiffusionEngine.preprocess` validates it into a `DiffusionRequest`.
+
+    The sampling fields are those of request_fields.SAMPLING_FIELDS (a test keeps them equal).
+    """
 
     prompt: str
     negative_prompt: str | None = None
-    image: Any = None  # PIL image, path, bytes, or a list of them (edit models)
+    image: Any = None  # PIL image, path, bytes, or a list of them (edit models, FLUX.2 references)
     height: int | None = None
     width: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
-    n: int = 1
+    n: int | None = None
     seed: int | None = None
-    output_type: Literal["pil", "np"] = "pil"
+    num_frames: int | None = None
+    fps: int | None = None
+    # pil: PIL images (a video: a list of PIL frames); np: float32 arrays in [0, 1]; uint8: uint8 arrays
+    output_type: OutputType = "pil"
     request_id: str | None = None
 
 
@@ -173,28 +184,36 @@ class DiffusionRequest:
     request_id: str
     prompt: str
     negative_prompt: str | None = None
-    images: list[Any] | None = None  # PIL images for edits
+    images: list[Any] | None = None  # PIL images (edits, FLUX.2 references, image-to-video)
     height: int | None = None  # None: the pipeline's default (edits: from the source aspect ratio)
     width: int | None = None
     num_inference_steps: int = 50
     guidance_scale: float | None = None
-    true_cfg_scale: float = 4.0
+    true_cfg_scale: float | None = None  # None: the pipeline takes no true CFG
     num_images: int = 1
     seed: int = 0
+    num_frames: int | None = None  # video only; None: the pipeline's default
+    fps: int | None = None  # video only
     cancel_token: int = 0  # the executor's number for this request; cancelling flags it
-    output_type: Literal["pil", "np"] = "pil"
+    output_type: OutputType = "pil"
     preprocess_ms: float = 0.0  # time validation took (the server validates before queueing)
 
 
 @dataclass
 class DiffusionOutput:
-    """What the engine returns: images (PIL, or float arrays in [0, 1]) and how they were made."""
+    """What the engine returns and how it was made.
+
+    `images` holds one entry per image or video: a PIL image (a video: a list of PIL frames), or an
+    array ([H, W, 3], a video [F, H, W, 3]; float32 in [0, 1] for "np", uint8 for "uint8").
+    """
 
     request_id: str
     images: list[Any]
     seed: int
     height: int
     width: int
+    num_frames: int | None = None  # videos only
+    fps: int | None = None
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 

@@ -27,10 +27,10 @@ from vllm_omni.diffusion.data import (
     GenerationParams,
     OmniDiffusionConfig,
     RequestCancelled,
-    RequestFailed,
 )
 from vllm_omni.diffusion.executor import MultiprocExecutor
 from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -176,24 +176,33 @@ class DiffusionEngine:
         limits, spec = self.limits, self.spec
         if not isinstance(params.prompt, str) or not params.prompt.strip():
             raise ValueError("prompt must be a non-empty string")
+        if params.output_type not in ("pil", "np", "uint8"):
+            raise ValueError(f"output_type must be 'pil', 'np' or 'uint8', got {params.output_type!r}")
+        for f in SAMPLING_FIELDS:
+            if getattr(params, f.name) is not None and not spec.takes(f.name):
+                raise ValueError(f"{f.name} is not accepted by {spec.diffusers_class}")
         if params.negative_prompt is not None and not isinstance(params.negative_prompt, str):
             raise ValueError("negative_prompt must be a string")
-        if params.output_type not in ("pil", "np"):
-            raise ValueError(f"output_type must be 'pil' or 'np', got {params.output_type!r}")
         height, width = (self._check_size(n, v) for n, v in (("height", params.height), ("width", params.width)))
-        if spec.task == "generate" and (height is None) != (width is None):
+        if not spec.input_image_required and (height is None) != (width is None):
             raise ValueError("give both height and width, or neither")
         steps = params.num_inference_steps if params.num_inference_steps is not None else spec.default_steps
         steps = _check_int("num_inference_steps", steps, spec.min_steps, limits.max_steps)
-        n = _check_int("n", params.n, 1, limits.max_n)
+        n = _check_int("n", 1 if params.n is None else params.n, 1, limits.max_n)
         guidance = (
             None if params.guidance_scale is None else _check_float("guidance_scale", params.guidance_scale, 0, 100)
         )
-        # True CFG needs a negative prompt; without one the default is plain sampling, not a warning.
-        true_cfg = params.true_cfg_scale
-        if true_cfg is None:
-            true_cfg = spec.default_true_cfg_scale if params.negative_prompt is not None else 1.0
-        true_cfg = _check_float("true_cfg_scale", true_cfg, 0, 100)
+        true_cfg = None
+        if spec.takes("true_cfg_scale"):
+            # True CFG needs a negative prompt; without one the default is plain sampling, not a warning.
+            true_cfg = params.true_cfg_scale
+            if true_cfg is None:
+                true_cfg = spec.default_true_cfg_scale if params.negative_prompt is not None else 1.0
+            true_cfg = _check_float("true_cfg_scale", true_cfg, 0, 100)
+        num_frames = fps = None
+        if spec.modality == "video":
+            num_frames = self._check_frames(params.num_frames)
+            fps = _check_int("fps", spec.default_fps if params.fps is None else params.fps, 1, limits.max_fps)
         seed = params.seed
         if seed is None:
             seed = secrets.randbelow(2**31)
@@ -201,19 +210,19 @@ class DiffusionEngine:
         seed = _check_int("seed", seed, 0, MAX_SEED)
 
         images = None
-        if spec.task == "edit":
-            sources = params.image if isinstance(params.image, (list, tuple)) else [params.image]
-            sources = [s for s in sources if s is not None]
-            if not sources:
-                raise ValueError("image is required for an edit model")
+        sources = params.image if isinstance(params.image, (list, tuple)) else [params.image]
+        sources = [s for s in sources if s is not None]
+        if spec.max_input_images == 0 and sources:
+            raise ValueError(f"image is not accepted by {spec.diffusers_class} (it takes no input image)")
+        if spec.input_image_required and not sources:
+            raise ValueError(f"image is required by {spec.diffusers_class}")
+        if sources:
             most = min(spec.max_input_images, limits.max_input_images)
             if len(sources) > most:
                 raise ValueError(f"image: at most {most} image(s) for this model, got {len(sources)}")
             images = [
                 decode_image(s, limits, f"image[{i}]" if len(sources) > 1 else "image") for i, s in enumerate(sources)
             ]
-        elif params.image is not None:
-            raise ValueError(f"image is not accepted by {spec.diffusers_class} (a text-to-image model)")
 
         with self._id_lock:
             token = next(self._ids)
@@ -230,6 +239,8 @@ class DiffusionEngine:
             true_cfg_scale=true_cfg,
             num_images=n,
             seed=seed,
+            num_frames=num_frames,
+            fps=fps,
             cancel_token=token,
             output_type=params.output_type,
         )
@@ -246,6 +257,18 @@ class DiffusionEngine:
         if value % multiple:
             rounded = value // multiple * multiple
             logger.warning("%s=%d is not a multiple of %d: rounded down to %d", name, value, multiple, rounded)
+            value = rounded
+        return value
+
+    def _check_frames(self, value: Any) -> int | None:
+        """None (the pipeline's default) or a frame count the VAE can encode: k * frame_multiple + 1."""
+        if value is None:
+            return None
+        value = _check_int("num_frames", value, 1, self.limits.max_frames)
+        multiple = self.spec.frame_multiple
+        if (value - 1) % multiple:
+            rounded = (value - 1) // multiple * multiple + 1
+            logger.warning("num_frames=%d is not k*%d+1: rounded down to %d", value, multiple, rounded)
             value = rounded
         return value
 
@@ -281,16 +304,25 @@ class DiffusionEngine:
         output.timings_ms = timings
         return output
 
-    @staticmethod
-    def postprocess(request: DiffusionRequest, images: Any, output_type: str) -> DiffusionOutput:
-        from PIL import Image
-
-        if not np.isfinite(images).all():
-            raise RequestFailed("the pipeline produced non-finite pixel values (NaN or Inf)")
-        height, width = int(images.shape[1]), int(images.shape[2])
+    def postprocess(self, request: DiffusionRequest, frames: np.ndarray, output_type: str) -> DiffusionOutput:
+        """The workers' array (uint8, or float32 for "np"; [n, H, W, 3], video [n, F, H, W, 3]) -> output."""
+        height, width = int(frames.shape[-3]), int(frames.shape[-2])
+        video = self.spec.modality == "video"
         if output_type == "pil":
-            frames = (images.clip(0, 1) * 255).round().astype("uint8")
-            out = [Image.fromarray(frame) for frame in frames]
+            from PIL import Image
+
+            if video:
+                out = [[Image.fromarray(frame) for frame in clip] for clip in frames]
+            else:
+                out = [Image.fromarray(image) for image in frames]
         else:
-            out = list(images)
-        return DiffusionOutput(request.request_id, out, request.seed, height, width)
+            out = list(frames)
+        return DiffusionOutput(
+            request.request_id,
+            out,
+            request.seed,
+            height,
+            width,
+            num_frames=int(frames.shape[1]) if video else None,
+            fps=request.fps if video else None,
+        )

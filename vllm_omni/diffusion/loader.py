@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from vllm_omni.diffusion.models.registry import PipelineSpec, spec_for
+from vllm_omni.diffusion.models.registry import TINY_MODELS, PipelineSpec, spec_for
 
 TINY_PREFIX = "tiny/"
 
@@ -24,11 +24,10 @@ class ModelNotFoundError(ValueError):
 def resolve_model_path(model: str) -> Path:
     """The local folder holding `model` (a diffusers pipeline with model_index.json)."""
     if model.startswith(TINY_PREFIX):
-        from vllm_omni.diffusion.models.qwen_image.tiny import TINY_MODELS, tiny_model_path
-
-        if model not in TINY_MODELS:
+        spec = TINY_MODELS.get(model)
+        if spec is None:
             raise ModelNotFoundError(f"unknown tiny model {model!r}; tiny models: {', '.join(TINY_MODELS)}")
-        return tiny_model_path(model)
+        return spec.family_module("tiny").tiny_model_path(model)
     local = Path(model).expanduser()
     if local.is_dir():
         if not (local / "model_index.json").is_file():
@@ -41,8 +40,8 @@ def resolve_model_path(model: str) -> Path:
     except Exception as exc:  # noqa: BLE001 - any miss means "not available locally"
         cache = os.environ.get("HF_HOME", "~/.cache/huggingface")
         raise ModelNotFoundError(
-            f"model {model!r} not found: it is not a tiny model (tiny/qwen-image, tiny/qwen-image-edit, "
-            f"tiny/qwen-image-edit-plus), not a local folder, and not in the Hugging Face cache ({cache}). "
+            f"model {model!r} not found: it is not a tiny model ({', '.join(TINY_MODELS)}), not a local "
+            f"folder, and not in the Hugging Face cache ({cache}). "
             f"Download it first (huggingface-cli download {model}) or pass a local folder."
         ) from exc
 

@@ -51,6 +51,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     from vllm_omni.diffusion.attention.backends import configure_attention_backend
     from vllm_omni.diffusion.distributed.parallel_state import initialize_parallel_state
     from vllm_omni.diffusion.loader import read_pipeline_spec
+    from vllm_omni.diffusion.runner import PipelineRunner
 
     start = time.perf_counter()
     parallel = config.parallel_config
@@ -65,7 +66,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
 
     spec = read_pipeline_spec(Path(model_path))
     dtype = getattr(torch, config.dtype)
-    runner = spec.load_runner_class()(model_path, spec, device, dtype, rank, enforce_eager=config.enforce_eager)
+    runner = PipelineRunner(model_path, spec, device, dtype, rank, enforce_eager=config.enforce_eager)
     heads = runner.num_attention_heads
     if heads % parallel.ulysses_degree:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]

@@ -21,23 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni.diffusion.data import DiffusionParallelConfig, EngineLimits, normalize_dtype_name
+from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "deploy"
 
 _TOP_KEYS = ("stages",)
 _STAGE_KEYS = ("stage_id", "devices", "parallel_config", "default_sampling_params")
 
-# Request fields a deploy may give defaults for (GenerationParams names), with their types.
-SAMPLING_PARAM_TYPES: dict[str, type] = {
-    "negative_prompt": str,
-    "height": int,
-    "width": int,
-    "num_inference_steps": int,
-    "guidance_scale": float,
-    "true_cfg_scale": float,
-    "n": int,
-    "seed": int,
-}
+# Request fields a deploy may give defaults for, with their types: all of them.
+SAMPLING_PARAM_TYPES: dict[str, type] = {f.name: f.type for f in SAMPLING_FIELDS}
 
 
 class DeployConfigError(ValueError):

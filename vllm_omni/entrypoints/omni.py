@@ -15,6 +15,7 @@ from vllm_omni.diffusion.data import (
     OmniDiffusionConfig,
     normalize_dtype_name,
 )
+from vllm_omni.diffusion.request_fields import FIELDS_BY_NAME
 
 
 class Omni:
@@ -64,34 +65,25 @@ class Omni:
         self,
         prompt: str,
         *,
-        negative_prompt: str | None = None,
         image: Any = None,
-        height: int | None = None,
-        width: int | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        true_cfg_scale: float | None = None,
-        n: int = 1,
-        seed: int | None = None,
         output_type: str = "pil",
+        **fields: Any,
     ) -> list[Any]:
-        """Images for one prompt: PIL images, or float arrays [H, W, 3] in [0, 1] with output_type="np".
+        """Images or videos for one prompt.
 
-        The seed used (drawn when not given), the real size and timings are in `self.last_output`.
+        `fields` are the declared request fields (vllm_omni/diffusion/request_fields.py):
+        negative_prompt, height, width, num_inference_steps, guidance_scale, true_cfg_scale, n,
+        seed, and for video models num_frames and fps. `image` is a path, bytes or a PIL image, or
+        a list of them. Returns PIL images (a video: a list of PIL frames), float32 arrays in
+        [0, 1] with output_type="np", uint8 arrays with "uint8". The seed used (drawn when not
+        given), the real size and the timings are in `self.last_output`.
         """
-        params = GenerationParams(
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            image=image,
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            true_cfg_scale=true_cfg_scale,
-            n=n,
-            seed=seed,
-            output_type=output_type,
-        )
+        unknown = sorted(set(fields) - set(FIELDS_BY_NAME))
+        if unknown:
+            raise TypeError(
+                f"generate() got unknown argument(s) {', '.join(unknown)}; request fields: {', '.join(FIELDS_BY_NAME)}"
+            )
+        params = GenerationParams(prompt=prompt, image=image, output_type=output_type, **fields)
         self.last_output = self.engine.step(params)
         return self.last_output.images
 

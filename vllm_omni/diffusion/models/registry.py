@@ -1,41 +1,89 @@
-"""Which diffusers pipelines we serve, and how: diffusers pipeline class name -> our pipeline.
+"""Which diffusers pipelines we serve, and how: one `Family` per package under models/.
 
-The engine reads `_class_name` from a model folder's model_index.json and looks it up here,
-so it knows the task, the size multiple and the default steps without importing torch.
+The engine reads `_class_name` from a model folder's model_index.json and looks its spec up
+here, so it knows the modality, task, size rule, defaults and accepted request fields without
+importing torch. Generic code reaches a family's code only through these entries:
+`vllm_omni.diffusion.models.<family>.pipeline` (TRANSFORMER_CLASS, pipeline_kwargs) for the
+runner, and `...<family>.tiny` (tiny_model_path) for the loader. Adding a family is one
+package and one entry in FAMILIES.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Literal
+
+# Request fields every pipeline takes (beyond the prompt); see diffusion/request_fields.py.
+COMMON_FIELDS = frozenset({"height", "width", "num_inference_steps", "n", "seed"})
+VIDEO_FIELDS = frozenset({"num_frames", "fps"})
 
 
 @dataclass(frozen=True)
 class PipelineSpec:
     diffusers_class: str
+    family: str  # the package under vllm_omni.diffusion.models
     task: Literal["generate", "edit"]
-    max_input_images: int  # 0: text-to-image; 1: one source image; more: several (Edit-Plus)
-    runner: str  # "module:Class" of our pipeline runner
+    fields: frozenset[str]  # optional request fields this pipeline takes (COMMON_FIELDS plus its own)
+    modality: Literal["image", "video"] = "image"
+    max_input_images: int = 0  # 0: text-only input; 1: one source image; more: several (Edit-Plus, FLUX.2)
+    input_image_required: bool = False  # edits need one; FLUX.2's reference images are optional
     size_multiple: int = 16  # VAE 8x times the 2x2 patch: sizes are rounded down to this
+    frame_multiple: int = 1  # video: num_frames is k * frame_multiple + 1 (the VAE's temporal compression)
     default_steps: int = 50
-    # Qwen-Image's scheduler stretches sigmas to a terminal shift: one step divides 0 by 0 (NaN image).
-    min_steps: int = 2
-    default_true_cfg_scale: float = 4.0
+    min_steps: int = 1
+    default_true_cfg_scale: float | None = None  # used when a negative prompt is given (Qwen-Image true CFG)
+    default_fps: int = 24
 
-    def load_runner_class(self) -> type:
-        module, name = self.runner.split(":")
-        return getattr(importlib.import_module(module), name)
+    def family_module(self, name: str) -> ModuleType:
+        """`vllm_omni.diffusion.models.<family>.<name>` (imports torch: workers and tests only)."""
+        return importlib.import_module(f"vllm_omni.diffusion.models.{self.family}.{name}")
+
+    def takes(self, field_name: str) -> bool:
+        return field_name in self.fields
 
 
-_QWEN_RUNNER = "vllm_omni.diffusion.models.qwen_image.pipeline:QwenImageRunner"
-REGISTRY: dict[str, PipelineSpec] = {
-    spec.diffusers_class: spec
-    for spec in (
-        PipelineSpec("QwenImagePipeline", "generate", 0, _QWEN_RUNNER),
-        PipelineSpec("QwenImageEditPipeline", "edit", 1, _QWEN_RUNNER),
-        PipelineSpec("QwenImageEditPlusPipeline", "edit", 3, _QWEN_RUNNER),
+@dataclass(frozen=True)
+class Family:
+    package: str
+    specs: tuple[PipelineSpec, ...]
+    tiny_models: dict[str, str] = field(default_factory=dict)  # "tiny/<name>" -> diffusers pipeline class
+
+
+def _qwen(diffusers_class: str, task: str, max_input_images: int) -> PipelineSpec:
+    return PipelineSpec(
+        diffusers_class,
+        "qwen_image",
+        task,
+        COMMON_FIELDS | {"negative_prompt", "guidance_scale", "true_cfg_scale"},
+        max_input_images=max_input_images,
+        input_image_required=task == "edit",
+        # Qwen-Image's scheduler stretches sigmas to a terminal shift: one step divides 0 by 0 (NaN image).
+        min_steps=2,
+        default_true_cfg_scale=4.0,
     )
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "qwen_image",
+        (
+            _qwen("QwenImagePipeline", "generate", 0),
+            _qwen("QwenImageEditPipeline", "edit", 1),
+            _qwen("QwenImageEditPlusPipeline", "edit", 3),
+        ),
+        {
+            "tiny/qwen-image": "QwenImagePipeline",
+            "tiny/qwen-image-edit": "QwenImageEditPipeline",
+            "tiny/qwen-image-edit-plus": "QwenImageEditPlusPipeline",
+        },
+    ),
+)
+
+REGISTRY: dict[str, PipelineSpec] = {spec.diffusers_class: spec for family in FAMILIES for spec in family.specs}
+TINY_MODELS: dict[str, PipelineSpec] = {
+    name: REGISTRY[pipeline] for family in FAMILIES for name, pipeline in family.tiny_models.items()
 }
 
 

@@ -1,8 +1,8 @@
 """`vllm-omni generate MODEL --prompt ... --output out.png`: one request through the offline engine.
 
 Starts the workers (`Omni`), runs the request, prints the step breakdown line, writes the
-image(s): `out.png` for one, `out.png, out-1.png, ...` for n > 1. Takes the same engine flags as
-`serve` (cli/serve.py), deploy YAML included. Called by cli/main.py.
+image(s) or video(s): `out.png` for one, `out.png, out-1.png, ...` for n > 1 (MP4 for video models).
+Takes the same engine flags as `serve` (cli/serve.py), deploy YAML included. Called by cli/main.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
+from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.cli.serve import add_engine_args, positive_int
 
 
@@ -18,38 +20,38 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     req = parser.add_argument_group("request")
     req.add_argument("--prompt", required=True, help="what to draw (or, for edit models, what to change)")
-    req.add_argument("--negative-prompt", default=None, help="what to steer away from; enables true CFG")
     req.add_argument(
         "--image",
         action="extend",
         nargs="+",
         default=None,
         metavar="PATH",
-        help="source image(s) for edit models; repeat or list several for Edit-Plus",
+        help="source image(s) for edit models, reference images for FLUX.2; repeat or list several",
     )
+    # One flag per declared request field (request_fields.py); width and height travel as --size.
     req.add_argument(
         "--size",
         default=None,
         metavar="WxH",
-        help="output width x height, e.g. 272x208; rounded down to a multiple of 16 "
+        help="output width x height, e.g. 272x208; rounded down to the model's multiple (16 for these models) "
         "(default: the pipeline's, for edits the source's aspect ratio at about 1 MP)",
     )
-    req.add_argument("--steps", type=positive_int, default=None, help="denoising steps (default: the model's, 50)")
-    req.add_argument("--guidance-scale", type=float, default=None, help="guidance scale (distilled guidance models)")
-    req.add_argument(
-        "--true-cfg-scale",
-        type=float,
-        default=None,
-        help="classifier-free guidance scale, used with --negative-prompt (default: 4.0 with one, else off)",
-    )
-    req.add_argument("--n", type=positive_int, default=None, help="number of images (default: 1)")
-    req.add_argument("--seed", type=int, default=None, help="random seed (default: drawn and printed)")
+    for f in SAMPLING_FIELDS:
+        if not f.in_size:
+            kind = positive_int if f.type is int and f.name != "seed" else f.type
+            req.add_argument(f.cli_flag, dest=f.name, type=kind, default=None, help=f.help)
     req.add_argument(
         "--output",
-        default="output.png",
+        default=None,
         metavar="PATH",
-        help="where to write the image; n > 1 adds -1, -2, ... before the suffix (default: output.png)",
+        help="where to write the result; n > 1 adds -1, -2, ... before the suffix "
+        "(default: output.png, or output.mp4 for video models)",
     )
+
+
+def request_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The declared request fields as given on the command line (None where not given)."""
+    return {f.name: getattr(args, f.name) for f in SAMPLING_FIELDS if not f.in_size}
 
 
 def output_paths(output: str, count: int) -> list[Path]:
@@ -71,20 +73,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.image:
         images = args.image if len(args.image) > 1 else args.image[0]  # paths; the engine reads them
     request = apply_sampling_defaults(
-        dict(
-            negative_prompt=args.negative_prompt,
-            height=height,
-            width=width,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance_scale,
-            true_cfg_scale=args.true_cfg_scale,
-            n=args.n,
-            seed=args.seed,
-        ),
-        settings.default_sampling_params,
+        dict(request_values(args), height=height, width=width), settings.default_sampling_params
     )
-    if request["n"] is None:
-        request["n"] = 1
     settings.apply_devices()
 
     from vllm_omni.entrypoints.omni import Omni
@@ -105,7 +95,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         limits=settings.limits,
     ) as omni:
         print(f"Engine ready in {time.perf_counter() - start:.1f} s", flush=True)
-        results = omni.generate(args.prompt, image=images, **request)
+        video = omni.engine.spec.modality == "video"
+        results = omni.generate(args.prompt, image=images, output_type="uint8" if video else "pil", **request)
         output = omni.last_output
     timings = output.timings_ms
     # The same line the engine logs, on stdout too, so it survives VLLM_LOGGING_LEVEL=WARNING.
@@ -113,8 +104,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "DiffusionEngine.step breakdown: preprocess={preprocess:.2f} ms, add_req_and_wait={add_req_and_wait:.2f} ms, "
         "postprocess={postprocess:.2f} ms, total={total:.2f} ms".format(**timings)
     )
-    for path, image in zip(output_paths(args.output, len(results)), results):
+    default_output = "output.mp4" if video else "output.png"
+    for path, result in zip(output_paths(args.output or default_output, len(results)), results):
         path.parent.mkdir(parents=True, exist_ok=True)
-        image.save(path)
-        print(f"Wrote {path} ({output.width}x{output.height}, seed {output.seed})")
+        if video:
+            from vllm_omni.entrypoints.openai.media import encode_mp4
+
+            path.write_bytes(encode_mp4(result, output.fps))
+            print(
+                f"Wrote {path} ({output.width}x{output.height}, {output.num_frames} frames at {output.fps} fps, "
+                f"seed {output.seed})"
+            )
+        else:
+            result.save(path)
+            print(f"Wrote {path} ({output.width}x{output.height}, seed {output.seed})")
     return 0

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from vllm_omni.diffusion.data import DTYPES, EngineLimits
+from vllm_omni.diffusion.models.registry import TINY_MODELS
 
 DEFAULT_LIMITS = EngineLimits()
 
@@ -27,6 +28,8 @@ LIMIT_FLAGS: dict[str, tuple[str, str]] = {
         "max_input_pixels",
         "largest decoded source image, width*height (uploads claiming more are refused before decoding)",
     ),
+    "--max-frames": ("max_frames", "most video frames one request may ask for"),
+    "--max-fps": ("max_fps", "largest video fps a request may ask for"),
 }
 
 
@@ -44,8 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that shape the engine; shared by `serve` and `generate`."""
     parser.add_argument(
         "model",
-        help="model to serve: a tiny embedded model (tiny/qwen-image, tiny/qwen-image-edit, "
-        "tiny/qwen-image-edit-plus), a local diffusers folder, or a hub id already in the Hugging Face cache",
+        help=f"model to serve: a tiny embedded model ({', '.join(TINY_MODELS)}), a local diffusers folder, "
+        "or a hub id already in the Hugging Face cache",
     )
     parser.add_argument(
         "--deploy-config",

@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from vllm_omni.diffusion.data import DiffusionRequest, GenerationParams, RequestCancelled, RequestFailed
+from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.deploy_config import EngineSettings, apply_sampling_defaults
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -306,22 +307,12 @@ class ImageServer:
                 width, height = parse_size(body.size, self.limits.max_image_size)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="size") from None
+        given = {f.name: getattr(body, f.name) for f in SAMPLING_FIELDS if not f.in_size and not f.video_only}
         values = apply_sampling_defaults(
-            dict(
-                negative_prompt=body.negative_prompt,
-                height=height,
-                width=width,
-                num_inference_steps=body.num_inference_steps,
-                guidance_scale=body.guidance_scale,
-                true_cfg_scale=body.true_cfg_scale,
-                n=body.n,
-                seed=body.seed,
-            ),
-            self.settings.engine.default_sampling_params,
+            dict(given, height=height, width=width), self.settings.engine.default_sampling_params
         )
         if body.size is not None and body.size.strip().lower() == "auto":
             values["height"] = values["width"] = None  # an explicit "auto" beats the deploy's default size
-        values["n"] = 1 if values["n"] is None else values["n"]
         request_id = f"img-{uuid.uuid4().hex[:16]}"
         params = GenerationParams(prompt=body.prompt, image=images, request_id=request_id, **values)
 

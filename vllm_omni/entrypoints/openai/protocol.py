@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI-style image API, and the size parser.
 
 The generation body is JSON; the edit body is the same fields as multipart form values (the
-api_server validates both with these models). Responses follow OpenAI's images schema
+api_server validates both with these models). The sampling fields come from the one
+declaration in diffusion/request_fields.py. Responses follow OpenAI's images schema
 (`created`, `data[].b64_json`) and add the seed used and the real output size. Used by
 openai/api_server.py and the one-shot CLI (cli/generate.py, for `parse_size`).
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 
 _SIZE = re.compile(r"^\s*(-?\d+)\s*[xX]\s*(-?\d+)\s*$")
 
@@ -29,21 +32,15 @@ def parse_size(size: str, max_side: int) -> tuple[int, int]:
     return width, height
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by generations and edits. None means "the deploy's default, else the model's"."""
+class _ImageRequestBase(BaseModel):
+    """Image API fields besides the declared sampling ones. None: "the deploy's default, else the model's"."""
 
     # Typos such as "num_steps" would otherwise be ignored silently and waste a GPU run.
     model_config = ConfigDict(extra="forbid")
 
     prompt: str
     model: str | None = None
-    negative_prompt: str | None = None
     size: str | None = Field(None, description="'WIDTHxHEIGHT', or 'auto'")
-    n: int | None = Field(None, description="images to generate (default 1)")
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    true_cfg_scale: float | None = None
-    seed: int | None = None
     response_format: str | None = Field("b64_json", description="only 'b64_json'")
     output_format: Literal["png", "jpeg", "webp"] | None = Field(None, description="default 'png'")
     output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100")
@@ -55,6 +52,19 @@ class _SamplingFields(BaseModel):
     style: str | None = None
     moderation: str | None = None
     safety_identifier: str | None = None
+
+
+def _with_sampling_fields(name: str, base: type[BaseModel], video: bool) -> type[BaseModel]:
+    """`base` plus the declared request fields (request_fields.py); width and height travel in `size`."""
+    fields = {
+        f.name: (f.type | None, Field(None, description=f.help))
+        for f in SAMPLING_FIELDS
+        if not f.in_size and (video or not f.video_only)
+    }
+    return create_model(name, __base__=base, **fields)
+
+
+_SamplingFields = _with_sampling_fields("_SamplingFields", _ImageRequestBase, video=False)
 
 
 class ImageGenerationRequest(_SamplingFields):

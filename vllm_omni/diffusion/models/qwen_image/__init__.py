@@ -1,1 +1,5 @@
-"""Qwen-Image and Qwen-Image-Edit: the SP transformer, the pipeline adapter and the tiny models."""
+"""Qwen-Image, Qwen-Image-Edit and Qwen-Image-Edit-Plus (one transformer)."""
+
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
+
+__all__ = ["QwenImageTransformer2DModel"]

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers import transformer_qwenimage as reference
+from diffusers.utils import apply_lora_scale
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.distributed.sequence_parallel import (
@@ -73,6 +74,10 @@ class QwenImageSPAttnProcessor:
         return img_out, attn.to_add_out(txt_out.flatten(2, 3))
 
 
+def _call_processor(attn, **kwargs: Any):
+    return attn.processor(attn, **kwargs)
+
+
 class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
     """Diffusers' Qwen-Image transformer, sequence-parallel under an SP process group."""
 
@@ -80,12 +85,13 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         for block in self.transformer_blocks:
-            processor = QwenImageSPAttnProcessor()
-            block.attn.set_processor(processor)
+            block.attn.set_processor(QwenImageSPAttnProcessor())
             # Call the processor directly: diffusers' Attention.forward inspects the processor's
             # signature on every call, and at Ulysses 2+ a layer is bound by host-side launch time.
-            block.attn.forward = functools.partial(processor, block.attn)
+            # It reads `attn.processor` at each call, so set_attn_processor still takes effect.
+            block.attn.forward = functools.partial(_call_processor, block.attn)
 
+    @apply_lora_scale("attention_kwargs")
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -113,15 +119,17 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
                 # Rows with different text padding cannot share one compaction: run them one by one.
                 rows = [
                     self.forward(
-                        hidden_states[i : i + 1],
-                        encoder_hidden_states[i : i + 1],
-                        encoder_hidden_states_mask[i : i + 1],
-                        timestep[i : i + 1] if timestep.dim() else timestep,
-                        img_shapes[i : i + 1] if img_shapes is not None else None,
-                        guidance[i : i + 1] if guidance is not None and guidance.dim() else guidance,
-                        attention_kwargs,
-                        [s[i : i + 1] for s in controlnet_block_samples] if controlnet_block_samples else None,
-                        additional_t_cond[i : i + 1] if additional_t_cond is not None else None,
+                        hidden_states=hidden_states[i : i + 1],
+                        encoder_hidden_states=encoder_hidden_states[i : i + 1],
+                        encoder_hidden_states_mask=encoder_hidden_states_mask[i : i + 1],
+                        timestep=timestep[i : i + 1] if timestep.dim() else timestep,
+                        img_shapes=img_shapes[i : i + 1] if img_shapes is not None else None,
+                        guidance=guidance[i : i + 1] if guidance is not None and guidance.dim() else guidance,
+                        attention_kwargs=attention_kwargs,
+                        controlnet_block_samples=[s[i : i + 1] for s in controlnet_block_samples]
+                        if controlnet_block_samples
+                        else None,
+                        additional_t_cond=additional_t_cond[i : i + 1] if additional_t_cond is not None else None,
                         return_dict=False,
                     )[0]
                     for i in range(hidden_states.shape[0])
@@ -130,21 +138,22 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
                 return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
         with sequence_parallel_context():
-            output = self._forward_sharded(
-                hidden_states,
-                encoder_hidden_states,
-                text_index,
-                timestep,
-                img_shapes,
-                guidance,
-                attention_kwargs,
-                controlnet_block_samples,
-                additional_t_cond,
+            output = self.forward_sharded(
+                hidden_states=hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                text_index=text_index,
+                timestep=timestep,
+                img_shapes=img_shapes,
+                guidance=guidance,
+                attention_kwargs=attention_kwargs,
+                controlnet_block_samples=controlnet_block_samples,
+                additional_t_cond=additional_t_cond,
             )
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
-    def _forward_sharded(
+    def forward_sharded(
         self,
+        *,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         text_index: torch.Tensor | None,
@@ -155,6 +164,8 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
         controlnet_block_samples: list[torch.Tensor] | None,
         additional_t_cond: torch.Tensor | None,
     ) -> torch.Tensor:
+        """The per-step work on this rank's shards, with every tensor an argument (the runner may
+        replay it as a CUDA graph); `forward` resolves the text mask into `text_index` first."""
         text_seq_len = encoder_hidden_states.shape[1]
         img_freqs, txt_freqs = self.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden_states.device)
         if text_index is not None:

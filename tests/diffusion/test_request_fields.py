@@ -1,0 +1,75 @@
+"""The request fields are declared once (request_fields.py); every surface must carry exactly them.
+
+A field added to the declaration and missing from a surface (or a surface growing a field the
+declaration lacks) fails here, naming the field and the surface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from vllm_omni.diffusion.data import GenerationParams
+from vllm_omni.diffusion.models.registry import FAMILIES, REGISTRY, VIDEO_FIELDS
+from vllm_omni.diffusion.request_fields import FIELDS_BY_NAME, SAMPLING_FIELDS
+from vllm_omni.entrypoints.cli.main import build_parser
+from vllm_omni.entrypoints.deploy_config import SAMPLING_PARAM_TYPES
+from vllm_omni.entrypoints.omni import Omni
+from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
+
+DECLARED = set(FIELDS_BY_NAME)
+IMAGE_FIELDS = {f.name for f in SAMPLING_FIELDS if not f.video_only}
+NOT_SAMPLING = {"prompt", "image", "output_type", "request_id"}
+
+
+def test_generation_params_has_exactly_the_declared_fields():
+    names = {f.name for f in dataclasses.fields(GenerationParams)} - NOT_SAMPLING
+    assert names == DECLARED
+
+
+def test_http_image_bodies_carry_the_declared_image_fields():
+    for model in (ImageGenerationRequest, ImageEditRequest):
+        fields = set(model.model_fields)
+        in_size = {f.name for f in SAMPLING_FIELDS if f.in_size}
+        assert "size" in fields
+        assert IMAGE_FIELDS - in_size <= fields, IMAGE_FIELDS - in_size - fields
+        assert not fields & (VIDEO_FIELDS | in_size)  # frames belong to the videos API; sizes to `size`
+        for f in SAMPLING_FIELDS:
+            if f.name in fields:
+                assert model.model_fields[f.name].annotation == (f.type | None), f.name
+
+
+def test_cli_generate_has_a_flag_for_every_declared_field():
+    parser = build_parser()
+    generate = next(a for a in parser._subparsers._actions if a.dest == "command").choices["generate"]
+    flags = {option: action for action in generate._actions for option in action.option_strings}
+    for f in SAMPLING_FIELDS:
+        assert f.cli_flag in flags, f"{f.name}: no {f.cli_flag} flag"
+        if not f.in_size:
+            assert flags[f.cli_flag].dest == f.name
+    args = parser.parse_args(["generate", "tiny/qwen-image", "--prompt", "p", "--num-frames", "9", "--fps", "8"])
+    assert (args.num_frames, args.fps) == (9, 8)
+
+
+def test_deploy_yaml_defaults_accept_every_declared_field_with_its_type():
+    assert SAMPLING_PARAM_TYPES == {f.name: f.type for f in SAMPLING_FIELDS}
+
+
+def test_omni_generate_takes_the_declared_fields_and_refuses_others():
+    params = inspect.signature(Omni.generate).parameters
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    omni = Omni.__new__(Omni)  # no workers: the name check runs before the engine
+    try:
+        omni.generate("a cat", num_stepz=4)
+    except TypeError as exc:
+        assert "num_stepz" in str(exc) and "num_inference_steps" in str(exc)
+    else:
+        raise AssertionError("an unknown field was accepted")
+
+
+def test_every_pipeline_spec_takes_only_declared_fields():
+    for spec in REGISTRY.values():
+        assert spec.fields <= DECLARED, (spec.diffusers_class, spec.fields - DECLARED)
+        assert (spec.modality == "video") == bool(spec.fields & VIDEO_FIELDS), spec.diffusers_class
+    for family in FAMILIES:
+        assert family.tiny_models and set(family.tiny_models.values()) <= set(REGISTRY)

@@ -1,0 +1,85 @@
+"""One runner for every model family: a diffusers pipeline with our SP transformer swapped in.
+
+A worker (worker.py) builds one `PipelineRunner` and calls `run` per request. What every family
+shares lives here: loading the pipeline with the family's transformer, CUDA graphs for the
+transformer's sharded forward, one CPU generator seeded identically on every rank (so every rank
+holds the same latents), the per-step hook (cancellation, progress), the progress bar on rank 0
+only, and the result as uint8 (images [n, H, W, 3], videos [n, F, H, W, 3]) unless the caller asked
+for float arrays. A family supplies only its transformer class and `pipeline_kwargs` (request ->
+the pipeline's keyword arguments) in `models/<family>/pipeline.py`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import diffusers
+import numpy as np
+import torch
+
+from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward
+from vllm_omni.diffusion.data import DiffusionRequest
+from vllm_omni.diffusion.models.registry import PipelineSpec
+
+StepCallback = Callable[[int], None]
+
+
+class PipelineRunner:
+    def __init__(
+        self,
+        path: str | Path,
+        spec: PipelineSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int,
+        enforce_eager: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.family = spec.family_module("pipeline")
+        transformer = self.family.TRANSFORMER_CLASS.from_pretrained(path, subfolder="transformer", dtype=dtype)
+        if device.type == "cuda" and not enforce_eager:
+            # Only the sharded part is replayed: the host-side preparation in `forward` (text
+            # compaction, row splitting) decides shapes and runs eagerly before it.
+            transformer.forward_sharded = CUDAGraphForward(transformer.forward_sharded)
+        pipeline_class = getattr(diffusers, spec.diffusers_class)
+        self.pipe = pipeline_class.from_pretrained(path, transformer=transformer, dtype=dtype).to(device)
+        self.pipe.set_progress_bar_config(disable=rank != 0, desc="denoising")
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.pipe.transformer.config.num_attention_heads
+
+    def run(self, request: DiffusionRequest, on_step_end: StepCallback) -> np.ndarray:
+        """Run one request; `on_step_end(step)` is called after every denoising step and may raise to stop.
+
+        Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np".
+        """
+        kwargs = self.family.pipeline_kwargs(request, self.spec)
+        # One CPU generator on every rank: identical latents everywhere, on any device.
+        kwargs.update(generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np")
+        scheduler = self.pipe.scheduler
+        scheduler_step = scheduler.step
+        steps = itertools.count()
+
+        # Every pipeline calls scheduler.step once per denoising step, whatever callbacks it offers.
+        def step_and_report(*args, **step_kwargs):
+            out = scheduler_step(*args, **step_kwargs)
+            on_step_end(next(steps))
+            return out
+
+        scheduler.step = step_and_report
+        try:
+            with torch.inference_mode():
+                result = self.pipe(**kwargs)
+        finally:
+            del scheduler.step  # back to the class's method
+        frames = result.frames if self.spec.modality == "video" else result.images
+        array = np.asarray(frames, dtype=np.float32)
+        if not np.isfinite(array).all():
+            raise FloatingPointError("the pipeline produced non-finite pixel values (NaN or Inf)")
+        if request.output_type == "np":
+            return array
+        # Pictures and files need only uint8: a 121-frame video crosses the worker pipe at a quarter the size.
+        return (array.clip(0, 1) * 255).round().astype(np.uint8)
