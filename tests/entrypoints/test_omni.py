@@ -34,11 +34,15 @@ PROMPT = "a cat holding a sign that says hello world"
 def engines():
     started: dict[tuple, Omni] = {}
 
-    def get(model: str, degree: int = 1, mode: str = "trim") -> Omni:
-        key = (model, degree, mode)
+    def get(model: str, degree: int = 1, mode: str = "trim", cfg: int = 1) -> Omni:
+        key = (model, degree, mode, cfg)
         if key not in started:
             started[key] = Omni(
-                model, ulysses_degree=degree, mask_sp_padding=mode == "mask", trim_sp_padding=mode != "none"
+                model,
+                ulysses_degree=degree,
+                cfg_parallel_size=cfg,
+                mask_sp_padding=mode == "mask",
+                trim_sp_padding=mode != "none",
             )
         return started[key]
 
@@ -231,12 +235,50 @@ def test_dead_worker_is_respawned_idle_and_mid_request():
 def test_start_refuses_what_does_not_exist_yet():
     with pytest.raises(ValueError, match="ring_degree > 1 is not supported"):
         Omni("tiny/qwen-image", ring_degree=2)
-    with pytest.raises(ValueError, match="cfg_parallel_size > 1 is not supported"):
-        Omni("tiny/qwen-image", cfg_parallel_size=2)
     with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
         Omni("no-such-org/no-such-model")
     with pytest.raises(ValueError, match="mask_sp_padding=True needs an attention backend that can mask"):
         Omni("tiny/qwen-image", ulysses_degree=1, mask_sp_padding=True, attention_backend="sdpa")
+
+
+@pytest.mark.parametrize(("degree", "mode"), [(1, "trim"), (2, "trim"), (2, "mask")])
+def test_cfg_parallel_equals_one_group_at_padded_size(engines, degree, mode):
+    """The cond and uncond forwards on two rank groups (each Ulysses-`degree`) give the same image."""
+    cfg = {"negative_prompt": "blurry, low quality", "true_cfg_scale": 4.0}
+    expected = _generate(engines("tiny/qwen-image", degree, mode), **cfg)
+    omni = engines("tiny/qwen-image", degree, mode, cfg=2)
+    np.testing.assert_allclose(_generate(omni, **cfg), expected, rtol=0, atol=1e-5)
+    # Without CFG a step has one forward: both groups run it, and the result is still the same.
+    np.testing.assert_allclose(_generate(omni), _generate(engines("tiny/qwen-image", degree, mode)), rtol=0, atol=1e-5)
+
+
+def test_cfg_parallel_cancels_at_the_next_step(engines):
+    omni = engines("tiny/qwen-image", 1, "trim", cfg=2)
+    outcome: dict = {}
+
+    def run():
+        try:
+            omni.engine.step(
+                GenerationParams(
+                    PROMPT,
+                    negative_prompt="blurry",
+                    height=512,
+                    width=512,
+                    num_inference_steps=200,
+                    seed=0,
+                    request_id="cfg-cancel",
+                )
+            )
+        except Exception as exc:  # noqa: BLE001
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    _wait_until_running(omni, "cfg-cancel")
+    omni.engine.cancel("cfg-cancel")
+    thread.join(timeout=60)
+    assert isinstance(outcome.get("error"), RequestCancelled), outcome
+    assert omni.generate(PROMPT, negative_prompt=" ", height=32, width=32, num_inference_steps=2, seed=0)
 
 
 def test_ulysses_degree_must_divide_the_head_count():

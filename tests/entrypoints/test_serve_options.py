@@ -55,7 +55,7 @@ def test_flags_override_the_yaml_and_only_the_flags_given(server):
     assert card["parallel_config"]["trim_sp_padding"] is True  # the default
     assert card["default_sampling_params"] == {"num_inference_steps": 3}
     assert "Starting 2 worker(s) for tiny/qwen-image" in server.log()
-    assert "ulysses_degree=2, padding=mask" in server.log()
+    assert "ulysses_degree=2, cfg_parallel_size=1, padding=mask" in server.log()
 
 
 def test_served_model_name_is_listed_and_both_names_are_accepted(server):

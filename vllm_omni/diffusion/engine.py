@@ -108,12 +108,15 @@ class DiffusionEngine:
         parallel = config.parallel_config
         if parallel.ring_degree > 1:
             raise ValueError("ring_degree > 1 is not supported yet (Ring attention is not built); use ulysses_degree")
-        if parallel.cfg_parallel_size > 1:
-            raise ValueError("cfg_parallel_size > 1 is not supported yet; use ulysses_degree")
         check_attention_backend(config.attention_backend, parallel.mask_sp_padding)
         self.limits = limits or EngineLimits()
         self.model_path = resolve_model_path(config.model)
         self.spec = read_pipeline_spec(self.model_path)
+        if parallel.cfg_parallel_size > 1 and not self.spec.cfg_parallel:
+            raise ValueError(
+                f"cfg_parallel_size={parallel.cfg_parallel_size}: {self.spec.diffusers_class} runs no classifier-free "
+                "guidance branches to split (one forward per step); use cfg_parallel_size=1"
+            )
         gpus = _cuda_device_count()
         if config.device is None:
             config.device = "cuda" if gpus >= parallel.world_size else "cpu"
@@ -127,13 +130,14 @@ class DiffusionEngine:
         self._cancel_tokens: dict[str, int] = {}  # running request id -> the executor's cancel token
         self._cancelled_early: dict[str, None] = {}  # ids cancelled before they ran (insertion-ordered)
         logger.info(
-            "Starting %d worker(s) for %s (%s) on %s, %s, ulysses_degree=%d, padding=%s",
+            "Starting %d worker(s) for %s (%s) on %s, %s, ulysses_degree=%d, cfg_parallel_size=%d, padding=%s",
             parallel.world_size,
             config.model,
             self.spec.diffusers_class,
             config.device,
             config.dtype,
             parallel.ulysses_degree,
+            parallel.cfg_parallel_size,
             parallel.padding_mode,
         )
         self.executor = MultiprocExecutor(config, str(self.model_path))

@@ -2,11 +2,14 @@
 
 A worker (worker.py) builds one `PipelineRunner` and calls `run` per request. What every family
 shares lives here: loading the pipeline with the family's transformer, CUDA graphs for the
-transformer's sharded forward, one CPU generator seeded identically on every rank (so every rank
-holds the same latents), the per-step hook (cancellation, progress), the progress bar on rank 0
-only, and the result as uint8 (images [n, H, W, 3], videos [n, F, H, W, 3]) unless the caller asked
-for float arrays. A family supplies only its transformer class and `pipeline_kwargs` (request ->
-the pipeline's keyword arguments) in `models/<family>/pipeline.py`.
+transformer's sharded forward, CFG parallel (cfg_parallel.py), one CPU generator seeded
+identically on every rank (so every rank holds the same latents), the per-step hook
+(cancellation, progress), the progress bar on rank 0 only, and the result as uint8 (images
+[n, H, W, 3], videos [n, F, H, W, 3]) unless the caller asked for float arrays.
+
+A family supplies only what differs, in `models/<family>/pipeline.py`: its transformer class
+(TRANSFORMER_CLASS), `pipeline_kwargs` (request -> the pipeline's keyword arguments) and, for
+pipelines with CFG, `uses_cfg(request)` and DEFAULT_NEGATIVE_PROMPT.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import diffusers
 import numpy as np
 import torch
 
+from vllm_omni.diffusion.cfg_parallel import CFGParallelForward, swap_prompts
 from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward
 from vllm_omni.diffusion.data import DiffusionRequest
+from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.models.registry import PipelineSpec
 
 StepCallback = Callable[[int], None]
@@ -43,6 +48,13 @@ class PipelineRunner:
             # Only the sharded part is replayed: the host-side preparation in `forward` (text
             # compaction, row splitting) decides shapes and runs eagerly before it.
             transformer.forward_sharded = CUDAGraphForward(transformer.forward_sharded)
+        state = get_parallel_state()
+        self.cfg: CFGParallelForward | None = None
+        self.cfg_rank = 0
+        if state is not None and state.config.cfg_parallel_size > 1:
+            self.cfg = CFGParallelForward(transformer.forward, state.cfg_group)
+            self.cfg_rank = state.cfg_rank
+            transformer.forward = self.cfg
         pipeline_class = getattr(diffusers, spec.diffusers_class)
         self.pipe = pipeline_class.from_pretrained(path, transformer=transformer, dtype=dtype).to(device)
         self.pipe.set_progress_bar_config(disable=rank != 0, desc="denoising")
@@ -59,6 +71,10 @@ class PipelineRunner:
         kwargs = self.family.pipeline_kwargs(request, self.spec)
         # One CPU generator on every rank: identical latents everywhere, on any device.
         kwargs.update(generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np")
+        if self.cfg is not None:
+            self.cfg.start_request(self.family.uses_cfg(request))
+            if self.cfg.active and self.cfg_rank == 1:
+                kwargs = swap_prompts(kwargs, self.family.DEFAULT_NEGATIVE_PROMPT)
         scheduler = self.pipe.scheduler
         scheduler_step = scheduler.step
         steps = itertools.count()
@@ -66,6 +82,8 @@ class PipelineRunner:
         # Every pipeline calls scheduler.step once per denoising step, whatever callbacks it offers.
         def step_and_report(*args, **step_kwargs):
             out = scheduler_step(*args, **step_kwargs)
+            if self.cfg is not None:
+                self.cfg.end_step()
             on_step_end(next(steps))
             return out
 

@@ -35,6 +35,7 @@ class PipelineSpec:
     min_steps: int = 1
     default_true_cfg_scale: float | None = None  # used when a negative prompt is given (Qwen-Image true CFG)
     default_fps: int = 24
+    cfg_parallel: bool = False  # the pipeline runs CFG as two forwards per step (cfg_parallel_size=2 splits them)
 
     def family_module(self, name: str) -> ModuleType:
         """`vllm_omni.diffusion.models.<family>.<name>` (imports torch: workers and tests only)."""
@@ -62,6 +63,7 @@ def _qwen(diffusers_class: str, task: str, max_input_images: int) -> PipelineSpe
         # Qwen-Image's scheduler stretches sigmas to a terminal shift: one step divides 0 by 0 (NaN image).
         min_steps=2,
         default_true_cfg_scale=4.0,
+        cfg_parallel=True,
     )
 
 

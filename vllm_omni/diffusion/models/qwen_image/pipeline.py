@@ -15,6 +15,12 @@ if TYPE_CHECKING:
     from vllm_omni.diffusion.models.registry import PipelineSpec
 
 TRANSFORMER_CLASS = QwenImageTransformer2DModel
+DEFAULT_NEGATIVE_PROMPT = " "  # unused: true CFG only runs with a negative prompt
+
+
+def uses_cfg(request: DiffusionRequest) -> bool:
+    """True CFG (two forwards per step) runs only with a negative prompt and a scale above 1."""
+    return request.negative_prompt is not None and request.true_cfg_scale > 1
 
 
 def pipeline_kwargs(request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
