@@ -15,8 +15,10 @@ as ControlNet residuals) run eagerly.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +27,30 @@ from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
+
+
+def compile_repeated_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
+    """torch.compile each repeated transformer block (diffusers' `_repeated_blocks`); returns how many.
+
+    Regional compilation: one block class compiles once and every block reuses it, in seconds
+    rather than the minutes a whole-model compile takes. Inside a block, the unfused elementwise
+    work (norms, modulation, gating, GELU, casts: a third of eager GPU time) fuses into few
+    kernels. The shared attention layer is excluded from compilation (attention/layer.py), so the
+    all-to-alls and the padding policy run as written. A size the block has not seen recompiles
+    once with a dynamic sequence length, then reuses it. Inductor keeps its compiled kernels on
+    disk (TORCHINDUCTOR_CACHE_DIR, default under ~/.cache/vllm_omni), so a restart reuses them.
+    """
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path("~/.cache/vllm_omni/inductor").expanduser()))
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    compiled = 0
+    for module in model.modules():
+        if type(module).__name__ in names:
+            module.compile(fullgraph=False, backend=backend)
+            compiled += 1
+    logger.info(
+        "Compiling %d repeated block(s) of %s (first forward of each shape compiles)", compiled, type(model).__name__
+    )
+    return compiled
 
 
 class _Graph:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from vllm_omni.diffusion.cfg_parallel import CFGParallelForward, swap_prompts
-from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward
+from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, compile_repeated_blocks
 from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.models.registry import PipelineSpec
@@ -43,8 +43,12 @@ class PipelineRunner:
     ) -> None:
         self.spec = spec
         self.family = spec.family_module("pipeline")
-        transformer = self.family.TRANSFORMER_CLASS.from_pretrained(path, subfolder="transformer", dtype=dtype)
+        # Straight onto the device, without a random initialisation first (accelerate's meta-device load).
+        transformer = self.family.TRANSFORMER_CLASS.from_pretrained(
+            path, subfolder="transformer", dtype=dtype, device_map=str(device)
+        )
         if device.type == "cuda" and not enforce_eager:
+            compile_repeated_blocks(transformer)
             # Only the sharded part is replayed: the host-side preparation in `forward` (text
             # compaction, row splitting) decides shapes and runs eagerly before it.
             transformer.forward_sharded = CUDAGraphForward(transformer.forward_sharded)

@@ -93,6 +93,9 @@ class Attention(nn.Module):
             raise ValueError(f"text_position must be 'front' or 'rear', got {text_position!r}")
         self.text_position = text_position
 
+    # Compiled transformer blocks (cuda_graphs.compile_repeated_blocks) run this layer eagerly:
+    # the all-to-alls and the per-forward layout stay as written, and compiled code sees no collective.
+    @torch.compiler.disable
     def forward(
         self,
         query: torch.Tensor,
