@@ -34,7 +34,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
-from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward  # noqa: E402
+from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, compile_repeated_blocks  # noqa: E402
 from vllm_omni.diffusion.data import DiffusionParallelConfig  # noqa: E402
 from vllm_omni.diffusion.distributed.parallel_state import (  # noqa: E402
     initialize_parallel_state,
@@ -106,6 +106,36 @@ def make_inputs(side: int, device: torch.device) -> dict:
     )
 
 
+class CompiledBlocks:
+    """A model's repeated blocks compiled once, switched on only inside `with`: compiled and eager
+    variants share one set of weights. `ours=True` compiles as the engine does (attention eager);
+    otherwise diffusers' own `compile_repeated_blocks(fullgraph=True)`."""
+
+    def __init__(self, model, ours: bool) -> None:
+        if ours:
+            compile_repeated_blocks(model)
+        else:
+            model.compile_repeated_blocks(fullgraph=True)
+        self.impls = {m: m._compiled_call_impl for m in model.modules() if m._compiled_call_impl is not None}
+        self.__exit__()
+
+    def __enter__(self):
+        for module, impl in self.impls.items():
+            module._compiled_call_impl = impl
+
+    def __exit__(self, *exc) -> None:
+        for module in self.impls:
+            module._compiled_call_impl = None
+
+
+def switched_on(blocks: CompiledBlocks, fn):
+    def call(**kwargs):
+        with blocks:
+            return fn(**kwargs)
+
+    return call
+
+
 def with_cuda_graphs(model):
     """`model`'s forward with its sharded part replayed as CUDA graphs, as the engine's runner does it."""
     graphed = CUDAGraphForward(model.forward_sharded)
@@ -120,11 +150,14 @@ def with_cuda_graphs(model):
     return forward
 
 
-def variants(models: dict, u2_state, simulate: bool, graphs: bool) -> dict:
+def variants(models: dict, u2_state, simulate: bool, graphs: bool, compiled: bool) -> dict:
     """name -> (callable taking the forward's keyword arguments, parallel state for our model or None)."""
     ours = {"": models["ours"]}
     if graphs:
         ours[" graph"] = with_cuda_graphs(models["ours"])
+    if compiled:
+        blocks = CompiledBlocks(models["ours"], ours=True)
+        ours[" compiled graph"] = switched_on(blocks, with_cuda_graphs(models["ours"]))
     out = {}
     for suffix, fn in ours.items():
         out[f"ours U1{suffix}"] = (fn, None)
@@ -132,6 +165,11 @@ def variants(models: dict, u2_state, simulate: bool, graphs: bool) -> dict:
             config = DiffusionParallelConfig(ulysses_degree=2, **flags)
             out[f"ours U2 {mode}{suffix}"] = (fn, dataclasses.replace(u2_state, config=config))
     out["diffusers U1"] = (models["diffusers"], None)
+    if compiled:
+        out["diffusers U1 compiled"] = (
+            switched_on(CompiledBlocks(models["diffusers"], ours=False), models["diffusers"]),
+            None,
+        )
     if not simulate:
         out["diffusers U2 ulysses"] = (models["diffusers_ulysses"], None)
         out["diffusers U2 ulysses_anything"] = (models["diffusers_anything"], None)
@@ -204,6 +242,10 @@ def write_docs(rows: list[dict], path: Path, setup: str) -> None:
         ("ours U2 mask graph", "ours U2 none graph"),
         ("ours U2 trim graph", "diffusers U2 ulysses_anything"),
         ("ours U1", "diffusers U1"),
+        ("ours U1 compiled graph", "diffusers U1 compiled"),
+        ("ours U1 compiled graph", "ours U1"),
+        ("ours U2 trim compiled graph", "ours U1 compiled graph"),
+        ("ours U2 trim compiled graph", "ours U2 none compiled graph"),
     ]:
         if a in table and b in table:
             lines.append(f"| {a} / {b} | " + " | ".join(ratio(a, b, size) for size in SIZES) + " |")
@@ -222,6 +264,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layers", type=int, default=60, help="fewer layers for a quick check")
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph variants of our model")
+    parser.add_argument(
+        "--compile", action="store_true", help="add compiled-block variants (ours with graphs, diffusers' own)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--docs", type=Path, default=ROOT / "docs/benchmarks.md")
     args = parser.parse_args()
@@ -245,7 +290,7 @@ def main() -> None:
     rows = []
     for size, side in SIZES.items():
         result = time_size(
-            variants(models, u2_state, args.simulate, not args.no_graphs),
+            variants(models, u2_state, args.simulate, not args.no_graphs, args.compile),
             make_inputs(side, device),
             args.iters,
             args.warmup,

@@ -54,3 +54,15 @@ def test_cuda_graphs_replay_what_eager_computes():
         again = _generate(omni, negative_prompt=" ")  # replays the captured graphs
     np.testing.assert_allclose(graphed, eager, rtol=0, atol=1e-4)
     np.testing.assert_array_equal(again, graphed)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cfg_parallel_on_two_gpus_equals_one_gpu():
+    from vllm_omni import Omni
+
+    cfg = dict(negative_prompt="blurry", true_cfg_scale=4.0)
+    with Omni("tiny/qwen-image", device="cuda", dtype="float32") as omni:
+        expected = _generate(omni, **cfg)
+    with Omni("tiny/qwen-image", cfg_parallel_size=2, device="cuda", dtype="float32") as omni:
+        actual = _generate(omni, **cfg)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-3)
