@@ -4,8 +4,8 @@ Real dimensions (60 layers, 24 heads x 128, joint_attention_dim 3584; 20.4B para
 random bf16 weights built on the GPU; every variant shares the same weight tensors. At
 1024x1024 (4096 image tokens) and 1328x1328 (6889, padded at U2) it times, interleaved:
 ours U1, ours U2 in trim / none / mask, diffusers U1, diffusers Ulysses U2 and diffusers
-Ulysses-anything U2, and our forwards replayed as CUDA graphs (what the engine runs on GPUs).
-CUDA events on rank 0, median of --iters rounds, the variants in a new random order each round.
+Ulysses-anything U2, and our forwards replayed as CUDA graphs (what the engine runs on GPUs),
+and reports how closely each output agrees with ours at U1. The driver is sp_forward.py.
 
     torchrun --nproc_per_node 2 benchmarks/qwen_image_sp.py     # two GPUs, real NCCL all-to-alls
     python benchmarks/qwen_image_sp.py --simulate               # one GPU: rank 0 of a simulated U2
@@ -17,30 +17,13 @@ the communication cost, and diffusers' CP cannot run that way.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import os
-import random
-import statistics
 import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from benchmarks.docs_table import replace_section  # noqa: E402
-from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, compile_repeated_blocks  # noqa: E402
-from vllm_omni.diffusion.data import DiffusionParallelConfig  # noqa: E402
-from vllm_omni.diffusion.distributed.parallel_state import (  # noqa: E402
-    initialize_parallel_state,
-    initialize_simulated_parallel_state,
-    use_parallel_state,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.sp_forward import ForwardBenchmark, build_shared_models, main  # noqa: E402
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel  # noqa: E402
 
 REAL_CONFIG = dict(
@@ -55,44 +38,24 @@ REAL_CONFIG = dict(
 )
 TEXT_LEN = 30
 SIZES = {"1024x1024": 64, "1328x1328": 83}  # latent grid side (16 pixels a token)
-MODES = {"trim": {}, "none": {"trim_sp_padding": False}, "mask": {"mask_sp_padding": True}}
 
 
-def build_models(device: torch.device, simulate: bool, layers: int):
+def parse_layers(text: str) -> tuple[dict[str, int], int]:
+    return {"num_layers": int(text)}, int(text)
+
+
+def build_models(device: torch.device, simulate: bool, overrides: dict[str, int]):
     from diffusers import QwenImageTransformer2DModel as Reference
 
-    config = dict(REAL_CONFIG, num_layers=layers)
-    torch.manual_seed(0)  # identical weights on every rank
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with device:
-            reference = Reference(**config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    config = dict(REAL_CONFIG, **overrides)
 
-    def sharing(cls):
-        with torch.device("meta"):
-            model = cls(**config)
-        model.load_state_dict(reference.state_dict(), assign=True)
-        # Rotary tables are plain tensors (not parameters), left on meta: build them for real. Each
-        # model gets its own module, since diffusers' CP hooks attach to it.
+    def rotary_for_real(model, reference):
+        # Rotary tables are plain tensors (not parameters), left on meta: build them for real.
         model.pos_embed = type(reference.pos_embed)(
             theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True
         )
-        return model.eval()
 
-    models = {"ours": sharing(QwenImageTransformer2DModel), "diffusers": reference}
-    if not simulate:
-        from diffusers import ContextParallelConfig
-
-        models["diffusers_ulysses"] = sharing(Reference)
-        models["diffusers_ulysses"].enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
-        models["diffusers_anything"] = sharing(Reference)
-        models["diffusers_anything"].enable_parallelism(
-            config=ContextParallelConfig(ulysses_degree=2, ulysses_anything=True)
-        )
-    return models
+    return build_shared_models(Reference, QwenImageTransformer2DModel, config, device, simulate, rotary_for_real)
 
 
 def make_inputs(side: int, device: torch.device) -> dict:
@@ -106,220 +69,16 @@ def make_inputs(side: int, device: torch.device) -> dict:
     )
 
 
-class CompiledBlocks:
-    """A model's repeated blocks compiled once, switched on only inside `with`: compiled and eager
-    variants share one set of weights. `ours=True` compiles as the engine does (attention eager);
-    otherwise diffusers' own `compile_repeated_blocks(fullgraph=True)`."""
-
-    def __init__(self, model, ours: bool) -> None:
-        if ours:
-            compile_repeated_blocks(model)
-        else:
-            model.compile_repeated_blocks(fullgraph=True)
-        self.impls = {m: m._compiled_call_impl for m in model.modules() if m._compiled_call_impl is not None}
-        self.__exit__()
-
-    def __enter__(self):
-        for module, impl in self.impls.items():
-            module._compiled_call_impl = impl
-
-    def __exit__(self, *exc) -> None:
-        for module in self.impls:
-            module._compiled_call_impl = None
-
-
-def switched_on(blocks: CompiledBlocks, fn):
-    def call(**kwargs):
-        with blocks:
-            return fn(**kwargs)
-
-    return call
-
-
-def with_cuda_graphs(model):
-    """`model`'s forward with its sharded part replayed as CUDA graphs, as the engine's runner does it."""
-    graphed = CUDAGraphForward(model.forward_sharded)
-
-    def forward(**kwargs):
-        model.forward_sharded = graphed
-        try:
-            return model(**kwargs)
-        finally:
-            del model.forward_sharded
-
-    return forward
-
-
-def variants(models: dict, u2_state, simulate: bool, graphs: bool, compiled: bool) -> dict:
-    """name -> (callable taking the forward's keyword arguments, parallel state for our model or None)."""
-    ours = {"": models["ours"]}
-    if graphs:
-        ours[" graph"] = with_cuda_graphs(models["ours"])
-    if compiled:
-        blocks = CompiledBlocks(models["ours"], ours=True)
-        ours[" compiled graph"] = switched_on(blocks, with_cuda_graphs(models["ours"]))
-    out = {}
-    for suffix, fn in ours.items():
-        out[f"ours U1{suffix}"] = (fn, None)
-        for mode, flags in MODES.items():
-            config = DiffusionParallelConfig(ulysses_degree=2, **flags)
-            out[f"ours U2 {mode}{suffix}"] = (fn, dataclasses.replace(u2_state, config=config))
-    out["diffusers U1"] = (models["diffusers"], None)
-    if compiled:
-        out["diffusers U1 compiled"] = (
-            switched_on(CompiledBlocks(models["diffusers"], ours=False), models["diffusers"]),
-            None,
-        )
-    if not simulate:
-        out["diffusers U2 ulysses"] = (models["diffusers_ulysses"], None)
-        out["diffusers U2 ulysses_anything"] = (models["diffusers_anything"], None)
-    return out
-
-
-def time_size(name_to_variant: dict, inputs: dict, iters: int, warmup: int, rank: int) -> dict[str, object]:
-    timings: dict[str, list[float]] = {name: [] for name in name_to_variant}
-    errors: dict[str, str] = {}
-    names = list(name_to_variant)
-    order = random.Random(0)  # same shuffle on every rank
-    for i in range(warmup + iters):
-        order.shuffle(names)  # a new order each round: no variant always follows the same one
-        for name in names:
-            if name in errors:
-                continue
-            model, state = name_to_variant[name]
-            if dist.is_initialized():
-                dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            try:
-                with use_parallel_state(state), torch.inference_mode():
-                    start.record()
-                    model(**inputs)
-                    end.record()
-                torch.cuda.synchronize()
-            except Exception as exc:  # noqa: BLE001 - recorded: diffusers' plain Ulysses rejects 6889 tokens
-                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-                if rank == 0:
-                    traceback.print_exc()
-                continue
-            if i >= warmup:
-                timings[name].append(start.elapsed_time(end))
-    return {name: errors.get(name) or statistics.median(times) for name, times in timings.items()}
-
-
-def write_docs(rows: list[dict], path: Path, setup: str) -> None:
-    device = rows[0]["device"]
-    table: dict[str, dict[str, object]] = {}
-    for row in rows:
-        table.setdefault(row["variant"], {})[row["size"]] = row["ms"] if row["ms"] is not None else row["error"]
-
-    def cell(value):
-        return f"{value:.1f}" if isinstance(value, float) else f"error: {value}"
-
-    lines = [
-        "## Qwen-Image transformer, one forward (ours vs diffusers context parallelism)",
-        "",
-        f"Real dimensions (60 layers, 24 heads x 128), random bf16 weights shared by every variant, "
-        f"text {TEXT_LEN} tokens, batch 1, {device}; {setup}. Median ms over the run, variants interleaved.",
-        "",
-        "| variant | " + " | ".join(SIZES) + " |",
-        "|---|" + "---|" * len(SIZES),
-    ]
-    for variant, by_size in table.items():
-        lines.append(f"| {variant} | " + " | ".join(cell(by_size.get(size)) for size in SIZES) + " |")
-
-    def ratio(a, b, size):
-        x, y = table.get(a, {}).get(size), table.get(b, {}).get(size)
-        return f"{x / y:.3f}" if isinstance(x, float) and isinstance(y, float) else "n/a"
-
-    lines += ["", "| ratio | " + " | ".join(SIZES) + " |", "|---|" + "---|" * len(SIZES)]
-    for a, b in [
-        ("ours U2 trim", "ours U1"),
-        ("ours U2 trim graph", "ours U1 graph"),
-        ("ours U2 trim graph", "ours U1"),
-        ("ours U2 trim", "ours U2 none"),
-        ("ours U2 trim graph", "ours U2 none graph"),
-        ("ours U2 mask", "ours U2 none"),
-        ("ours U2 mask graph", "ours U2 none graph"),
-        ("ours U2 trim graph", "diffusers U2 ulysses_anything"),
-        ("ours U1", "diffusers U1"),
-        ("ours U1 compiled graph", "diffusers U1 compiled"),
-        ("ours U1 compiled graph", "ours U1"),
-        ("ours U2 trim compiled graph", "ours U1 compiled graph"),
-        ("ours U2 trim compiled graph", "ours U2 none compiled graph"),
-    ]:
-        if a in table and b in table:
-            lines.append(f"| {a} / {b} | " + " | ".join(ratio(a, b, size) for size in SIZES) + " |")
-    replace_section(
-        path,
-        f"qwen_image_sp_{'simulated' if 'simulated' in setup else 'nccl'}",
-        "\n".join(lines),
-        script="qwen_image_sp",
-    )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--simulate", action="store_true", help="one GPU: act as rank 0 of a simulated U2 group")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=60, help="fewer layers for a quick check")
-    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph variants of our model")
-    parser.add_argument(
-        "--compile", action="store_true", help="add compiled-block variants (ours with graphs, diffusers' own)"
-    )
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs/benchmarks.md")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("qwen_image_sp.py needs a CUDA GPU")
-
-    if args.simulate:
-        rank, device = 0, torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        u2_state = initialize_simulated_parallel_state(DiffusionParallelConfig(ulysses_degree=2))
-        setup = "one GPU, simulated U2 rank (all-to-alls are local copies: no communication cost)"
-    else:
-        rank = int(os.environ["RANK"])
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=device)
-        u2_state = initialize_parallel_state(DiffusionParallelConfig(ulysses_degree=2), rank, "env://", device)
-        setup = "two GPUs, real NCCL all-to-alls"
-
-    models = build_models(device, args.simulate, args.layers)
-    rows = []
-    for size, side in SIZES.items():
-        result = time_size(
-            variants(models, u2_state, args.simulate, not args.no_graphs, args.compile),
-            make_inputs(side, device),
-            args.iters,
-            args.warmup,
-            rank,
-        )
-        for variant, value in result.items():
-            ms = value if isinstance(value, float) else None
-            if rank == 0:
-                print(f"{size} {variant:32s} {value if ms is None else f'{ms:.2f} ms'}", flush=True)
-            rows.append(
-                {
-                    "size": size,
-                    "variant": variant,
-                    "ms": None if ms is None else round(ms, 3),
-                    "error": None if ms is not None else value,
-                    "setup": setup,
-                    "device": torch.cuda.get_device_name(device),
-                    "layers": args.layers,
-                }
-            )
-    if rank == 0:
-        out = args.out or ROOT / f"benchmarks/results/qwen_image_sp{'_simulated' if args.simulate else ''}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(rows, indent=1) + "\n")
-        write_docs(rows, args.docs, setup)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
+BENCHMARK = ForwardBenchmark(
+    key="qwen_image_sp",
+    title="Qwen-Image transformer, one forward (ours vs diffusers context parallelism)",
+    dims=f"Real dimensions (60 layers, 24 heads x 128), text {TEXT_LEN} tokens",
+    sizes=SIZES,
+    default_layers=str(REAL_CONFIG["num_layers"]),
+    parse_layers=parse_layers,
+    build_models=build_models,
+    make_inputs=make_inputs,
+)
 
 if __name__ == "__main__":
-    main()
+    main(BENCHMARK, __doc__)

@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel as ReferenceTransformer
+from sp_padding import random_sp_padding
 
 from vllm_omni.diffusion.data import DiffusionParallelConfig
-from vllm_omni.diffusion.distributed import sequence_parallel
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
 from vllm_omni.logger import reset_warning_once
@@ -106,16 +106,6 @@ _MODES = {
 _worker_models: dict = {}
 
 
-def _random_pad_tail(x: torch.Tensor, dim: int, pad_size: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] = pad_size
-    if x.dtype.is_floating_point or x.dtype.is_complex:
-        noise = torch.randn(shape, dtype=x.dtype) * 5
-    else:
-        noise = torch.randint(0, 2, shape, dtype=x.dtype)
-    return torch.cat([x, noise.to(x.device)], dim=dim)
-
-
 def sp_forward(folder: str, case: str, mode: str, batch: int, text_len: int, mask_rows=None, random_padding=False):
     """Worker side: our transformer's forward under the worker's SP group in the given padding mode."""
     if folder not in _worker_models:
@@ -126,14 +116,9 @@ def sp_forward(folder: str, case: str, mode: str, batch: int, text_len: int, mas
         inputs["encoder_hidden_states_mask"] = torch.tensor(mask_rows)
     state = get_parallel_state()
     config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
-    original_pad = sequence_parallel._pad_tail
-    if random_padding:
-        sequence_parallel._pad_tail = _random_pad_tail
-    try:
-        with use_parallel_state(dataclasses.replace(state, config=config)), torch.no_grad():
+    with random_sp_padding(random_padding), use_parallel_state(dataclasses.replace(state, config=config)):
+        with torch.no_grad():
             return model(**inputs)[0]
-    finally:
-        sequence_parallel._pad_tail = original_pad
 
 
 def reset_warnings():

@@ -81,6 +81,13 @@ FAMILIES: tuple[Family, ...] = (
             "tiny/qwen-image-edit-plus": "QwenImageEditPlusPipeline",
         },
     ),
+    Family(
+        "flux2",
+        # Guidance-distilled: guidance_scale is embedded, one forward per step; input images are optional
+        # references (each up to 1024x1024 adds up to 4096 tokens, so the engine's max_input_images caps them).
+        (PipelineSpec("Flux2Pipeline", "flux2", "generate", COMMON_FIELDS | {"guidance_scale"}, max_input_images=10),),
+        {"tiny/flux2": "Flux2Pipeline"},
+    ),
 )
 
 REGISTRY: dict[str, PipelineSpec] = {spec.diffusers_class: spec for family in FAMILIES for spec in family.specs}

@@ -1,0 +1,86 @@
+"""FLUX.2 through the offline engine on its tiny model: SP equals one process at padded sizes,
+reference images, the fields it refuses, and the unmasked-padding warning. CPU workers over gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
+
+from vllm_omni import Omni  # noqa: E402
+
+MODEL = "tiny/flux2"
+# 208x176 -> 13x11 = 143 image tokens (padded at Ulysses 2 and 3); the 512 text tokens pad at Ulysses 3.
+HEIGHT, WIDTH = 208, 176
+PROMPT = "a lighthouse on a cliff at dusk"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    started: dict[tuple, Omni] = {}
+
+    def get(degree: int = 1, mode: str = "trim") -> Omni:
+        key = (degree, mode)
+        if key not in started:
+            started[key] = Omni(
+                MODEL, ulysses_degree=degree, mask_sp_padding=mode == "mask", trim_sp_padding=mode != "none"
+            )
+        return started[key]
+
+    yield get
+    for omni in started.values():
+        omni.close()
+
+
+def _generate(omni: Omni, **kwargs) -> np.ndarray:
+    args = dict(height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=3, output_type="np")
+    args.update(kwargs)
+    return np.stack(omni.generate(PROMPT, **args))
+
+
+def _reference_image() -> Image.Image:
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, (96, 128, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("degree", [2, 3])
+@pytest.mark.parametrize("mode", ["trim", "mask"])
+def test_sp_equals_single_process_at_padded_size(engines, degree, mode):
+    expected = _generate(engines(), guidance_scale=3.0)
+    np.testing.assert_allclose(_generate(engines(degree, mode), guidance_scale=3.0), expected, rtol=0, atol=1e-5)
+
+
+def test_reference_image_generation_under_sp_equals_single_process(engines):
+    image = _reference_image()
+    expected = _generate(engines(), image=image)
+    actual = _generate(engines(2, "trim"), image=image)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
+    assert not np.allclose(expected, _generate(engines()), atol=1e-3)  # the reference image matters
+
+
+@pytest.mark.parametrize(("field", "value"), [("negative_prompt", "blurry"), ("true_cfg_scale", 4.0)])
+def test_fields_flux2_does_not_take_are_refused_by_name(engines, field, value):
+    with pytest.raises(ValueError, match=f"{field} is not accepted by Flux2Pipeline"):
+        engines().generate(PROMPT, height=HEIGHT, width=WIDTH, num_inference_steps=2, **{field: value})
+
+
+def test_cfg_parallel_is_refused_for_a_distilled_model():
+    with pytest.raises(ValueError, match="Flux2Pipeline runs no classifier-free guidance branches"):
+        Omni(MODEL, cfg_parallel_size=2)
+
+
+def test_unmasked_padding_is_close_not_equal_and_warns_once_per_worker(engines, capfd):
+    expected = _generate(engines())
+    with Omni(MODEL, ulysses_degree=2, trim_sp_padding=False) as omni:
+        first, second = _generate(omni), _generate(omni)
+    np.testing.assert_array_equal(first, second)
+    diff = float(np.abs(first - expected).max())
+    assert 0 < diff < 0.5, diff
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "unmasked SP padding" in line]
+    assert sorted(re.search(r"\[(omni-worker-\d)", w).group(1) for w in warnings) == ["omni-worker-0", "omni-worker-1"]
