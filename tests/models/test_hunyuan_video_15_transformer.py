@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel as ReferenceTransformer
 
+from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.distributed import sequence_parallel
+from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel
+from vllm_omni.logger import reset_warning_once
 
 LATENT = 4
 CONFIG = dict(
@@ -195,3 +200,99 @@ def test_text_plan_is_computed_once_per_mask_tensor(models, monkeypatch):
     inputs["encoder_attention_mask"][0, 7] = 1
     torch.testing.assert_close(run(ours, inputs), run(models[0], inputs), rtol=0, atol=1e-5)
     assert len(calls) == 3
+
+
+# ---- under SP (gloo workers) ----------------------------------------------------------------
+
+_MODES = {
+    "mask": DiffusionParallelConfig(mask_sp_padding=True),
+    "trim": DiffusionParallelConfig(),
+    "none": DiffusionParallelConfig(trim_sp_padding=False),
+}
+_worker_models: dict = {}
+
+SP_CASES = {
+    # 175 video tokens; 7 + 6 = 13 valid text tokens (pads at 2 and 3 unbucketed; bucket 64 is filler)
+    "t2v_glyph": Case(prompt_valid=(7,), glyph_valid=(6,)),
+    # rows with different padding (run one by one), image tokens valid
+    "i2v_rows": Case(prompt_valid=(7, 19), glyph_valid=(0, 5), i2v=True),
+    # 105 video tokens: pads at 2 only
+    "pad2_grid": Case(grid=GRIDS["pad2"], prompt_valid=(11,)),
+}
+
+
+def _random_pad_tail(x: torch.Tensor, dim: int, pad_size: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = pad_size
+    return torch.cat([x, (torch.randn(shape) * 5).to(x.dtype)], dim=dim)
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def sp_forward(
+    folder: str, case: Case, mode: str, bucket_multiple: int | None = None, random_padding: bool = False
+) -> tuple[torch.Tensor, list[str]]:
+    """Worker side: our forward under the worker's SP group in `mode`; the output and the warnings logged."""
+    if folder not in _worker_models:
+        _worker_models[folder] = HunyuanVideo15Transformer3DModel.from_pretrained(folder).eval()
+    model = _worker_models[folder]
+    inputs = make_inputs(case, pad_noise=5.0 if random_padding else 0.0)
+    state = get_parallel_state()
+    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
+    original_pad, warnings, root = sequence_parallel._pad_tail, _Warnings(), logging.getLogger("vllm_omni")
+    if random_padding:
+        sequence_parallel._pad_tail = _random_pad_tail
+    reset_warning_once()
+    root.addHandler(warnings)
+    try:
+        with use_parallel_state(dataclasses.replace(state, config=config)):
+            return run(model, inputs, bucket_multiple), warnings.messages
+    finally:
+        root.removeHandler(warnings)
+        sequence_parallel._pad_tail = original_pad
+
+
+@pytest.mark.parametrize("case", list(SP_CASES))
+def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, case):
+    _, ours = models
+    expected = run(ours, make_inputs(SP_CASES[case]))
+    for mode in ("mask", "trim"):
+        for bucket_multiple in (1, 64):
+            for out, warnings in sp_pool.run(sp_forward, checkpoint, SP_CASES[case], mode, bucket_multiple):
+                torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+                assert warnings == []
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
+    """Random values in the SP padding and in the masked text tokens (hence the bucket filler)."""
+    for case in ("t2v_glyph", "i2v_rows"):
+        clean = sp_pool.run(sp_forward, checkpoint, SP_CASES[case], mode)
+        noisy = sp_pool.run(sp_forward, checkpoint, SP_CASES[case], mode, random_padding=True)
+        for (a, _), (b, _) in zip(clean, noisy):
+            assert torch.equal(a, b)
+
+
+def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, checkpoint):
+    _, ours = models
+    case = SP_CASES["t2v_glyph"]
+    expected = run(ours, make_inputs(case))
+    for out, warnings in sp_pool.run(sp_forward, checkpoint, case, "none"):
+        diff = (out - expected).abs().max().item()
+        assert 0 < diff < 0.5 * expected.abs().max().item()
+        assert len(warnings) == 1 and "unmasked SP padding" in warnings[0]
+        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
+    # Divisible video grid: the only padding is the text bucket's filler, which is not SP padding
+    # and is cut in every mode, so none mode is exact and silent.
+    case = Case(grid=GRIDS["divisible"], prompt_valid=(7,), glyph_valid=(5,))
+    expected = run(ours, make_inputs(case))
+    for out, warnings in sp_pool.run(sp_forward, checkpoint, case, "none"):
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+        assert warnings == []
