@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers import transformer_qwenimage as reference
+from diffusers.utils import apply_lora_scale
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.distributed.sequence_parallel import (
@@ -28,6 +29,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     sequence_parallel_context,
     shard_with_auto_pad,
 )
+from vllm_omni.diffusion.models.text_compaction import TextCompaction, compact_text_mask
 
 
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
@@ -86,6 +88,7 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
             # signature on every call, and at Ulysses 2+ a layer is bound by host-side launch time.
             block.attn.forward = functools.partial(processor, block.attn)
 
+    @apply_lora_scale("attention_kwargs")
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -100,54 +103,49 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
         return_dict: bool = True,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """Same arguments and outputs as the diffusers reference."""
-        text_index = None
-        if encoder_hidden_states_mask is not None:
-            mask = encoder_hidden_states_mask.bool()
-            if mask.all():
-                pass
-            elif (mask == mask[:1]).all():
-                # The reference masks padded text keys; dropping those tokens (and their rotary
-                # rows) gives the same image output with no mask, so the dense kernel still runs.
-                text_index = mask[0].nonzero().squeeze(1)
-            else:
-                # Rows with different text padding cannot share one compaction: run them one by one.
-                rows = [
-                    self.forward(
+        # The reference masks padded text keys; keeping only the valid tokens (and their rotary
+        # rows) gives the same image output with no mask, so the dense kernel still runs.
+        compaction = None if encoder_hidden_states_mask is None else compact_text_mask(encoder_hidden_states_mask)
+        if not isinstance(compaction, list):
+            with sequence_parallel_context():
+                output = self._forward_sharded(
+                    hidden_states,
+                    encoder_hidden_states,
+                    compaction,
+                    timestep,
+                    img_shapes,
+                    guidance,
+                    attention_kwargs,
+                    controlnet_block_samples,
+                    additional_t_cond,
+                )
+            return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+        # Rows with different text padding cannot share one compaction: run them one by one.
+        rows = []
+        for i, row_compaction in enumerate(compaction):
+            with sequence_parallel_context():
+                rows.append(
+                    self._forward_sharded(
                         hidden_states[i : i + 1],
                         encoder_hidden_states[i : i + 1],
-                        encoder_hidden_states_mask[i : i + 1],
+                        row_compaction,
                         timestep[i : i + 1] if timestep.dim() else timestep,
                         img_shapes[i : i + 1] if img_shapes is not None else None,
                         guidance[i : i + 1] if guidance is not None and guidance.dim() else guidance,
                         attention_kwargs,
                         [s[i : i + 1] for s in controlnet_block_samples] if controlnet_block_samples else None,
                         additional_t_cond[i : i + 1] if additional_t_cond is not None else None,
-                        return_dict=False,
-                    )[0]
-                    for i in range(hidden_states.shape[0])
-                ]
-                output = torch.cat(rows)
-                return Transformer2DModelOutput(sample=output) if return_dict else (output,)
-
-        with sequence_parallel_context():
-            output = self._forward_sharded(
-                hidden_states,
-                encoder_hidden_states,
-                text_index,
-                timestep,
-                img_shapes,
-                guidance,
-                attention_kwargs,
-                controlnet_block_samples,
-                additional_t_cond,
-            )
+                    )
+                )
+        output = torch.cat(rows)
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
     def _forward_sharded(
         self,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
-        text_index: torch.Tensor | None,
+        compaction: TextCompaction | None,  # None: keep every text token
         timestep: torch.Tensor,
         img_shapes: list,
         guidance: torch.Tensor | None,
@@ -157,12 +155,15 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
     ) -> torch.Tensor:
         text_seq_len = encoder_hidden_states.shape[1]
         img_freqs, txt_freqs = self.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden_states.device)
-        if text_index is not None:
-            encoder_hidden_states = encoder_hidden_states[:, text_index]
-            txt_freqs = txt_freqs[text_index]
+        valid_len = None
+        if compaction is not None:
+            encoder_hidden_states = compaction.gather(encoder_hidden_states, 1)
+            txt_freqs = compaction.gather(txt_freqs, 0)
+            valid_len = compaction.valid_len
 
         hidden_states = self.img_in(shard_with_auto_pad(hidden_states, 1, IMAGE))
-        encoder_hidden_states = self.txt_in(self.txt_norm(shard_with_auto_pad(encoder_hidden_states, 1, TEXT)))
+        encoder_hidden_states = shard_with_auto_pad(encoder_hidden_states, 1, TEXT, valid_len=valid_len)
+        encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))
         rotary = (shard_with_auto_pad(img_freqs, 0, IMAGE), shard_with_auto_pad(txt_freqs, 0, TEXT))
 
         timestep = timestep.to(hidden_states.dtype)
