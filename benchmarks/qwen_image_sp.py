@@ -20,12 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import random
-import statistics
 import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -34,13 +29,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
+from benchmarks.forward_timing import init_parallel, time_variants  # noqa: E402
 from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward  # noqa: E402
 from vllm_omni.diffusion.data import DiffusionParallelConfig  # noqa: E402
-from vllm_omni.diffusion.distributed.parallel_state import (  # noqa: E402
-    initialize_parallel_state,
-    initialize_simulated_parallel_state,
-    use_parallel_state,
-)
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel  # noqa: E402
 
 REAL_CONFIG = dict(
@@ -124,36 +115,6 @@ def variants(models: dict, u2_state, simulate: bool, graphs: bool) -> dict:
     return out
 
 
-def time_size(name_to_variant: dict, inputs: dict, iters: int, warmup: int, rank: int) -> dict[str, object]:
-    timings: dict[str, list[float]] = {name: [] for name in name_to_variant}
-    errors: dict[str, str] = {}
-    names = list(name_to_variant)
-    order = random.Random(0)  # same shuffle on every rank
-    for i in range(warmup + iters):
-        order.shuffle(names)  # a new order each round: no variant always follows the same one
-        for name in names:
-            if name in errors:
-                continue
-            model, state = name_to_variant[name]
-            if dist.is_initialized():
-                dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            try:
-                with use_parallel_state(state), torch.inference_mode():
-                    start.record()
-                    model(**inputs)
-                    end.record()
-                torch.cuda.synchronize()
-            except Exception as exc:  # noqa: BLE001 - recorded: diffusers' plain Ulysses rejects 6889 tokens
-                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-                if rank == 0:
-                    traceback.print_exc()
-                continue
-            if i >= warmup:
-                timings[name].append(start.elapsed_time(end))
-    return {name: errors.get(name) or statistics.median(times) for name, times in timings.items()}
-
-
 def write_docs(rows: list[dict], path: Path, setup: str) -> None:
     device = rows[0]["device"]
     table: dict[str, dict[str, object]] = {}
@@ -214,23 +175,13 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("qwen_image_sp.py needs a CUDA GPU")
 
-    if args.simulate:
-        rank, device = 0, torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        u2_state = initialize_simulated_parallel_state(DiffusionParallelConfig(ulysses_degree=2))
-        setup = "one GPU, simulated U2 rank (all-to-alls are local copies: no communication cost)"
-    else:
-        rank = int(os.environ["RANK"])
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=device)
-        u2_state = initialize_parallel_state(DiffusionParallelConfig(ulysses_degree=2), rank, "env://", device)
-        setup = "two GPUs, real NCCL all-to-alls"
+    parallel = init_parallel(args.simulate, degree=2)
+    rank, device, u2_state, setup = parallel.rank, parallel.device, parallel.state, parallel.description
 
     models = build_models(device, args.simulate, args.layers)
     rows = []
     for size, side in SIZES.items():
-        result = time_size(
+        result, _ = time_variants(
             variants(models, u2_state, args.simulate, not args.no_graphs),
             make_inputs(side, device),
             args.iters,
