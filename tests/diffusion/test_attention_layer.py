@@ -71,8 +71,11 @@ class _Records(logging.Handler):
         self.messages.append((record.levelno, record.getMessage()))
 
 
-def run_attention(mode, batch, image_len, text_len, text_position, calls=1, pad_noise_seed=None):
-    """Worker side: SP attention on this rank; returns gathered outputs and the warnings logged."""
+def run_attention(mode, batch, image_len, text_len, text_position, calls=1, pad_noise_seed=None, text_valid=None):
+    """Worker side: SP attention on this rank; returns gathered outputs and the warnings logged.
+
+    `text_valid` < `text_len` marks the text's tail as filler (shard_with_auto_pad's valid_len).
+    """
     image, text = _streams(1234, batch, image_len, text_len)
     layer = Attention(text_position=text_position)
     records = _Records()
@@ -81,7 +84,7 @@ def run_attention(mode, batch, image_len, text_len, text_position, calls=1, pad_
         for _ in range(calls):
             with sequence_parallel_context(MODES[mode]):
                 img_local = [shard_with_auto_pad(t, 1, IMAGE) for t in image]
-                txt_local = [shard_with_auto_pad(t, 1, TEXT) for t in text]
+                txt_local = [shard_with_auto_pad(t, 1, TEXT, valid_len=text_valid) for t in text]
                 if pad_noise_seed is not None:
                     img_local = [
                         _fill_padding_with_noise(t, IMAGE, pad_noise_seed + i) for i, t in enumerate(img_local)
@@ -165,3 +168,41 @@ def test_single_process_joint_attention_matches_sdpa():
         ref_img, ref_txt = _reference(image, text, text_position)
         torch.testing.assert_close(img_out, ref_img, rtol=0, atol=1e-6)
         torch.testing.assert_close(txt_out, ref_txt, rtol=0, atol=1e-6)
+
+
+def _check_filler_dropped(results, batch, image_len, text_len, text_valid, text_position):
+    image, text = _streams(1234, batch, image_len, text_len)
+    ref_img, ref_txt = _reference(image, tuple(t[:, :text_valid] for t in text), text_position)
+    for img_out, txt_out, warnings in results:
+        torch.testing.assert_close(img_out, ref_img, rtol=0, atol=1e-5)
+        torch.testing.assert_close(txt_out, ref_txt, rtol=0, atol=1e-5)  # gathered to the valid length
+        assert warnings == []
+
+
+@pytest.mark.parametrize("text_position", ["front", "rear"])
+def test_stream_filler_is_dropped_exactly_in_every_mode(sp_pool, text_position):
+    """A text stream of 11 tokens of which 4 are real (a bucket's filler after them) behaves like 4 tokens.
+
+    The image length is divisible, so even none mode has no SP padding left to see: the
+    filler is cut there too and never warns.
+    """
+    sp_pool.run(reset_warnings)
+    world = sp_pool.world_size
+    for mode in ("mask", "trim", "none"):
+        results = sp_pool.run(run_attention, mode, 2, 4 * world, 11, text_position, text_valid=4)
+        _check_filler_dropped(results, 2, 4 * world, 11, 4, text_position)
+    for mode in ("mask", "trim"):  # with SP padding in both streams as well
+        results = sp_pool.run(run_attention, mode, 1, 13, 11, text_position, text_valid=4)
+        _check_filler_dropped(results, 1, 13, 11, 4, text_position)
+
+
+def test_single_process_cuts_stream_filler():
+    image, text = _streams(5, 2, 9, 7)
+    for text_position in ("front", "rear"):
+        with sequence_parallel_context():
+            txt = tuple(shard_with_auto_pad(t, 1, TEXT, valid_len=3) for t in text)
+            img_out, txt_out = Attention(text_position)(*image, text_qkv=txt)
+        ref_img, ref_txt = _reference(image, tuple(t[:, :3] for t in text), text_position)
+        torch.testing.assert_close(img_out, ref_img, rtol=0, atol=1e-6)
+        torch.testing.assert_close(txt_out[:, :3], ref_txt, rtol=0, atol=1e-6)
+        assert txt_out.shape[1] == 7  # filler queries keep their rows

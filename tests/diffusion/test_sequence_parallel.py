@@ -137,6 +137,48 @@ def test_layout_per_mode():
         assert ctx.joint_layout([TEXT, IMAGE], torch.device("cpu"), torch.float32) is layout
 
 
+def test_layout_with_stream_filler_per_mode():
+    """Text of 10 tokens of which 6 are real (filler 4, padded to 12), behind 13 image tokens (padded to 16)."""
+    for mode in ("mask", "trim", "none"):
+        ctx = _ctx(mode)
+        ctx.record_stream(IMAGE, 13)
+        assert ctx.record_stream(TEXT, 10, valid_len=6) == StreamShard(6, 6, 4, filler_len=4)
+        rear = ctx.joint_layout([IMAGE, TEXT], torch.device("cpu"), torch.float32)
+        front = ctx.joint_layout([TEXT, IMAGE], torch.device("cpu"), torch.float32)
+        if mode == "trim":
+            assert [s.joint_offset for s in rear.slots] == [0, 13] and (rear.query_len, rear.kv_len) == (25, 19)
+        elif mode == "mask":
+            assert [s.joint_offset for s in rear.slots] == [0, 16] and (rear.query_len, rear.kv_len) == (28, 28)
+            valid = rear.key_mask.view(-1) == 0
+            assert valid.tolist() == [True] * 13 + [False] * 3 + [True] * 6 + [False] * 6
+        else:
+            # none: the image keeps its unmasked SP padding, the text is cut at its true length.
+            assert [s.joint_offset for s in rear.slots] == [0, 16] and (rear.query_len, rear.kv_len) == (28, 22)
+            assert [s.joint_offset for s in front.slots] == [0, 6] and (front.query_len, front.kv_len) == (22, 22)
+            assert rear.key_mask is None
+
+
+def test_valid_len_is_recorded_with_one_rank():
+    x = torch.randn(1, 7, 2)
+    with sequence_parallel_context() as ctx:
+        assert shard_with_auto_pad(x, 1, TEXT, valid_len=3) is x
+        assert ctx.streams[TEXT] == StreamShard(3, 4, 1, filler_len=4)
+        assert gather_sequence(x, 1, TEXT) is x  # one rank: nothing to gather or strip
+
+
+def test_valid_len_errors():
+    ctx = _ctx("trim")
+    with pytest.raises(ValueError, match="valid_len must be in"):
+        ctx.record_stream(TEXT, 5, valid_len=6)
+    ctx.record_stream(TEXT, 8, valid_len=5)
+    ctx.record_stream(TEXT, 8)  # a table that travels with the stream: same length, true length known
+    with pytest.raises(ValueError, match="must have its length"):
+        ctx.record_stream(TEXT, 8, valid_len=6)
+    ring = _ctx("trim", ring_degree=2)
+    with pytest.raises(ValueError, match="ring_degree=1"):
+        ring.record_stream(TEXT, 8, valid_len=5)
+
+
 def test_mask_is_not_built_without_padding():
     ctx = _ctx("mask")
     ctx.record_stream(IMAGE, 16)

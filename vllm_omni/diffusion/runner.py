@@ -8,7 +8,8 @@ identically on every rank (so every rank holds the same latents), the per-step h
 [n, H, W, 3], videos [n, F, H, W, 3]) unless the caller asked for float arrays.
 
 A family supplies only what differs, in `models/<family>/pipeline.py`: its transformer class
-(TRANSFORMER_CLASS), `pipeline_kwargs` (request -> the pipeline's keyword arguments) and, for
+(TRANSFORMER_CLASS), `pipeline_kwargs` (request -> the pipeline's keyword arguments; or
+`prepare_pipeline(pipe, request, spec)` where the pipeline itself is set per request) and, for
 pipelines with CFG, `uses_cfg(request)` and DEFAULT_NEGATIVE_PROMPT.
 """
 
@@ -72,7 +73,8 @@ class PipelineRunner:
 
         Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np".
         """
-        kwargs = self.family.pipeline_kwargs(request, self.spec)
+        prepare = getattr(self.family, "prepare_pipeline", None)  # families that configure the pipeline per request
+        kwargs = prepare(self.pipe, request, self.spec) if prepare else self.family.pipeline_kwargs(request, self.spec)
         # One CPU generator on every rank: identical latents everywhere, on any device.
         kwargs.update(generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np")
         if self.cfg is not None:

@@ -111,15 +111,28 @@ class Attention(nn.Module):
 
         ctx = get_sp_context()
         if ctx is None or not ctx.enabled:
-            outs = self._attend_single_process([streams[name] for name in order])
+            outs = self._attend_single_process(ctx, order, streams)
         else:
             outs = self._attend_ulysses(ctx, order, streams)
         by_name = dict(zip(order, outs))
         return by_name[IMAGE], by_name.get(TEXT)
 
     @staticmethod
-    def _attend_single_process(ordered: list[QKV]) -> list[torch.Tensor]:
-        query, key, value = (torch.cat(parts, dim=1) for parts in zip(*ordered))
+    def _attend_single_process(
+        ctx: SequenceParallelContext | None, order: list[str], streams: dict[str, QKV]
+    ) -> list[torch.Tensor]:
+        ordered = [streams[name] for name in order]
+        query = torch.cat([q for q, _, _ in ordered], dim=1)
+        # A stream's filler (shard_with_auto_pad's valid_len) is cut from keys and values: exact, dense.
+        # Only a tensor of the stream's recorded length carries it (FLUX.2's fused single-stream
+        # blocks pass [text, image] as one stream, which has no filler).
+        kept = []
+        for name, (_, k, _) in zip(order, ordered):
+            shard = ctx.streams.get(name) if ctx is not None else None
+            has_filler = shard is not None and shard.filler_len > 0 and k.shape[1] == shard.seq_len
+            kept.append(shard.original_seq_len if has_filler else k.shape[1])
+        key = torch.cat([k[:, :n] for (_, k, _), n in zip(ordered, kept)], dim=1)
+        value = torch.cat([v[:, :n] for (_, _, v), n in zip(ordered, kept)], dim=1)
         out = resolve_attention_backend(needs_mask=False)(query, key, value)
         return list(out.split([q.shape[1] for q, _, _ in ordered], dim=1))
 

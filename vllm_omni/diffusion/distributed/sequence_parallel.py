@@ -13,6 +13,11 @@ where each stream sits in the joint sequence and what attention may see of it:
   token (exact; dense kernel). Queries keep the padded layout, so the output lands in the
   layout the reverse all-to-all needs with no extra copy.
 - ``none``: dense attention over the padding, unmasked; approximate, warns once.
+
+A stream may also end in tokens the model itself wants dropped (a text-length bucket's
+filler, text_compaction.py): `shard_with_auto_pad(x, dim, TEXT, valid_len=n)` records n as
+the stream's true length, and the filler is treated like its SP padding, except that it is
+cut from keys and values in ``none`` mode too (and in a single process, in every mode).
 """
 
 from __future__ import annotations
@@ -41,9 +46,15 @@ TEXT = "text"
 class StreamShard:
     """How one token stream is split: its true length, padding and per-rank length."""
 
-    original_seq_len: int
-    pad_size: int
+    original_seq_len: int  # the tokens attention keeps and gather returns
+    pad_size: int  # everything after them: the tensor's own filler, then SP zeros
     world_size: int
+    filler_len: int = 0  # of pad_size, tokens the sharded tensor already carries (valid_len < its length)
+
+    @property
+    def seq_len(self) -> int:
+        """Length of the tensors sharded for this stream (true length plus filler)."""
+        return self.original_seq_len + self.filler_len
 
     @property
     def padded_seq_len(self) -> int:
@@ -68,10 +79,11 @@ class StreamSlot:
 class JointLayout:
     """The joint sequence attention runs over after the seq->head all-to-all.
 
-    Each stream is copied, padding included, to `joint_offset`; in trim mode a stream's
-    offset is the previous stream's true end, so the next stream's copy overwrites the
-    previous padding and only the last stream's padding remains, past `kv_len`. Queries
-    span `query_len`; keys and values span `kv_len`.
+    Each stream is copied, padding included, to `joint_offset`. A stream cut at its true
+    length (every stream in trim mode; in none mode, one that carries filler) is followed
+    at its true end, so the next stream's copy overwrites its padding and only the last
+    stream's padding remains, past `kv_len`. Queries span `query_len`; keys and values
+    span `kv_len`.
     """
 
     slots: tuple[StreamSlot, ...]
@@ -102,11 +114,20 @@ class SequenceParallelContext:
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    def record_stream(self, stream: str, seq_len: int) -> StreamShard:
+    def record_stream(self, stream: str, seq_len: int, valid_len: int | None = None) -> StreamShard:
+        """Record a stream of `seq_len` tokens of which the first `valid_len` (default all) are real."""
+        true_len = seq_len if valid_len is None else valid_len
+        if not 0 <= true_len <= seq_len:
+            raise ValueError(f"valid_len must be in [0, {seq_len}] for the {stream} stream, got {valid_len}")
         shard = self.streams.get(stream)
         if shard is None:
             padded = math.ceil(seq_len / self.world_size) * self.world_size
-            shard = StreamShard(original_seq_len=seq_len, pad_size=padded - seq_len, world_size=self.world_size)
+            shard = StreamShard(true_len, padded - true_len, self.world_size, filler_len=seq_len - true_len)
+            if shard.filler_len and self.ring_degree > 1:
+                raise ValueError(
+                    f"Ring attention cannot drop the {shard.filler_len} filler tokens of the {stream} stream "
+                    f"exactly. Use Ulysses only (ring_degree=1)."
+                )
             if shard.pad_size and self.ring_degree > 1:
                 raise ValueError(
                     f"Ring attention cannot be exact with SP padding: the {stream} sequence of {seq_len} tokens "
@@ -115,10 +136,10 @@ class SequenceParallelContext:
                 )
             self.streams[stream] = shard
             self._layouts.clear()
-        elif shard.original_seq_len != seq_len:
+        elif shard.seq_len != seq_len or (valid_len is not None and valid_len != shard.original_seq_len):
             raise ValueError(
-                f"{stream} stream was sharded with {shard.original_seq_len} tokens, now with {seq_len}: "
-                "tensors that travel with a stream must have its length"
+                f"{stream} stream was sharded with {shard.seq_len} tokens ({shard.original_seq_len} real), now "
+                f"with {seq_len} ({true_len} real): tensors that travel with a stream must have its length"
             )
         return shard
 
@@ -131,20 +152,25 @@ class SequenceParallelContext:
             self._layouts[key] = layout
         return layout
 
+    def _cut_at_true_length(self, shard: StreamShard) -> bool:
+        # Trim cuts every stream; "none" still cuts a stream's own filler, which is not SP padding.
+        return self.padding_mode == "trim" or (self.padding_mode == "none" and shard.filler_len > 0)
+
     def _build_layout(self, order: Sequence[str], device: torch.device, dtype: torch.dtype) -> JointLayout:
         slots, local_start, joint_offset = [], 0, 0
-        trim = self.padding_mode == "trim"
         for name in order:
             if name not in self.streams:
                 raise RuntimeError(f"stream {name!r} reached attention without shard_with_auto_pad")
             shard = self.streams[name]
             slots.append(StreamSlot(name, shard, local_start, joint_offset))
             local_start += shard.local_seq_len
-            joint_offset += shard.original_seq_len if trim else shard.padded_seq_len
+            joint_offset += shard.original_seq_len if self._cut_at_true_length(shard) else shard.padded_seq_len
         last = slots[-1]
         query_len = last.joint_offset + last.shard.padded_seq_len
-        kv_len = last.joint_offset + last.shard.original_seq_len if trim else query_len
-        total_pad = sum(slot.shard.pad_size for slot in slots)
+        kv_len = last.joint_offset + (
+            last.shard.original_seq_len if self._cut_at_true_length(last.shard) else last.shard.padded_seq_len
+        )
+        total_pad = sum(slot.shard.pad_size for slot in slots if not self._cut_at_true_length(slot.shard))
 
         key_mask = None
         if self.padding_mode == "mask" and total_pad:
@@ -214,29 +240,34 @@ def _pad_tail(x: torch.Tensor, dim: int, pad_size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def shard_with_auto_pad(x: torch.Tensor, dim: int, stream: str = IMAGE) -> torch.Tensor:
+def shard_with_auto_pad(x: torch.Tensor, dim: int, stream: str = IMAGE, valid_len: int | None = None) -> torch.Tensor:
     """This rank's chunk of `x` along `dim`, padding zeros at the global tail when needed.
 
     The first tensor sharded for a stream records its length; tensors that travel with
     the stream (rotary tables, modulation indices) are sharded by the same rule.
-    Outside an SP context, or with one rank, `x` is returned as is.
+    `valid_len` < the length marks the tail as filler that attention must not see.
+    Outside an SP context `x` is returned as is; with one rank it is returned as is after
+    recording the stream (the single-process attention cuts the filler).
     """
     ctx = get_sp_context()
-    if ctx is None or not ctx.enabled:
+    if ctx is None:
         return x
     dim = dim % x.dim()
     seq_len = x.shape[dim]
-    shard = ctx.record_stream(stream, seq_len)
-    if shard.pad_size:
+    shard = ctx.record_stream(stream, seq_len, valid_len)
+    if not ctx.enabled:
+        return x
+    sp_pad = shard.padded_seq_len - seq_len
+    if sp_pad:
         logger.debug(
             "Auto-padded sequence from %d to %d (pad_size=%d, world_size=%d, dim=%d)",
             seq_len,
             shard.padded_seq_len,
-            shard.pad_size,
+            sp_pad,
             ctx.world_size,
             dim,
         )
-        x = _pad_tail(x, dim, shard.pad_size)
+        x = _pad_tail(x, dim, sp_pad)
     return x.narrow(dim, ctx.rank * shard.local_seq_len, shard.local_seq_len).contiguous()
 
 

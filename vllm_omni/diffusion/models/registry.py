@@ -67,6 +67,20 @@ def _qwen(diffusers_class: str, task: str, max_input_images: int) -> PipelineSpe
     )
 
 
+def _hunyuan(diffusers_class: str, fields: frozenset[str], max_input_images: int) -> PipelineSpec:
+    return PipelineSpec(
+        diffusers_class,
+        "hunyuan_video_15",
+        "generate",
+        fields | VIDEO_FIELDS | {"negative_prompt", "guidance_scale"},
+        modality="video",
+        max_input_images=max_input_images,
+        input_image_required=max_input_images > 0,
+        frame_multiple=4,  # the VAE compresses time 4x: 4k + 1 frames
+        cfg_parallel=True,
+    )
+
+
 FAMILIES: tuple[Family, ...] = (
     Family(
         "qwen_image",
@@ -87,6 +101,18 @@ FAMILIES: tuple[Family, ...] = (
         # references (each up to 1024x1024 adds up to 4096 tokens, so the engine's max_input_images caps them).
         (PipelineSpec("Flux2Pipeline", "flux2", "generate", COMMON_FIELDS | {"guidance_scale"}, max_input_images=10),),
         {"tiny/flux2": "Flux2Pipeline"},
+    ),
+    Family(
+        "hunyuan_video_15",
+        (
+            _hunyuan("HunyuanVideo15Pipeline", COMMON_FIELDS, 0),
+            # Image-to-video sizes the video from the input image's aspect ratio: no height or width.
+            _hunyuan("HunyuanVideo15ImageToVideoPipeline", COMMON_FIELDS - {"height", "width"}, 1),
+        ),
+        {
+            "tiny/hunyuan-video-1.5": "HunyuanVideo15Pipeline",
+            "tiny/hunyuan-video-1.5-i2v": "HunyuanVideo15ImageToVideoPipeline",
+        },
     ),
 )
 

@@ -13,14 +13,19 @@ pipelines' prompt templates into exactly as many tokens as the real Qwen vocabul
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import pathlib
-import re
 
 import torch
 
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
+from vllm_omni.diffusion.models.tiny_qwen_tokenizer import (
+    CHAT_TEMPLATE,
+    build_qwen2_tokenizer,
+    check_prefix_tokens,
+    qwen2_5_vl_text_config,
+    special_token_ids,
+)
 
 TINY_MODELS: dict[str, str] = {
     "tiny/qwen-image": "QwenImagePipeline",
@@ -36,83 +41,6 @@ _TEXT_HIDDEN = 64
 # Latent channels of the real Qwen-Image VAE (the transformer packs 2x2 patches: 64 inputs).
 _LATENT_CHANNELS = 16
 _VAE_BASE_DIM = 16
-
-# Minimal chat template in Qwen's ChatML layout, with image/video placeholders for the processor.
-_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-# Special tokens in the order (and with the special flag) of the Qwen2.5-VL tokenizer.
-_SPECIAL_TOKENS: list[tuple[str, bool]] = [
-    ("<|endoftext|>", True),
-    ("<|im_start|>", True),
-    ("<|im_end|>", True),
-    ("<|object_ref_start|>", True),
-    ("<|object_ref_end|>", True),
-    ("<|box_start|>", True),
-    ("<|box_end|>", True),
-    ("<|quad_start|>", True),
-    ("<|quad_end|>", True),
-    ("<|vision_start|>", True),
-    ("<|vision_end|>", True),
-    ("<|vision_pad|>", True),
-    ("<|image_pad|>", True),
-    ("<|video_pad|>", True),
-    ("<tool_call>", False),
-    ("</tool_call>", False),
-    ("<|fim_prefix|>", False),
-    ("<|fim_middle|>", False),
-    ("<|fim_suffix|>", False),
-    ("<|fim_pad|>", False),
-    ("<|repo_name|>", False),
-    ("<|file_sep|>", False),
-]
-
-# Cap on the trained byte-level BPE vocabulary (before special tokens). The small corpus runs out
-# of pairs first (~940 tokens), which leaves every corpus word a single token.
-_BPE_VOCAB_SIZE = 2048
-# The templates are repeated so their words win the early merges and stay whole even if the corpus
-# grows past the cap: the pipelines' fixed offsets need the real model's one-token-per-word split.
-_TEMPLATE_WEIGHT = 64
-
-# Ordinary English (prompts and edit instructions) so user text tokenizes into sensible pieces.
-_ENGLISH_TEXT = """\
-A photograph of a small red fox sitting in fresh snow at sunrise, soft golden light.
-An old wooden boat resting on a quiet lake, mountains and pine trees in the distance.
-A cozy kitchen with a blue kettle on the stove and bread cooling on the table.
-Close-up portrait of an elderly man with a grey beard, wearing a knitted wool hat.
-A busy city street at night, neon signs reflected in puddles after the rain.
-A watercolor painting of a lighthouse on a rocky cliff above stormy waves.
-Two cats sleeping on a sunny windowsill next to a pot of green herbs.
-A bowl of ramen with a soft boiled egg, spring onions and thin slices of pork.
-A futuristic train crossing a bridge over a canyon, clouds below, wide angle.
-A poster that says "Summer Festival 2025" in bold yellow letters on a purple background.
-Children flying colorful kites on a windy beach in the late afternoon.
-A still life of apples, pears and a glass bottle on a linen cloth, oil painting.
-Make the sky orange and add a few birds flying over the hills.
-Replace the dog with a white rabbit and keep the background unchanged.
-Change the color of the car to dark green and remove the people on the left.
-Add the word "OPEN" to the shop window in neon letters.
-Turn the photo into a pencil sketch while keeping the faces recognizable.
-Put a red scarf on the woman and make her smile.
-Remove the text from the sign and fill the area with brick wall.
-Combine the person in the first picture with the landscape in the second picture.
-Let the man in picture 1 hold the cup from picture 2, studio lighting.
-The girl wears the dress from the second image and stands in front of the house.
-It is a bright morning; the market is full of fruit, vegetables, flowers and fish.
-She's reading a book while it's raining outside, and they'll be home soon.
-We've seen 3 boats, 12 birds and 100 stars over the harbor tonight.
-Describe what you see: a tall glass tower, a round fountain, and four trees.
-"""
 
 
 def _pipeline_class(name: str) -> type:
@@ -138,62 +66,8 @@ def _prompt_templates() -> dict[str, tuple[str, int]]:
     return templates
 
 
-def _split_special(text: str) -> list[str]:
-    # Special tokens are matched before pre-tokenization, so train on the text between them.
-    pattern = "|".join(re.escape(tok) for tok, _ in _SPECIAL_TOKENS)
-    return [part for part in re.split(pattern, text) if part]
-
-
 def _build_tokenizer():
-    """Train a small byte-level BPE offline and wrap it as a ``Qwen2Tokenizer``."""
-    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, trainers
-    from tokenizers.models import BPE
-    from transformers import AddedToken, Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    # Same normalizer and pre-tokenizer as Qwen2Tokenizer, so training sees the real word pieces.
-    bpe = Tokenizer(BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    corpus = []
-    for template, _ in _prompt_templates().values():
-        corpus += _split_special(template.format("")) * _TEMPLATE_WEIGHT
-    corpus += _ENGLISH_TEXT.splitlines()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_BPE_VOCAB_SIZE,
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-    )
-    bpe.train_from_iterator(corpus, trainer=trainer)
-
-    vocab = bpe.get_vocab()
-    merges = [tuple(pair) for pair in json.loads(bpe.to_str())["model"]["merges"]]
-    # Special tokens get the ids right after the BPE vocabulary, in Qwen's order.
-    for token, _ in _SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        errors="replace",
-        model_max_length=131072,
-        clean_up_tokenization_spaces=False,
-        split_special_tokens=False,
-        extra_special_tokens=[tok for tok, special in _SPECIAL_TOKENS[1:] if special],
-    )
-    # Registers all of them as unsplittable added tokens (the non-special ones as plain added tokens).
-    tokenizer.add_tokens([AddedToken(tok, special=special, normalized=False) for tok, special in _SPECIAL_TOKENS])
-    return tokenizer
+    return build_qwen2_tokenizer(template.format("") for template, _ in _prompt_templates().values())
 
 
 def _check_template_offsets(tokenizer) -> None:
@@ -201,42 +75,16 @@ def _check_template_offsets(tokenizer) -> None:
     for class_name, (template, start_idx) in _prompt_templates().items():
         # The real offsets cut right after "<|im_start|>user\n"; everything after it is user content.
         head = template[: template.index("<|im_start|>user\n") + len("<|im_start|>user\n")]
-        n_prefix = len(tokenizer(head)["input_ids"])
-        if n_prefix != start_idx:
-            raise RuntimeError(
-                f"tiny tokenizer splits the {class_name} template prefix into {n_prefix} tokens, "
-                f"but the pipeline drops {start_idx}"
-            )
-
-
-def _padded(n: int, multiple: int = 64) -> int:
-    return -(-n // multiple) * multiple
+        check_prefix_tokens(tokenizer, head, start_idx, class_name)
 
 
 def _build_text_encoder(tokenizer):
     """A two-layer Qwen2.5-VL whose hidden size feeds the transformer's ``joint_attention_dim``."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok, _ in _SPECIAL_TOKENS}
-    head_dim = _TEXT_HIDDEN // 4
+    ids = special_token_ids(tokenizer)
     config = Qwen2_5_VLConfig(
-        text_config={
-            # Like the real model, the embedding table is padded past the tokenizer's length.
-            "vocab_size": _padded(len(tokenizer)),
-            "hidden_size": _TEXT_HIDDEN,
-            "intermediate_size": 2 * _TEXT_HIDDEN,
-            "num_hidden_layers": 2,
-            "num_attention_heads": _TEXT_HIDDEN // head_dim,
-            "num_key_value_heads": 2,
-            "hidden_act": "silu",
-            "max_position_embeddings": 128000,
-            "max_window_layers": 2,
-            "rms_norm_eps": 1e-6,
-            # Multimodal RoPE: temporal/height/width sections cover head_dim / 2 frequencies.
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-        },
+        text_config=qwen2_5_vl_text_config(tokenizer, _TEXT_HIDDEN),
         vision_config={
             "depth": 2,
             "hidden_size": 32,
@@ -335,7 +183,7 @@ def _build_processor(tokenizer):
         image_processor=Qwen2VLImageProcessor(**vision),
         tokenizer=tokenizer,
         video_processor=Qwen2VLVideoProcessor(**vision),
-        chat_template=_CHAT_TEMPLATE,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -29,6 +29,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     sequence_parallel_context,
     shard_with_auto_pad,
 )
+from vllm_omni.diffusion.models.text_compaction import compact_text_mask
 
 
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
@@ -106,49 +107,33 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
         return_dict: bool = True,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """Same arguments and outputs as the diffusers reference."""
-        text_index = None
-        if encoder_hidden_states_mask is not None:
-            mask = encoder_hidden_states_mask.bool()
-            if mask.all():
-                pass
-            elif (mask == mask[:1]).all():
-                # The reference masks padded text keys; dropping those tokens (and their rotary
-                # rows) gives the same image output with no mask, so the dense kernel still runs.
-                text_index = mask[0].nonzero().squeeze(1)
-            else:
-                # Rows with different text padding cannot share one compaction: run them one by one.
-                rows = [
-                    self.forward(
-                        hidden_states=hidden_states[i : i + 1],
-                        encoder_hidden_states=encoder_hidden_states[i : i + 1],
-                        encoder_hidden_states_mask=encoder_hidden_states_mask[i : i + 1],
-                        timestep=timestep[i : i + 1] if timestep.dim() else timestep,
-                        img_shapes=img_shapes[i : i + 1] if img_shapes is not None else None,
-                        guidance=guidance[i : i + 1] if guidance is not None and guidance.dim() else guidance,
+        # The reference masks padded text keys; keeping only the valid tokens (and their rotary
+        # rows) gives the same image output with no mask, so the dense kernel still runs.
+        compaction = None if encoder_hidden_states_mask is None else compact_text_mask(encoder_hidden_states_mask)
+        rows = compaction if isinstance(compaction, list) else [compaction]
+        batched = not isinstance(compaction, list)
+        outputs = []
+        for i, row_compaction in enumerate(rows):
+            # Rows with different text padding cannot share one compaction: they run one by one.
+            row = slice(None) if batched else slice(i, i + 1)
+            with sequence_parallel_context():
+                outputs.append(
+                    self.forward_sharded(
+                        hidden_states=hidden_states[row],
+                        encoder_hidden_states=encoder_hidden_states[row],
+                        text_index=None if row_compaction is None else row_compaction.index,
+                        text_valid_len=None if row_compaction is None else row_compaction.valid_len,
+                        timestep=timestep[row] if timestep.dim() else timestep,
+                        img_shapes=img_shapes[row] if img_shapes is not None else None,
+                        guidance=guidance[row] if guidance is not None and guidance.dim() else guidance,
                         attention_kwargs=attention_kwargs,
-                        controlnet_block_samples=[s[i : i + 1] for s in controlnet_block_samples]
+                        controlnet_block_samples=[s[row] for s in controlnet_block_samples]
                         if controlnet_block_samples
                         else None,
-                        additional_t_cond=additional_t_cond[i : i + 1] if additional_t_cond is not None else None,
-                        return_dict=False,
-                    )[0]
-                    for i in range(hidden_states.shape[0])
-                ]
-                output = torch.cat(rows)
-                return Transformer2DModelOutput(sample=output) if return_dict else (output,)
-
-        with sequence_parallel_context():
-            output = self.forward_sharded(
-                hidden_states=hidden_states,
-                encoder_hidden_states=encoder_hidden_states,
-                text_index=text_index,
-                timestep=timestep,
-                img_shapes=img_shapes,
-                guidance=guidance,
-                attention_kwargs=attention_kwargs,
-                controlnet_block_samples=controlnet_block_samples,
-                additional_t_cond=additional_t_cond,
-            )
+                        additional_t_cond=additional_t_cond[row] if additional_t_cond is not None else None,
+                    )
+                )
+        output = outputs[0] if batched else torch.cat(outputs)
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
     def forward_sharded(
@@ -156,7 +141,8 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
         *,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
-        text_index: torch.Tensor | None,
+        text_index: torch.Tensor | None,  # the compacted text's positions (valid first, then bucket filler)
+        text_valid_len: int | None,  # None: keep every text token
         timestep: torch.Tensor,
         img_shapes: list,
         guidance: torch.Tensor | None,
@@ -169,11 +155,12 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
         text_seq_len = encoder_hidden_states.shape[1]
         img_freqs, txt_freqs = self.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden_states.device)
         if text_index is not None:
-            encoder_hidden_states = encoder_hidden_states[:, text_index]
-            txt_freqs = txt_freqs[text_index]
+            encoder_hidden_states = encoder_hidden_states.index_select(1, text_index)
+            txt_freqs = txt_freqs.index_select(0, text_index)
 
         hidden_states = self.img_in(shard_with_auto_pad(hidden_states, 1, IMAGE))
-        encoder_hidden_states = self.txt_in(self.txt_norm(shard_with_auto_pad(encoder_hidden_states, 1, TEXT)))
+        encoder_hidden_states = shard_with_auto_pad(encoder_hidden_states, 1, TEXT, valid_len=text_valid_len)
+        encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))
         rotary = (shard_with_auto_pad(img_freqs, 0, IMAGE), shard_with_auto_pad(txt_freqs, 0, TEXT))
 
         timestep = timestep.to(hidden_states.dtype)
