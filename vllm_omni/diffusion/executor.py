@@ -85,6 +85,8 @@ class ExecutorStatus:
 
 
 class MultiprocExecutor:
+    """One worker process per rank; requests go to all of them, rank 0's result comes back."""
+
     def __init__(self, config: OmniDiffusionConfig, model_path: str) -> None:
         self.config = config
         self.model_path = model_path
@@ -116,6 +118,9 @@ class MultiprocExecutor:
     def _spawn_locked(self) -> None:
         if self._stopping.is_set():
             raise _ShutDown()
+        self._ready.clear()
+        self._ready_ranks = set()
+        self._group_idle = True
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._request_queues = [self._ctx.Queue() for _ in range(self.world_size)]
         self._results = self._ctx.Queue()
@@ -137,9 +142,6 @@ class MultiprocExecutor:
             )
             for rank in range(self.world_size)
         ]
-        self._ready_ranks = set()
-        self._ready.clear()
-        self._group_idle = True
         self._load_deadline = time.monotonic() + self.config.load_timeout_s
         procs = self._procs
         self._spawner.submit(lambda: [proc.start() for proc in procs]).result()
@@ -320,11 +322,11 @@ class MultiprocExecutor:
         `on_progress(steps_done, total_steps)` is called in this thread as rank 0 reports the start (0)
         and each finished denoising step. Raises RequestFailed when the request fails (the group is
         restarted when it was left dead, stuck or hung past `stall_timeout_s`), RequestCancelled when
-        it was cancelled or shutdown() began.
+        it was cancelled or the executor is shutting down (begin_shutdown() or shutdown()).
         """
         with self._lock:
             if self._stopping.is_set():
-                raise RequestFailed("the engine is shutting down")
+                raise RequestCancelled(f"request {request.request_id} not run: the engine is shutting down")
             if self.failed:
                 raise RequestFailed(f"the workers are down: {self.failed}")
             try:
