@@ -14,45 +14,17 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from server_process import HTTP_TIMEOUT_S, process_alive, start_server
+from process_tree import children_of, still_alive_after
+from server_process import HTTP_TIMEOUT_S, start_server
 
 MODEL = "tiny/qwen-image"
 RAISE_PROMPT = "rank 1 raises at step 1"
 HANG_PROMPT = "rank 1 hangs at step 1"
 STALL_S = 4
 SLACK_S = 15.0  # a loaded 2-core CI machine; the point is "at the deadline", not "never"
-
-
-def children_of(pid: int) -> list[int]:
-    """Every process whose parent is `pid` (workers and multiprocessing's resource tracker)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def still_alive_after(pids: list[int], seconds: float) -> list[str]:
-    """The command lines of `pids` still running once `seconds` passed (polling; returns early when none is)."""
-    deadline = time.monotonic() + seconds
-    while any(map(process_alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    alive = []
-    for pid in filter(process_alive, pids):
-        try:
-            alive.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:
-            pass  # gone in between
-    return alive
 
 
 def generate(server, prompt: str) -> httpx.Response:
