@@ -41,7 +41,7 @@ def run_graphed_forward_twice(failing_rank: int | None) -> tuple[bool, list[str]
 
     def forward(**kwargs):
         calls.append("eager")
-        return (kwargs["hidden_states"] + 1,)
+        return kwargs["hidden_states"] + 1
 
     def capture(kwargs):
         if rank == failing_rank:
@@ -49,10 +49,10 @@ def run_graphed_forward_twice(failing_rank: int | None) -> tuple[bool, list[str]
         return _Graph(_RecordedGraph(calls), {}, torch.zeros(2))
 
     graphed = CUDAGraphForward(forward)
-    graphed._replayable = lambda kwargs: True  # CPU tensors stand in for CUDA ones
+    graphed._key = lambda kwargs: ("one shape",)  # CPU tensors stand in for CUDA ones
     graphed._capture = capture
     for _ in range(2):
-        graphed(hidden_states=torch.ones(2), return_dict=False)
+        graphed(hidden_states=torch.ones(2))
     return graphed.disabled, calls
 
 
