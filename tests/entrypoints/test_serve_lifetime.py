@@ -52,7 +52,7 @@ def faulty_server(tmp_path_factory):
         {"kind": "hang", "rank": 1, "step": 1, "prompt": HANG_PROMPT},
     ]
     server = start_server(
-        [MODEL, "--ulysses-degree", "2"],
+        [MODEL, "--ulysses-degree", "2", "--device", "cpu"],  # the 4 s deadline is sized for CPU steps
         tmp_path_factory.mktemp("serve-lifetime") / "server.log",
         VLLM_OMNI_TEST_FAULT=json.dumps(faults),
         VLLM_OMNI_STALL_TIMEOUT_S=str(STALL_S),
