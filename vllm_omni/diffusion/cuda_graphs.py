@@ -10,7 +10,8 @@ The runner wraps each transformer's `forward_sharded` (the per-step work on a ra
 keyword arguments only, one tensor out); the model's `forward` does the host-side preparation
 (text-mask compaction, say) before it. The wrapped function must not synchronise with the
 host or copy from host memory; calls it cannot replay (CPU tensors, tensors inside lists such
-as ControlNet residuals) run eagerly.
+as ControlNet residuals) run eagerly. Whether graphs are used at all is decided by the whole
+group: a failed capture on any rank makes every rank eager.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
+from vllm_omni.diffusion.distributed.parallel_state import every_rank, get_parallel_state
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -104,10 +105,13 @@ class CUDAGraphForward:
             try:
                 entry = self._capture(kwargs)
             except Exception as exc:  # noqa: BLE001 - fall back to eager rather than fail the request
-                logger.warning(
-                    "CUDA graph capture failed (%s: %s); running the transformer eagerly", type(exc).__name__, exc
-                )
+                logger.warning("CUDA graph capture failed on this rank (%s: %s)", type(exc).__name__, exc)
+            # Every rank captures; one failure sends every rank eager for good. A rank alone on the eager
+            # path would run collectives its peers only replay, and the group would deadlock.
+            if not every_rank(entry is not None):
+                logger.warning("CUDA graph capture failed on a rank: every rank runs the transformer eagerly")
                 self.disabled = True
+                self.graphs.clear()
                 return self.forward(**kwargs)
             self.graphs[key] = entry
             if len(self.graphs) > self.max_graphs:

@@ -8,6 +8,8 @@ plain dataclasses pickled across the executor's process boundary.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,6 +24,22 @@ def _check_positive_int(name: str, value: Any) -> None:
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a boolean (true or false), got {value!r}")
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    """A deadline's default: env `name` when set (how a test or a deploy shortens it), else `default`."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 @dataclass
@@ -114,10 +132,18 @@ class OmniDiffusionConfig:
     dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
     attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode
     enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)
+    # Deadlines on the workers (executor.py). Loading: every rank must report ready within this.
+    load_timeout_s: float = field(default_factory=lambda: _seconds_from_env("VLLM_OMNI_LOAD_TIMEOUT_S", 600.0))
+    # A request in which no rank reports a finished denoising step (or its start, or its end) for
+    # this long has hung: it fails and the workers restart. Covers the slowest single phase (first
+    # step with graph capture / compilation, a long video's VAE decode), hence generous.
+    stall_timeout_s: float = field(default_factory=lambda: _seconds_from_env("VLLM_OMNI_STALL_TIMEOUT_S", 300.0))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model must be a non-empty model id or path")
+        _check_seconds("load_timeout_s", self.load_timeout_s)
+        _check_seconds("stall_timeout_s", self.stall_timeout_s)
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype is not None:

@@ -1,19 +1,31 @@
 """Starts one worker process per rank, sends each request to all of them, collects the result.
 
-One request runs at a time (the engine queues them). The executor watches its workers: a
-worker that dies, or ranks left waiting after another rank failed, make it restart the whole
-group (their process group is broken) and fail the request in flight with a clear error. A
-restart that cannot load the model marks the executor failed; the server then exits non-zero.
+One request runs at a time (the engine queues them). Every wait on the workers has a deadline
+(OmniDiffusionConfig): every rank must load within `load_timeout_s`, and a request fails when no
+rank has reported progress (its start, a finished denoising step, its end) for `stall_timeout_s`.
+A missed deadline, a dead worker, or ranks still busy after another rank failed fail the request
+in flight and restart the whole group (its process group is broken); the new group loads in the
+background and the next request waits for it. A group that cannot load marks the executor failed;
+the server then exits non-zero. Once `shutdown()` begins, nothing is executed, collected or
+respawned. Workers never outlive this process: they are spawned from one long-lived thread and
+bind their lives to ours (worker.bind_lifetime_to_parent).
+
+The server's /health reads `status()`; `execute(request, on_progress)` reports denoising progress.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
+import os
 import queue
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from vllm_omni.diffusion.data import DiffusionRequest, OmniDiffusionConfig, RequestCancelled, RequestFailed
 from vllm_omni.diffusion.worker import worker_main
@@ -22,7 +34,10 @@ from vllm_omni.logger import init_logger
 logger = init_logger(__name__)
 
 POLL_S = 0.2
-STUCK_AFTER_ERROR_S = 30.0  # ranks still busy this long after another rank failed are stuck
+STUCK_AFTER_ERROR_S = 30.0  # ranks still busy this long after another rank failed are stuck (capped by stall)
+IDLE_EXIT_S = 10.0  # at shutdown, idle workers get this long to leave their loop before they are killed
+
+ProgressCallback = Callable[[int, int], None]  # (denoising steps done, total steps)
 
 
 def _free_port() -> int:
@@ -32,27 +47,80 @@ def _free_port() -> int:
 
 
 class WorkerStartError(RuntimeError):
-    pass
+    """The workers could not load the model, or not within `load_timeout_s`."""
+
+
+class _ShutDown(Exception):
+    """shutdown() began: whatever waits on the workers stops, and nothing restarts them."""
+
+
+@dataclass(frozen=True)
+class ExecutorStatus:
+    """The worker group as /health reports it (`MultiprocExecutor.status()`).
+
+    state: "loading" (first load), "ok" (serving), "restarting" (a new group is loading after
+    `last_restart_reason`), "unhealthy" (a worker died while idle; the group is respawned at the
+    next `check_workers` or request), "failed" (it cannot be brought back; `detail` says why),
+    "shut_down". `restarts` counts the group restarts so far.
+    """
+
+    state: Literal["loading", "ok", "restarting", "unhealthy", "failed", "shut_down"]
+    detail: str | None = None
+    restarts: int = 0
+    last_restart_reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"status": state}, plus detail, restarts and last_restart_reason where there is one."""
+        body: dict[str, Any] = {"status": self.state}
+        if self.detail:
+            body["detail"] = self.detail
+        if self.restarts:
+            body["restarts"] = self.restarts
+            body["last_restart_reason"] = self.last_restart_reason
+        return body
 
 
 class MultiprocExecutor:
+    """One worker process per rank; requests go to all of them, rank 0's result comes back."""
+
     def __init__(self, config: OmniDiffusionConfig, model_path: str) -> None:
         self.config = config
         self.model_path = model_path
         self.world_size = config.parallel_config.world_size
         self._ctx = mp.get_context("spawn")
         self._cancel_token = self._ctx.Value("q", -1)
-        self._lock = threading.Lock()  # one request (or restart) at a time
+        self._lock = threading.Lock()  # one request, restart or readiness check at a time
+        self._group_lock = threading.Lock()  # starting or killing the group, against shutdown
+        self._stopping = threading.Event()  # begin_shutdown(): nothing starts or restarts any more
+        self._closing = threading.Event()  # shutdown(): whatever waits on the workers stops now
+        # PR_SET_PDEATHSIG fires when the *thread* that spawned a worker ends: spawn from one that
+        # lives as long as the executor, never from a request's or a thread pool's passing thread.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-spawner")
         self._procs: list[mp.process.BaseProcess] = []
+        self._request_queues: list[Any] = []
+        self._results: Any = None
+        self._ready_ranks: set[int] = set()
         self._ready = threading.Event()
-        self.failed: str | None = None
+        self._load_deadline = math.inf
+        self._group_idle = True  # every rank answered the last request: safe to ask them to leave
+        self.failed: str | None = None  # why the workers cannot be brought back
         self.restarts = 0
-        self._spawn()
+        self.last_restart_reason: str | None = None
+        with self._group_lock:
+            self._spawn_locked()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def _spawn(self) -> None:
+    def _spawn_locked(self) -> None:
+        if self._stopping.is_set():
+            raise _ShutDown()
         self._ready.clear()
+        self._ready_ranks = set()
+        self._group_idle = True
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._request_queues = [self._ctx.Queue() for _ in range(self.world_size)]
         self._results = self._ctx.Queue()
@@ -65,6 +133,7 @@ class MultiprocExecutor:
                     self.config,
                     self.model_path,
                     init_method,
+                    os.getpid(),
                     self._request_queues[rank],
                     self._results,
                     self._cancel_token,
@@ -73,46 +142,91 @@ class MultiprocExecutor:
             )
             for rank in range(self.world_size)
         ]
-        for proc in self._procs:
-            proc.start()
+        self._load_deadline = time.monotonic() + self.config.load_timeout_s
+        procs = self._procs
+        self._spawner.submit(lambda: [proc.start() for proc in procs]).result()
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
-        """Block until every worker has loaded the model; raise WorkerStartError if one cannot."""
-        with self._lock:
-            self._wait_ready_locked(timeout)
+        """Block until every worker has loaded the model; raise WorkerStartError if one cannot.
 
-    def _wait_ready_locked(self, timeout: float | None) -> None:
-        if self._ready.is_set():
-            return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        ready: set[int] = set()
-        while len(ready) < self.world_size:
+        Bounded by `load_timeout_s` from the group's start, and by `timeout` when given.
+        """
+        with self._lock:
+            until = math.inf if timeout is None else time.monotonic() + timeout
             try:
-                kind, rank, _, detail = self._results.get(timeout=POLL_S)
+                if not self._await_ready(until):
+                    self._fail_start(f"workers did not load within {timeout:g} s")
+            except _ShutDown:
+                raise WorkerStartError("the executor was shut down while the workers were loading") from None
+
+    def _await_ready(self, until: float) -> bool:
+        """Read load reports until every rank is ready (True) or `until` passes (False); needs self._lock.
+
+        Raises WorkerStartError (and marks the executor failed) when a rank cannot load, dies while
+        loading, or misses the load deadline.
+        """
+        while not self._ready.is_set():
+            if self._closing.is_set():
+                raise _ShutDown()
+            now = time.monotonic()
+            if now > self._load_deadline:
+                missing = sorted(set(range(self.world_size)) - self._ready_ranks)
+                self._fail_start(
+                    f"worker rank(s) {missing} did not load {self.config.model} within "
+                    f"load_timeout_s={self.config.load_timeout_s:g} s"
+                )
+            try:
+                wait_s = max(0.0, min(POLL_S, until - now, self._load_deadline - now))
+                kind, rank, _, detail = self._results.get(timeout=wait_s)
             except queue.Empty:
                 dead = self._dead_worker()
                 if dead is not None:
                     self._fail_start(f"worker rank {dead[0]} exited with code {dead[1]} while loading")
-                if deadline is not None and time.monotonic() > deadline:
-                    self._fail_start(f"workers did not load within {timeout:.0f} s")
+                if time.monotonic() >= until:
+                    return False
                 continue
             if kind == "load_error":
                 self._fail_start(f"worker rank {rank} could not load {self.config.model}: {detail}")
             elif kind == "ready":
-                ready.add(rank)
-        self._ready.set()
+                self._ready_ranks.add(rank)
+                if len(self._ready_ranks) == self.world_size:
+                    self._ready.set()
+                    if self.restarts:
+                        logger.info("Workers restarted (%d restart(s) so far)", self.restarts)
+        return True
 
     def _fail_start(self, message: str) -> None:
-        self._kill_all()
-        self.failed = message.splitlines()[0]
+        with self._group_lock:
+            if self._stopping.is_set():
+                raise _ShutDown()
+            self._kill_locked()
+            self.failed = message.splitlines()[0]
         raise WorkerStartError(message)
 
     @property
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self.failed is None
+        return self._ready.is_set() and self.failed is None and not self._closing.is_set()
 
     def is_healthy(self) -> bool:
         return self.is_ready and self._dead_worker() is None
+
+    def status(self) -> ExecutorStatus:
+        """The group's state for /health, with the reason of the last restart (a missed deadline, a death)."""
+        history = dict(restarts=self.restarts, last_restart_reason=self.last_restart_reason)
+        if self._closing.is_set():
+            return ExecutorStatus("shut_down", **history)
+        if self.failed:
+            return ExecutorStatus("failed", self.failed, **history)
+        if not self._ready.is_set():
+            if self.restarts:
+                detail = f"a new worker group is loading after: {self.last_restart_reason}"
+                return ExecutorStatus("restarting", detail, **history)
+            return ExecutorStatus("loading", **history)
+        dead = self._dead_worker()
+        if dead is not None:
+            detail = f"worker rank {dead[0]} exited with code {dead[1]}; the group is respawned when idle"
+            return ExecutorStatus("unhealthy", detail, **history)
+        return ExecutorStatus("ok", **history)
 
     def _dead_worker(self) -> tuple[int, int | None] | None:
         for rank, proc in enumerate(self._procs):
@@ -120,49 +234,79 @@ class MultiprocExecutor:
                 return rank, proc.exitcode
         return None
 
-    def restart(self, reason: str) -> None:
-        """Kill every worker and start a fresh group (a broken process group cannot be repaired)."""
-        logger.error("Restarting workers: %s", reason)
-        self._kill_all()
-        self.restarts += 1
-        self._spawn()
-        self._wait_ready_locked(None)
-        logger.info("Workers restarted (%d restart(s) so far)", self.restarts)
+    def _restart_locked(self, reason: str) -> None:
+        """Kill every worker and start a fresh group, without waiting for it (needs self._lock)."""
+        with self._group_lock:
+            if self._stopping.is_set():  # shutdown wins: a dead or stuck group is what it wants anyway
+                logger.warning("Not restarting the workers (shutting down): %s", reason)
+                raise _ShutDown()
+            logger.error("Restarting workers: %s", reason)
+            self._kill_locked()
+            self.restarts += 1
+            self.last_restart_reason = reason
+            self._spawn_locked()
 
     def check_workers(self) -> None:
-        """Respawn the group if a worker died while idle (called by the server's watchdog)."""
-        if not self._ready.is_set() or self.failed:
+        """The server's watchdog: respawn an idle group whose worker died, and note ranks that finished loading.
+
+        Never waits: a request in flight (or a caller waiting for the load) watches the workers itself.
+        Raises WorkerStartError, with `failed` set, when a new group cannot load.
+        """
+        if self.failed or self._stopping.is_set():
             return
         if not self._lock.acquire(blocking=False):
-            return  # a request in flight notices a death itself
+            return
         try:
-            dead = self._dead_worker()
-            if dead is not None:
-                self.restart(f"worker rank {dead[0]} exited with code {dead[1]}")
+            if self._ready.is_set():
+                dead = self._dead_worker()
+                if dead is not None:
+                    self._restart_locked(f"worker rank {dead[0]} exited with code {dead[1]}")
+            self._await_ready(until=time.monotonic())
+        except _ShutDown:
+            pass
         finally:
             self._lock.release()
 
+    def begin_shutdown(self) -> None:
+        """From now on no request starts and no worker group is started or restarted.
+
+        A request in flight runs on (the caller may have cancelled it) until it ends or misses a
+        deadline, which then fails it without a restart. `shutdown()` ends everything.
+        """
+        self._stopping.set()
+
     def shutdown(self) -> None:
-        """Ask idle workers to leave their loop; kill the rest (still loading, or busy)."""
-        if self._ready.is_set() and self._lock.acquire(timeout=1.0):
+        """Stop the workers for good; from here on nothing is executed, collected or respawned.
+
+        A request in flight stops at once (its execute() raises RequestCancelled) and its workers are
+        killed, as are loading ones; idle workers leave their loop and close their process groups.
+        """
+        self._stopping.set()
+        self._closing.set()
+        # Whoever holds the lock sees _closing within one poll and lets go.
+        if self._lock.acquire(timeout=5 * POLL_S):
             try:
-                for q in self._request_queues:
-                    q.put(None)
-                deadline = time.monotonic() + 10
-                for proc in self._procs:
-                    proc.join(timeout=max(0.0, deadline - time.monotonic()))
+                if self._group_idle and self._ready.is_set() and self._dead_worker() is None:
+                    for q in self._request_queues:
+                        q.put(None)
+                    deadline = time.monotonic() + IDLE_EXIT_S
+                    for proc in self._procs:
+                        proc.join(timeout=max(0.0, deadline - time.monotonic()))
             finally:
                 self._lock.release()
-        self._kill_all()
+        with self._group_lock:
+            self._kill_locked()
+        self._spawner.shutdown(wait=False)
 
-    def _kill_all(self) -> None:
+    def _kill_locked(self) -> None:
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
         for proc in self._procs:
             proc.join(timeout=10)
         self._ready.clear()
-        for q in [*getattr(self, "_request_queues", []), getattr(self, "_results", None)]:
+        self._ready_ranks = set()
+        for q in [*self._request_queues, self._results]:
             if q is not None:
                 q.close()
                 q.cancel_join_thread()  # the readers are gone: do not wait to flush
@@ -172,47 +316,92 @@ class MultiprocExecutor:
     def cancel(self, cancel_token: int) -> None:
         self._cancel_token.value = cancel_token
 
-    def execute(self, request: DiffusionRequest) -> Any:
-        """Run `request` on every rank and return rank 0's images."""
+    def execute(self, request: DiffusionRequest, on_progress: ProgressCallback | None = None) -> Any:
+        """Run `request` on every rank and return rank 0's images.
+
+        `on_progress(steps_done, total_steps)` is called in this thread as rank 0 reports the start (0)
+        and each finished denoising step. Raises RequestFailed when the request fails (the group is
+        restarted when it was left dead, stuck or hung past `stall_timeout_s`), RequestCancelled when
+        it was cancelled or the executor is shutting down (begin_shutdown() or shutdown()).
+        """
         with self._lock:
+            if self._stopping.is_set():
+                raise RequestCancelled(f"request {request.request_id} not run: the engine is shutting down")
             if self.failed:
                 raise RequestFailed(f"the workers are down: {self.failed}")
-            if not self._ready.is_set():
-                self._wait_ready_locked(None)
-            dead = self._dead_worker()
-            if dead is not None:
-                self.restart(f"worker rank {dead[0]} exited with code {dead[1]}")
-            for q in self._request_queues:
-                q.put(request)
-            return self._collect(request)
+            try:
+                dead = self._dead_worker()
+                if dead is not None and self._ready.is_set():
+                    self._restart_locked(f"worker rank {dead[0]} exited with code {dead[1]}")
+                self._await_ready(math.inf)
+                self._group_idle = False
+                for q in self._request_queues:
+                    q.put(request)
+                return self._collect(request, on_progress)
+            except _ShutDown:
+                raise RequestCancelled(f"request {request.request_id} stopped: the engine is shutting down") from None
+            except WorkerStartError as exc:
+                raise RequestFailed(f"the workers could not be started: {exc}") from exc
 
-    def _collect(self, request: DiffusionRequest) -> Any:
+    def _collect(self, request: DiffusionRequest, on_progress: ProgressCallback | None) -> Any:
+        stall_s = self.config.stall_timeout_s
         replies: dict[int, tuple[str, Any]] = {}
-        first_error_at = None
+        steps: dict[int, tuple[int, int] | None] = dict.fromkeys(range(self.world_size))
+        last_progress = time.monotonic()
+        stuck_after = math.inf  # when ranks still busy after another rank's error count as stuck
         while len(replies) < self.world_size:
+            if self._closing.is_set():
+                raise _ShutDown()
+            now = time.monotonic()
+            if now > stuck_after:  # the first error is the cause; the ranks left waiting are its effect
+                error = next(payload for kind, payload in replies.values() if kind == "error")
+                busy = sorted(set(range(self.world_size)) - set(replies))
+                self._fail_hung(request, f"failed ({error}) and rank(s) {busy} did not finish")
+            if now - last_progress > stall_s:
+                where = ", ".join(
+                    f"rank {rank} {'finished' if rank in replies else _step_text(step)}" for rank, step in steps.items()
+                )
+                self._fail_hung(request, f"made no progress for {stall_s:g} s (stall_timeout_s): {where}")
             try:
                 kind, rank, request_id, payload = self._results.get(timeout=POLL_S)
             except queue.Empty:
                 dead = self._dead_worker()
                 if dead is not None:
-                    self.restart(f"worker rank {dead[0]} exited with code {dead[1]} during {request.request_id}")
+                    rank, code = dead
+                    self._restart_locked(f"worker rank {rank} exited with code {code} during {request.request_id}")
                     raise RequestFailed(
-                        f"a worker died while running the request (rank {dead[0]}, exit code {dead[1]}); "
-                        "the workers were restarted"
+                        f"a worker died while running the request (rank {rank}, exit code {code}); "
+                        "the workers are restarting"
                     ) from None
-                if first_error_at is not None and time.monotonic() - first_error_at > STUCK_AFTER_ERROR_S:
-                    message = next(p for k, p in replies.values() if k == "error")
-                    self.restart(f"ranks stuck after an error in {request.request_id}")
-                    raise RequestFailed(message) from None
                 continue
             if request_id != request.request_id:
-                continue  # a late reply to an earlier request
+                continue  # a late message about an earlier request
+            last_progress = time.monotonic()
+            if kind == "progress":
+                steps[rank] = payload
+                if rank == 0 and on_progress is not None:
+                    try:
+                        on_progress(*payload)
+                    except Exception:  # noqa: BLE001 - a broken callback must not break the request
+                        logger.exception("Progress callback failed for %s; not called again", request.request_id)
+                        on_progress = None
+                continue
             replies[rank] = (kind, payload)
-            if kind == "error" and first_error_at is None:
-                first_error_at = time.monotonic()
+            if kind == "error" and stuck_after == math.inf:
+                stuck_after = last_progress + min(STUCK_AFTER_ERROR_S, stall_s)
+        self._group_idle = True
         kinds = {kind for kind, _ in replies.values()}
         if kinds == {"done"}:
             return replies[0][1]
         if "error" in kinds:
             raise RequestFailed(next(payload for kind, payload in replies.values() if kind == "error"))
         raise RequestCancelled(replies[0][1] if replies[0][0] == "cancelled" else "cancelled")
+
+    def _fail_hung(self, request: DiffusionRequest, why: str) -> None:
+        """The group is stuck in this request: restart it, and fail the request saying why."""
+        self._restart_locked(f"request {request.request_id} {why}")
+        raise RequestFailed(f"request {request.request_id} {why}; the workers are restarting")
+
+
+def _step_text(step: tuple[int, int] | None) -> str:
+    return "had not started" if step is None else f"at step {step[0]}/{step[1]}"

@@ -2,16 +2,26 @@
 
 Started by the executor (executor.py) with the spawn method. Every rank runs the whole
 pipeline on the same request and seed; the transformer splits its work over the SP group.
-Rank 0 sends the images back; every rank reports done / cancelled / error, so the executor
-can tell a request that failed everywhere (bad input: the engine goes on) from one that left
-ranks stuck in a collective (the executor restarts the workers).
+Rank 0 sends the images back; every rank reports its start, each finished denoising step
+(the executor's stall deadline and the progress callback read them) and done / cancelled /
+error, so the executor can tell a request that failed everywhere (bad input: the engine goes
+on) from one that left ranks stuck in a collective (the executor restarts the workers).
+A worker never outlives the executor's process (`bind_lifetime_to_parent`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
+import multiprocessing
 import os
+import signal
+import sys
+import threading
 import time
 import traceback
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +30,9 @@ from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+TEST_FAULT_ENV = "VLLM_OMNI_TEST_FAULT"
+
 
 def _cpu_threads(world_size: int) -> int:
     if "VLLM_OMNI_CPU_THREADS" in os.environ:
@@ -27,22 +40,88 @@ def _cpu_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
+def bind_lifetime_to_parent(parent_pid: int) -> None:
+    """Die with the parent process however it dies (SIGKILL included), so no worker keeps a GPU.
+
+    Two guards: the kernel's parent-death signal (Linux; it fires even if this process is stuck in
+    native code, and follows the parent *thread* that spawned us, so the executor spawns from a
+    thread that lives as long as it does), and a thread waiting on the pipe multiprocessing keeps
+    open to the parent, which reaches end-of-file when the parent is gone (any platform).
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before the signal was armed
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_when_gone, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def _exit_when_gone(parent: Any) -> None:
+    parent.join()  # returns once the parent's end of the pipe is closed
+    os._exit(1)  # no cleanup: a collective or a CUDA call could block it
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    """Test hook (off unless env VLLM_OMNI_TEST_FAULT is set): one rank hangs or raises at one step.
+
+    VLLM_OMNI_TEST_FAULT='{"kind": "hang", "rank": 1, "step": 1, "prompt": "stall here"}' makes
+    rank 1 block forever (or raise, with "raise") at the end of denoising step 1 (0-based) of every
+    request whose prompt is "stall here" (every request when "prompt" is left out), before the group
+    agrees on the step: its peers then wait in a collective. A JSON list sets several faults. The
+    deadline tests (tests/diffusion/test_worker_deadlines.py, tests/entrypoints/test_serve_lifetime.py)
+    use it.
+    """
+
+    kind: str
+    rank: int
+    step: int
+    prompt: str | None = None
+
+    @classmethod
+    def from_env(cls) -> list[InjectedFault]:
+        text = os.environ.get(TEST_FAULT_ENV)
+        if not text:
+            return []
+        specs = json.loads(text)
+        faults = [cls(**spec) for spec in (specs if isinstance(specs, list) else [specs])]
+        for fault in faults:
+            if fault.kind not in ("hang", "raise"):
+                raise ValueError(f"{TEST_FAULT_ENV}: kind must be 'hang' or 'raise', got {fault.kind!r}")
+        return faults
+
+    def trigger(self, rank: int, step: int, request: DiffusionRequest) -> None:
+        if rank != self.rank or step != self.step or self.prompt not in (None, request.prompt):
+            return
+        logger.warning("Test fault: rank %d %ss at step %d of request %s", rank, self.kind, step, request.request_id)
+        if self.kind == "raise":
+            raise RuntimeError(f"test fault on rank {rank} at step {step}")
+        threading.Event().wait()  # until the executor kills this process
+
+
 def worker_main(
     rank: int,
     config: OmniDiffusionConfig,
     model_path: str,
     init_method: str,
+    parent_pid: int,
     request_queue: Any,
     result_queue: Any,
     cancel_token: Any,
 ) -> None:
+    bind_lifetime_to_parent(parent_pid)
+    # Ctrl-C reaches the terminal's whole process group; the parent decides how its workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        runner, device = _load(rank, config, model_path, init_method)
+        runner, _ = _load(rank, config, model_path, init_method)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         result_queue.put(("load_error", rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
     result_queue.put(("ready", rank, None, None))
-    _serve(rank, config, runner, device, request_queue, result_queue, cancel_token)
+    _serve(rank, runner, request_queue, result_queue, cancel_token)
 
 
 def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: str):
@@ -61,7 +140,9 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     else:
         torch.set_num_threads(_cpu_threads(parallel.world_size))
         device = torch.device("cpu")
-    initialize_parallel_state(parallel, rank, init_method, device)
+    # A backstop behind the executor's deadlines: no collective (nor the rendezvous) waits forever.
+    group_timeout = timedelta(seconds=max(config.load_timeout_s, config.stall_timeout_s))
+    initialize_parallel_state(parallel, rank, init_method, device, timeout=group_timeout)
     configure_attention_backend(config.attention_backend, parallel.mask_sp_padding)
 
     spec = read_pipeline_spec(Path(model_path))
@@ -85,23 +166,24 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     return runner, device
 
 
-def _serve(rank, config, runner, device, request_queue, result_queue, cancel_token) -> None:
-    import torch
-    import torch.distributed as dist
+def _serve(rank, runner, request_queue, result_queue, cancel_token) -> None:
+    from vllm_omni.diffusion.distributed.parallel_state import any_rank, destroy_parallel_state
 
-    world_size = config.parallel_config.world_size
+    faults = InjectedFault.from_env()
     while True:
         request: DiffusionRequest | None = request_queue.get()
         if request is None:
             break
+        total = request.num_inference_steps
+        result_queue.put(("progress", rank, request.request_id, (0, total)))
 
-        def on_step_end(step: int, request: DiffusionRequest = request) -> None:
+        def on_step_end(step: int, request: DiffusionRequest = request, total: int = total) -> None:
+            for fault in faults:
+                fault.trigger(rank, step, request)
             # All ranks must stop at the same step, or the others would wait in a collective forever.
-            flag = torch.tensor([int(cancel_token.value == request.cancel_token)], device=device)
-            if world_size > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item():
+            if any_rank(cancel_token.value == request.cancel_token):
                 raise RequestCancelled(f"request {request.request_id} cancelled at step {step + 1}")
+            result_queue.put(("progress", rank, request.request_id, (min(step + 1, total), total)))
 
         start = time.perf_counter()
         try:
@@ -122,6 +204,4 @@ def _serve(rank, config, runner, device, request_queue, result_queue, cancel_tok
                 time.perf_counter() - start,
             )
         result_queue.put(("done", rank, request.request_id, images if rank == 0 else None))
-    from vllm_omni.diffusion.distributed.parallel_state import destroy_parallel_state
-
     destroy_parallel_state()

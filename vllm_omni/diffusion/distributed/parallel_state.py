@@ -1,9 +1,14 @@
-"""Process groups for one diffusion worker: the world, its SP groups and its CFG groups.
+"""Process groups for one diffusion worker: the world, its SP and CFG groups, and a CPU control group.
 
 The worker calls `initialize_parallel_state` once after it starts; models and the
 attention layer read the groups through `get_parallel_state()`. Ranks are laid out
 cfg-major: rank = cfg_rank * sequence_parallel_size + sp_rank, so an SP group is a
 run of consecutive ranks (consecutive GPUs, the fastest links).
+
+A decision that changes what a rank executes next (stop at this step, replay a CUDA graph
+or run eagerly) is taken by the whole group with `any_rank` / `every_rank`, over the
+control group: gloo on the CPU, so it never waits behind queued GPU work (on CPU runs the
+world group already is gloo and serves as the control group).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,6 +32,7 @@ class ParallelState:
     world_size: int
     sp_group: dist.ProcessGroup | SimulatedGroup | None  # None when this process is alone in its SP group
     cfg_group: dist.ProcessGroup | None
+    control_group: dist.ProcessGroup | None = None  # gloo, every rank; None when alone (or simulated)
 
     @property
     def sp_world_size(self) -> int:
@@ -52,37 +59,52 @@ def initialize_parallel_state(
     rank: int = 0,
     init_method: str | None = None,
     device: torch.device | str = "cpu",
+    timeout: timedelta | None = None,
 ) -> ParallelState:
-    """Join the world (when it has more than one rank) and build the SP and CFG groups.
+    """Join the world (when it has more than one rank) and build the SP, CFG and control groups.
 
     `init_method` is a torch.distributed URL such as ``tcp://127.0.0.1:29500``; it may
-    be None only for a world of one.
+    be None only for a world of one. `timeout` bounds the rendezvous and every collective
+    of every group (None: torch's default); a rank whose peer never arrives then fails
+    instead of waiting forever.
     """
     global _STATE
     world_size = config.world_size
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    sp_group = cfg_group = None
+    sp_group = cfg_group = control_group = None
     if world_size > 1:
         if init_method is None:
             raise ValueError("init_method is required for a world of more than one rank")
+        bounded = {} if timeout is None else {"timeout": timeout}
         if not dist.is_initialized():
             dist.init_process_group(
-                backend=default_backend(device), init_method=init_method, rank=rank, world_size=world_size
+                backend=default_backend(device), init_method=init_method, rank=rank, world_size=world_size, **bounded
             )
         sp = config.sequence_parallel_size
         # Every rank must create every group, in the same order.
         for cfg_index in range(config.cfg_parallel_size):
             ranks = list(range(cfg_index * sp, (cfg_index + 1) * sp))
-            group = dist.new_group(ranks) if sp > 1 else None
+            group = dist.new_group(ranks, **bounded) if sp > 1 else None
             if rank in ranks:
                 sp_group = group
         for sp_index in range(sp):
             ranks = [cfg_index * sp + sp_index for cfg_index in range(config.cfg_parallel_size)]
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = dist.new_group(ranks, **bounded) if len(ranks) > 1 else None
             if rank in ranks:
                 cfg_group = group
-    _STATE = ParallelState(config=config, rank=rank, world_size=world_size, sp_group=sp_group, cfg_group=cfg_group)
+        if dist.get_backend() == "gloo":
+            control_group = dist.group.WORLD
+        else:
+            control_group = dist.new_group(list(range(world_size)), backend="gloo", **bounded)
+    _STATE = ParallelState(
+        config=config,
+        rank=rank,
+        world_size=world_size,
+        sp_group=sp_group,
+        cfg_group=cfg_group,
+        control_group=control_group,
+    )
     return _STATE
 
 
@@ -110,6 +132,36 @@ def use_parallel_state(state: ParallelState | None) -> Iterator[ParallelState | 
 def get_parallel_state() -> ParallelState | None:
     """The state set by `initialize_parallel_state`, or None in a plain single process."""
     return _STATE
+
+
+def get_control_group() -> dist.ProcessGroup | None:
+    """The CPU (gloo) group over every rank for control decisions; None in a process alone."""
+    return None if _STATE is None else _STATE.control_group
+
+
+def _agree(flag: bool, op: dist.ReduceOp) -> bool:
+    group = get_control_group()
+    if group is None:
+        return bool(flag)
+    value = torch.tensor([int(bool(flag))], dtype=torch.int32)
+    dist.all_reduce(value, op=op, group=group)
+    return bool(value.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on at least one (e.g. "stop": a cancel seen by any rank).
+
+    A collective over the control group: every rank of the world must call it at the same point.
+    """
+    return _agree(flag, dist.ReduceOp.MAX)
+
+
+def every_rank(flag: bool) -> bool:
+    """True on every rank only when `flag` is True on all of them (e.g. "every rank captured its graph").
+
+    A collective over the control group: every rank of the world must call it at the same point.
+    """
+    return _agree(flag, dist.ReduceOp.MIN)
 
 
 def destroy_parallel_state() -> None:

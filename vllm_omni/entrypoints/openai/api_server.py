@@ -208,6 +208,8 @@ class ImageServer:
             job = self._waiting.popleft()
             if not job.future.done():
                 job.future.set_exception(_ShuttingDown())
+        if self.engine is not None:
+            self.engine.executor.begin_shutdown()  # a request that hangs now fails without a restart
         if self._running is not None and self.engine is not None:
             self._running.cancelled = True
             self.engine.cancel(self._running.request_id)
@@ -242,13 +244,8 @@ class ImageServer:
             return 503, {"status": "failed", "detail": self.load_error}
         if engine is None:
             return 503, {"status": "loading"}
-        if engine.executor.failed:
-            return 503, {"status": "failed", "detail": engine.executor.failed}
-        if not engine.is_ready:
-            return 503, {"status": "restarting" if engine.executor.restarts else "loading"}
-        if not engine.is_healthy():
-            return 503, {"status": "unhealthy", "detail": "a worker is down; it is respawned when idle"}
-        return 200, {"status": "ok"}
+        status = engine.executor.status()  # loading, ok, restarting (and why), unhealthy, failed
+        return (200 if status.ok else 503), status.to_dict()
 
     def model_card(self) -> ModelCard:
         engine = self.engine

@@ -1,0 +1,107 @@
+"""Worker lifetime and deadlines under a real `vllm-omni serve tiny/qwen-image --ulysses-degree 2`.
+
+SIGKILL of the server leaves none of its children (workers, multiprocessing's helper) alive. A
+rank that fails while its peer waits in a collective costs one request (500) and a restart that
+/health reports; SIGTERM while a rank hangs exits 0 without respawning the workers. The faults
+come from the worker's VLLM_OMNI_TEST_FAULT hook, keyed by prompt, so other requests run
+normally; VLLM_OMNI_STALL_TIMEOUT_S shortens the deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from process_tree import children_of, still_alive_after
+from server_process import HTTP_TIMEOUT_S, start_server
+
+MODEL = "tiny/qwen-image"
+RAISE_PROMPT = "rank 1 raises at step 1"
+HANG_PROMPT = "rank 1 hangs at step 1"
+STALL_S = 4
+SLACK_S = 15.0  # a loaded 2-core CI machine; the point is "at the deadline", not "never"
+
+
+def generate(server, prompt: str) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "size": "32x32", "num_inference_steps": 4, "seed": 1}
+    return httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=HTTP_TIMEOUT_S)
+
+
+def test_sigkill_of_the_server_leaves_no_worker_alive(tmp_path):
+    server = start_server([MODEL, "--ulysses-degree", "2"], tmp_path / "server.log")
+    try:
+        children = children_of(server.proc.pid)
+        assert len(server.worker_pids()) == 2 and set(server.worker_pids()) <= set(children)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        assert still_alive_after(children, 5) == []
+    finally:
+        server.kill()  # its process group: whatever a failure above left behind
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def faulty_server(tmp_path_factory):
+    faults = [
+        {"kind": "raise", "rank": 1, "step": 1, "prompt": RAISE_PROMPT},
+        {"kind": "hang", "rank": 1, "step": 1, "prompt": HANG_PROMPT},
+    ]
+    server = start_server(
+        [MODEL, "--ulysses-degree", "2", "--device", "cpu"],  # the 4 s deadline is sized for CPU steps
+        tmp_path_factory.mktemp("serve-lifetime") / "server.log",
+        VLLM_OMNI_TEST_FAULT=json.dumps(faults),
+        VLLM_OMNI_STALL_TIMEOUT_S=str(STALL_S),
+    )
+    yield server
+    server.close()
+
+
+def test_a_rank_failing_while_its_peer_waits_costs_one_request_and_a_restart_health_reports(faulty_server):
+    server = faulty_server
+    start = server.log_size()
+    workers = server.worker_pids()
+    begun = time.monotonic()
+    response = generate(server, RAISE_PROMPT)
+    assert time.monotonic() - begun < STALL_S + SLACK_S
+    assert response.status_code == 500, response.text
+    message = response.json()["error"]["message"]
+    assert "RuntimeError: test fault on rank 1 at step 1" in message and "rank(s) [0] did not finish" in message
+
+    health = httpx.get(f"{server.url}/health", timeout=30)
+    assert health.status_code == 503 and health.json()["status"] == "restarting", health.text
+    assert "test fault on rank 1" in health.json()["detail"]
+    deadline = time.monotonic() + HTTP_TIMEOUT_S  # a hang guard: the new group loads, the watchdog sees it
+    while health.status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        health = httpx.get(f"{server.url}/health", timeout=30)
+    body = health.json()
+    assert (health.status_code, body["status"], body["restarts"]) == (200, "ok", 1), body
+    assert "test fault on rank 1" in body["last_restart_reason"]
+    server.wait_for_log(r"Restarting workers: request img-\w+ failed \(RuntimeError: test fault", start)
+    assert set(server.worker_pids()).isdisjoint(workers)
+    assert generate(server, "a cat").status_code == 200
+
+
+def test_sigterm_while_a_rank_hangs_exits_0_without_respawning_the_workers(faulty_server):
+    # Stops the module's server: keep it last.
+    server = faulty_server
+    start = server.log_size()
+    children = children_of(server.proc.pid)
+    outcome: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: outcome.setdefault("response", generate(server, HANG_PROMPT)))
+    thread.start()
+    server.wait_for_log(r"Test fault: rank 1 hangs at step 1", start)
+    begun = time.monotonic()
+    assert server.terminate() == 0
+    assert time.monotonic() - begun < STALL_S + SLACK_S  # the stall deadline ended the request, nothing waited more
+    thread.join(timeout=HTTP_TIMEOUT_S)
+    assert outcome["response"].status_code == 503, outcome["response"].text
+    log = server.log(start)
+    assert "Not restarting the workers (shutting down): request" in log
+    assert "Restarting workers" not in log
+    assert still_alive_after(children, 5) == []  # multiprocessing's tracker leaves just after the server
