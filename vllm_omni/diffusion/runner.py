@@ -1,7 +1,8 @@
 """One runner for every model family: a diffusers pipeline with our SP transformer swapped in.
 
 A worker (worker.py) builds one `PipelineRunner` and calls `run` per request. What every family
-shares lives here: loading the pipeline with the family's transformer, CUDA graphs for the
+shares lives here: loading the pipeline with the family's transformer, decoding the source images
+(they arrive as the compressed files the engine checked), CUDA graphs for the
 transformer's sharded forward, one CPU generator seeded identically on every rank (so every rank
 holds the same latents), the per-step hook (cancellation, progress), the progress bar on rank 0
 only, and the result as uint8 (images [n, H, W, 3], videos [n, F, H, W, 3]) unless the caller asked
@@ -11,6 +12,7 @@ the pipeline's keyword arguments) in `models/<family>/pipeline.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +23,7 @@ import torch
 
 from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward
 from vllm_omni.diffusion.data import DiffusionRequest
+from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.registry import PipelineSpec
 
 StepCallback = Callable[[int], None]
@@ -56,6 +59,12 @@ class PipelineRunner:
 
         Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np".
         """
+        if request.images:
+            # The engine checked the files' headers; they travel compressed and are decoded here, once.
+            names = [f"image[{i}]" if len(request.images) > 1 else "image" for i in range(len(request.images))]
+            request = dataclasses.replace(
+                request, images=[decode_image(image, name) for image, name in zip(request.images, names)]
+            )
         kwargs = self.family.pipeline_kwargs(request, self.spec)
         # One CPU generator on every rank: identical latents everywhere, on any device.
         kwargs.update(generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np")

@@ -1,22 +1,34 @@
 """Request and response bodies of the OpenAI-style image API, and the size parser.
 
 The generation body is JSON; the edit body is the same fields as multipart form values (the
-api_server validates both with these models). The sampling fields come from the one
-declaration in diffusion/request_fields.py. Responses follow OpenAI's images schema
-(`created`, `data[].b64_json`) and add the seed used and the real output size. Used by
-openai/api_server.py and the one-shot CLI (cli/generate.py, for `parse_size`).
+routes in routes/images.py validate both with these models). The sampling fields come from the
+one declaration in diffusion/request_fields.py. Responses follow OpenAI's images schema
+(`created`, `data[].b64_json`) and add the seed used and the real output size. Used by the
+routes, the error handlers (errors.py) and the one-shot CLI (cli/generate.py, for `parse_size`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 
-_SIZE = re.compile(r"^\s*(-?\d+)\s*[xX]\s*(-?\d+)\s*$")
+# ASCII digits only: Python's int() also reads full-width and other Unicode digits.
+_SIZE = re.compile(r"^\s*(-?[0-9]+)\s*[xX]\s*(-?[0-9]+)\s*$")
+
+
+def _not_a_bool(value: Any) -> Any:
+    # pydantic's lax mode reads JSON true as 1 for int and float fields.
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
+
+
+def _field_type(kind: type) -> Any:
+    return Annotated[kind, BeforeValidator(_not_a_bool)] if kind in (int, float) else kind
 
 
 def parse_size(size: str, max_side: int) -> tuple[int, int]:
@@ -43,7 +55,9 @@ class _ImageRequestBase(BaseModel):
     size: str | None = Field(None, description="'WIDTHxHEIGHT', or 'auto'")
     response_format: str | None = Field("b64_json", description="only 'b64_json'")
     output_format: Literal["png", "jpeg", "webp"] | None = Field(None, description="default 'png'")
-    output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100")
+    output_compression: Annotated[int, BeforeValidator(_not_a_bool)] | None = Field(
+        None, ge=0, le=100, description="jpeg/webp quality, 0-100"
+    )
     stream: bool | None = None  # only false: images come back whole
     background: str | None = None  # only "auto" / "opaque": no transparent output
     # Sent by some OpenAI clients; accepted and ignored.
@@ -57,7 +71,7 @@ class _ImageRequestBase(BaseModel):
 def _with_sampling_fields(name: str, base: type[BaseModel], video: bool) -> type[BaseModel]:
     """`base` plus the declared request fields (request_fields.py); width and height travel in `size`."""
     fields = {
-        f.name: (f.type | None, Field(None, description=f.help))
+        f.name: (_field_type(f.type) | None, Field(None, description=f.help))
         for f in SAMPLING_FIELDS
         if not f.in_size and (video or not f.video_only)
     }
