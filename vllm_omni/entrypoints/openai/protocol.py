@@ -10,25 +10,17 @@ routes, the error handlers (errors.py) and the one-shot CLI (cli/generate.py, fo
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 
 # ASCII digits only: Python's int() also reads full-width and other Unicode digits.
 _SIZE = re.compile(r"^\s*(-?[0-9]+)\s*[xX]\s*(-?[0-9]+)\s*$")
 
-
-def _not_a_bool(value: Any) -> Any:
-    # pydantic's lax mode reads JSON true as 1 for int and float fields.
-    if isinstance(value, bool):
-        raise ValueError(f"expected a number, got {str(value).lower()}")
-    return value
-
-
-def _field_type(kind: type) -> Any:
-    return Annotated[kind, BeforeValidator(_not_a_bool)] if kind in (int, float) else kind
+# Numeric fields: pydantic's lax mode would read JSON true as 1 for them.
+_NUMERIC_FIELDS = frozenset({f.name for f in SAMPLING_FIELDS if f.type in (int, float)} | {"output_compression"})
 
 
 def parse_size(size: str, max_side: int) -> tuple[int, int]:
@@ -55,9 +47,7 @@ class _ImageRequestBase(BaseModel):
     size: str | None = Field(None, description="'WIDTHxHEIGHT', or 'auto'")
     response_format: str | None = Field("b64_json", description="only 'b64_json'")
     output_format: Literal["png", "jpeg", "webp"] | None = Field(None, description="default 'png'")
-    output_compression: Annotated[int, BeforeValidator(_not_a_bool)] | None = Field(
-        None, ge=0, le=100, description="jpeg/webp quality, 0-100"
-    )
+    output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100")
     stream: bool | None = None  # only false: images come back whole
     background: str | None = None  # only "auto" / "opaque": no transparent output
     # Sent by some OpenAI clients; accepted and ignored.
@@ -67,11 +57,18 @@ class _ImageRequestBase(BaseModel):
     moderation: str | None = None
     safety_identifier: str | None = None
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_are_not_numbers(cls, value: Any, info: Any) -> Any:
+        if isinstance(value, bool) and info.field_name in _NUMERIC_FIELDS:
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
+
 
 def _with_sampling_fields(name: str, base: type[BaseModel], video: bool) -> type[BaseModel]:
     """`base` plus the declared request fields (request_fields.py); width and height travel in `size`."""
     fields = {
-        f.name: (_field_type(f.type) | None, Field(None, description=f.help))
+        f.name: (f.type | None, Field(None, description=f.help))
         for f in SAMPLING_FIELDS
         if not f.in_size and (video or not f.video_only)
     }
