@@ -196,12 +196,35 @@ def test_a_full_queue_refuses_before_the_engine_checks_anything_and_says_when_to
         assert "refused" not in engine.preprocessed  # refused before its upload was read or its prompt counted
         assert full.value.retry_after_s >= 1
         with pytest.raises(QueueFull):
-            scheduler.check_capacity()  # what the edits route asks before it reads a multipart body
+            scheduler.hold_place()  # what the edits route takes before it reads a multipart body
         engine.preprocess_gate.set()
         waiting = await checking
         engine.finish(running.id)
         engine.finish(waiting.id)
         assert (await waiting.wait()).status == "completed"
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_place_held_while_an_upload_is_read_counts_until_its_job_takes_it():
+    async def scenario():
+        engine = FakeEngine()
+        scheduler = await started(engine, max_queue=1)
+        running = await scheduler.submit(params("running"))
+        await engine.running(running.id)
+        with scheduler.hold_place():
+            with pytest.raises(QueueFull):
+                await scheduler.submit(params("refused"))
+            queued = await scheduler.submit(params("uploaded"), place_held=True)
+        assert "refused" not in engine.preprocessed
+        with pytest.raises(QueueFull):
+            scheduler.hold_place()  # the queued job has the place now
+        engine.finish(running.id)
+        engine.finish(queued.id)
+        assert (await queued.wait()).status == "completed"
+        with scheduler.hold_place():  # free again
+            pass
         await scheduler.stop()
 
     asyncio.run(scenario())

@@ -7,7 +7,9 @@ scheduler with a fake engine (tests/entrypoints/test_scheduler.py).
   `submit` raises `Unavailable` and `health()` says "loading".
 - `submit(params)` checks the queue's capacity before the engine's checks (which read the
   uploads' headers and count prompt tokens) and holds a place meanwhile, so concurrent submits
-  cannot overfill it. A queued job carries the checked request, source images still compressed.
+  cannot overfill it; a route that must read a large upload first holds one (`hold_place`)
+  (so uploads in flight are bounded by the queue too). A queued job carries the checked
+  request, source images still compressed.
 - One consumer runs jobs first in, first out, one at a time (`engine.step` blocks, so it runs in
   a thread of its own).
 - A job lives on its own, whether or not anyone waits for it: an id, a status, progress 0-100,
@@ -21,6 +23,7 @@ scheduler with a fake engine (tests/entrypoints/test_scheduler.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import threading
@@ -139,6 +142,21 @@ class QueueFull(Exception):
 
 class InternalError(Exception):
     """The engine's checks failed unexpectedly (logged with its traceback); the message is one line."""
+
+
+class QueuePlace:
+    """A place held in the queue; leaving the `with` block gives it back (a queued job has its own)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler: Scheduler | None = scheduler
+
+    def __enter__(self) -> QueuePlace:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler._reserved -= 1
+            self._scheduler = None
 
 
 class Scheduler:
@@ -306,6 +324,16 @@ class Scheduler:
         if len(self._waiting) + self._reserved >= self.limits.max_queue:
             raise QueueFull(self.limits.max_queue, self.retry_after_s())
 
+    def hold_place(self) -> QueuePlace:
+        """A place in the queue, held while a request is read and checked (`with` it; `place_held=True` to submit).
+
+        Raises Unavailable or QueueFull at once, before anything is read.
+        """
+        self.check_accepting()
+        self.check_capacity()
+        self._reserved += 1
+        return QueuePlace(self)
+
     def retry_after_s(self) -> int:
         """Seconds until a place in the queue is likely free: what the running job has left, about."""
         typical = sum(self._run_seconds) / len(self._run_seconds) if self._run_seconds else 1.0
@@ -318,22 +346,23 @@ class Scheduler:
 
     # ---- jobs ---------------------------------------------------------------------------------
 
-    async def submit(self, params: GenerationParams, id_prefix: str = "req") -> Job:
-        """Check, then queue; raises Unavailable, QueueFull, RequestError (bad input) or InternalError."""
-        self.check_accepting()
-        self.check_capacity()  # before the engine's checks: a full queue answers before any upload is read
-        engine = self._engine
-        request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
-        self._reserved += 1
-        try:
-            request = await asyncio.to_thread(engine.preprocess, dataclasses.replace(params, request_id=request_id))
-        except RequestError:
-            raise
-        except Exception as exc:
-            logger.exception("Request %s: the checks failed unexpectedly", request_id)
-            raise InternalError(f"could not check the request: {one_line(f'{type(exc).__name__}: {exc}')}") from None
-        finally:
-            self._reserved -= 1
+    async def submit(self, params: GenerationParams, id_prefix: str = "req", place_held: bool = False) -> Job:
+        """Check, then queue; raises Unavailable, QueueFull, RequestError (bad input) or InternalError.
+
+        The queue's capacity is checked before the engine's checks, unless the caller holds a place (`hold_place`).
+        """
+        with contextlib.nullcontext() if place_held else self.hold_place():
+            request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
+            try:
+                request = await asyncio.to_thread(
+                    self._engine.preprocess, dataclasses.replace(params, request_id=request_id)
+                )
+            except RequestError:
+                raise
+            except Exception as exc:
+                logger.exception("Request %s: the checks failed unexpectedly", request_id)
+                message = one_line(f"{type(exc).__name__}: {exc}")
+                raise InternalError(f"could not check the request: {message}") from None
         self.check_accepting()  # shutdown may have begun meanwhile
         job = Job(request.request_id, request)
         self._jobs[job.id] = job

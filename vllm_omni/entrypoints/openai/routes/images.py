@@ -4,7 +4,7 @@ A request becomes `GenerationParams` (the deploy's defaults filled in, `size` sp
 and height), is submitted to the scheduler (app.state.scheduler), and the answer waits for the
 job while watching the connection: a client that goes away has its job cancelled (dropped from
 the queue, or stopped at its next denoising step). An edit's upload is read only once the
-queue is known to have room, and is passed on as compressed bytes.
+queue has a place for it (held while it is read and checked), and is passed on as compressed bytes.
 """
 
 from __future__ import annotations
@@ -39,20 +39,24 @@ FORM_OVERHEAD_BYTES = 1024 * 1024  # text fields and multipart framing, beyond t
 
 @router.post("/v1/images/generations", response_model=ImageResponse)
 async def generations(body: ImageGenerationRequest, http: Request) -> JSONResponse:
-    return await _run(http, body, _params(http, body, None))
+    params = _params(http, body, None)
+    return await _answer(http, body, await _submit(http, body, params, place_held=False))
 
 
 @router.post("/v1/images/edits", response_model=ImageResponse)
 async def edits(http: Request) -> JSONResponse:
     scheduler: Scheduler = http.app.state.scheduler
     try:
-        # A loading server, or a full queue, says so before a large upload is read.
-        scheduler.check_accepting()
-        scheduler.check_capacity()
+        # A loading server, or a full queue, says so before a large upload is read; the place
+        # held meanwhile bounds the uploads in flight by the queue's length.
+        place = scheduler.hold_place()
     except (Unavailable, QueueFull) as exc:
         raise scheduler_error(exc) from None
-    body, images = await _read_edit_form(http)
-    return await _run(http, body, _params(http, body, images if len(images) > 1 else images[0]))
+    with place:
+        body, images = await _read_edit_form(http)
+        params = _params(http, body, images if len(images) > 1 else images[0])
+        job = await _submit(http, body, params, place_held=True)
+    return await _answer(http, body, job)
 
 
 def _params(
@@ -92,16 +96,20 @@ def _params(
     return GenerationParams(prompt=body.prompt, image=images, **values)
 
 
-async def _run(
-    http: Request, body: ImageGenerationRequest | ImageEditRequest, params: GenerationParams
-) -> JSONResponse:
-    scheduler: Scheduler = http.app.state.scheduler
+async def _submit(
+    http: Request, body: ImageGenerationRequest | ImageEditRequest, params: GenerationParams, place_held: bool
+) -> Job:
     try:
-        job = await scheduler.submit(params, id_prefix="img")
+        return await http.app.state.scheduler.submit(params, id_prefix="img", place_held=place_held)
     except RequestError as exc:
         raise request_error(exc, body.size) from None
     except (Unavailable, QueueFull, InternalError) as exc:
         raise scheduler_error(exc) from None
+
+
+async def _answer(http: Request, body: ImageGenerationRequest | ImageEditRequest, job: Job) -> JSONResponse:
+    """Wait for the job (cancelling it if the client leaves) and answer with its images or its error."""
+    scheduler: Scheduler = http.app.state.scheduler
     try:
         await _wait_watching_client(http, scheduler, job)
     finally:
