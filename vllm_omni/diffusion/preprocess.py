@@ -58,20 +58,26 @@ def check_float(name: str, value: Any, low: float, high: float) -> float:
 class PromptTokenCounter:
     """Counts prompt tokens with the model folder's tokenizer, without tokenizing absurd texts.
 
-    No tokenizer in the folder: no token limit (the character bound still applies).
+    No tokenizer in the folder (or one transformers cannot load): no token count, only the
+    character bound.
     """
 
     def __init__(self, model_path: Path) -> None:
         self.tokenizer = None
         self.max_token_chars = 64  # a bound on one token's characters, for texts with no tokenizer
         folder = model_path / "tokenizer"
-        if folder.is_dir():
+        if not folder.is_dir():
+            return
+        try:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
-            # A token's vocabulary string has at least as many characters as the text it covers
-            # (byte-level BPE spells each byte as one character), added tokens included.
-            self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
+        except Exception as exc:  # noqa: BLE001 - the workers load it their own way; only the count is lost
+            logger.warning("Cannot load the tokenizer in %s (%s): prompts are bounded by characters only", folder, exc)
+            return
+        # A token's vocabulary string has at least as many characters as the text it covers
+        # (byte-level BPE spells each byte as one character), added tokens included.
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
 
     def check(self, name: str, text: str, limit: int) -> None:
         """RequestError when `text` has more than `limit` tokens."""
