@@ -58,6 +58,7 @@ def test_help_documents_every_flag_and_imports_neither_torch_nor_fastapi():
         "--max-input-images",
         "--max-upload-bytes",
         "--max-input-pixels",
+        "--max-prompt-tokens",
         "--served-model-name",
         "--enforce-eager",
     ):

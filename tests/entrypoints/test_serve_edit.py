@@ -1,8 +1,10 @@
 """`vllm-omni serve tiny/qwen-image-edit --ulysses-degree 2`: multipart edits over real HTTP.
 
-One server for the module, with a 1 MB upload limit so an oversized upload is cheap to send.
+One server for the module, with a 1 MB upload limit so an oversized upload is cheap to send,
+and a largest side of 1248 (a 3:2 source's `size=auto`, 1248x832, fits; a 2:1 one's, 1440x736, does not).
 Covers the openai client (one file as `image`, a list as `image[]`), CONTEXT.md's curl form,
-`size=auto`, and uploads that must be refused: unreadable, oversized, a decompression bomb.
+`size=auto`, and input that must be refused: unreadable, oversized, a decompression bomb, very
+thin sources, prompts beyond the token limit, an automatic size beyond the largest side.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from server_process import HTTP_TIMEOUT_S, decode_image, start_server
 MODEL = "tiny/qwen-image-edit"
 PROMPT = "Add a cool hat to the cat."
 UPLOAD_LIMIT = 1_000_000
+MAX_SIDE = 1248
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-edit") / "server.log"
-    srv = start_server([MODEL, "--ulysses-degree", "2", "--max-upload-bytes", str(UPLOAD_LIMIT)], log)
+    args = [MODEL, "--ulysses-degree", "2", "--max-upload-bytes", str(UPLOAD_LIMIT), "--max-image-size", str(MAX_SIDE)]
+    srv = start_server(args, log)
     yield srv
     srv.close()
 
@@ -41,9 +45,9 @@ def png(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def source_png() -> bytes:
-    """A 300x200 gradient (not square, so `size=auto` shows the aspect ratio is kept)."""
-    gradient = np.linspace(0, 255, 300, dtype=np.uint8)[None, :, None].repeat(200, 0).repeat(3, 2)
+def source_png(width: int = 300, height: int = 200) -> bytes:
+    """A gradient, 300x200 by default (not square, so `size=auto` shows the aspect ratio is kept)."""
+    gradient = np.linspace(0, 255, width, dtype=np.uint8)[None, :, None].repeat(height, 0).repeat(3, 2)
     return png(Image.fromarray(gradient))
 
 
@@ -80,6 +84,11 @@ def edit(server, files, **fields) -> httpx.Response:
         ({"image": ("a.png", source_png(), "image/png")}, {"num_inference_steps": "0"}, "num_inference_steps", ""),
         ({"image": ("a.png", source_png(), "image/png")}, {"n": "two"}, "n", "integer"),
         ({"image": ("a.png", source_png(), "image/png")}, {"response_format": "url"}, "response_format", ""),
+        # Found by a hostile-client probe:
+        ({"image": ("a.png", source_png(1, 8000), "image/png")}, {}, "image", "100:1"),
+        ({"image": ("a.png", source_png(8000, 1), "image/png")}, {}, "image", "100:1"),
+        ({"image": ("a.png", source_png(), "image/png")}, {"prompt": " the" * 1025}, "prompt", "the limit is 1024"),
+        ({"image": ("a.png", source_png(400, 200), "image/png")}, {"size": "auto"}, "size", "1440x736"),
     ],
     ids=[
         "unreadable",
@@ -93,6 +102,10 @@ def edit(server, files, **fields) -> httpx.Response:
         "zero-steps",
         "bad-n",
         "url-response",
+        "thin-source-1x8000",
+        "thin-source-8000x1",
+        "prompt-beyond-the-token-limit",
+        "auto-size-beyond-the-largest-side",
     ],
 )
 def test_bad_upload_or_field_is_400_naming_it(server, files, fields, param, words):
@@ -100,6 +113,7 @@ def test_bad_upload_or_field_is_400_naming_it(server, files, fields, param, word
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
+    assert "object at 0x" not in error["message"]  # no Python reprs (an unreadable upload once said <_io.BytesIO ...>)
 
 
 def test_json_body_on_the_edits_endpoint_is_400(server):

@@ -167,6 +167,12 @@ def test_concurrent_requests_each_get_the_image_of_their_own_seed(server):
         ({"prompt": None}, "prompt", "string"),
         ({"num_steps": 4}, "num_steps", "unknown field"),
         ({"stream": True}, "stream", "not supported"),
+        # Found by a hostile-client probe:
+        ({"n": True}, "n", "expected a number"),
+        ({"size": "\uff12\uff17\uff12x208"}, "size", "WIDTHxHEIGHT"),  # full-width digits
+        ({"prompt": " the" * 508}, "prompt", "508 tokens; the limit is 507"),  # beyond what the pipeline reads
+        ({"negative_prompt": " the" * 508}, "negative_prompt", "the limit is 507"),
+        ({"prompt": "a" * 500_000}, "prompt", "far longer than the limit"),  # refused without tokenizing
     ],
 )
 def test_bad_input_is_400_naming_the_field_and_the_server_keeps_serving(server, fields, param, words):
@@ -175,6 +181,19 @@ def test_bad_input_is_400_naming_the_field_and_the_server_keeps_serving(server, 
     error = response.json()["error"]
     assert error["param"] == param and param in error["message"] and words in error["message"]
     assert generate(server, size="32x32").status_code == 200
+
+
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt"])
+def test_a_lone_surrogate_in_the_text_is_400_naming_the_field(server, field):
+    # JSON may spell a lone surrogate; it is bad input, not a crash in the tokenizer.
+    content = f'{{"{field}": "cat \\ud800", "size": "32x32", "num_inference_steps": 2}}'
+    if field != "prompt":
+        content = content.replace("{", '{"prompt": "a cat", ', 1)
+    response = httpx.post(
+        f"{server.url}/v1/images/generations", content=content, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field and "lone surrogate" in response.json()["error"]["message"]
 
 
 def test_openai_client_sees_the_400_message(client):
@@ -193,6 +212,24 @@ def test_openai_client_sees_the_400_message(client):
 def test_body_that_is_not_a_json_object_is_400(server, content, headers, words):
     response = httpx.post(f"{server.url}/v1/images/generations", content=content, headers=headers, timeout=30)
     assert response.status_code == 400 and words in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "method,path,content,status,words",
+    [
+        ("GET", "/v1/no-such-thing", None, 404, "no such endpoint: GET /v1/no-such-thing"),
+        ("GET", "/v1/images/generations", None, 405, "GET is not allowed on /v1/images/generations; use POST"),
+        ("POST", "/v1/images/generations", b'{"prompt": "caf\xe9"}', 400, "not UTF-8"),
+        ("POST", "/v1/images/generations", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    ],
+    ids=["unknown-path", "wrong-method", "invalid-utf8", "deep-nesting"],
+)
+def test_every_error_answers_in_the_openai_shape(server, method, path, content, status, words):
+    headers = {"Content-Type": "application/json"}
+    response = httpx.request(method, f"{server.url}{path}", content=content, headers=headers, timeout=30)
+    assert response.status_code == status
+    body = response.json()
+    assert set(body) == {"error"} and words in body["error"]["message"], body
 
 
 def test_edit_endpoint_on_a_text_to_image_model_is_400(server):

@@ -3,15 +3,24 @@
 One server for the module: the YAML asks for Ulysses 3 with masked padding and 3 default
 steps; `--ulysses-degree 2` overrides the degree only. `--api-key` turns auth on and
 `--max-queue 1` lets one request wait behind the running one. `--served-model-name` gives the
-tiny model the real one's name.
+tiny model the real one's name; `--max-image-size 512` is below the model's default size. The
+server reads the tiny model from a copy of its own, which the last test breaks: workers that
+cannot be reloaded end the server.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
 
 import httpx
 import openai
 import pytest
 from server_process import HTTP_TIMEOUT_S, decode_image, open_request, start_server
+
+from vllm_omni.diffusion.loader import resolve_model_path
 
 MODEL = "tiny/qwen-image"
 SERVED = "Qwen/Qwen-Image"  # what clients of the real model send (CONTEXT.md's curl)
@@ -34,9 +43,15 @@ stages:
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve-options")
     (folder / "deploy.yaml").write_text(DEPLOY_YAML)
+    # The tiny model's cache layout ($VLLM_OMNI_CACHE/tiny/<name>), in a copy this module may break.
+    built = resolve_model_path(MODEL)
+    cache = folder / "cache"
+    shutil.copytree(built, cache / "tiny" / built.name)
     args = [MODEL, "--deploy-config", str(folder / "deploy.yaml"), "--ulysses-degree", "2"]
     args += ["--api-key", KEY, "--max-queue", "1", "--max-steps", str(LONG_STEPS), "--served-model-name", SERVED]
-    srv = start_server(args, folder / "server.log")
+    args += ["--max-image-size", "512"]
+    srv = start_server(args, folder / "server.log", VLLM_OMNI_CACHE=str(cache))
+    srv.model_folder = cache / "tiny" / built.name
     yield srv
     srv.close()
 
@@ -81,8 +96,26 @@ def test_v1_needs_the_api_key_and_health_does_not(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
     assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": KEY}).status_code == 401
     response = post(server, headers={})
     assert response.status_code == 401 and "API key" in response.json()["error"]["message"]
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer"])
+def test_the_auth_scheme_is_case_insensitive(server, scheme):
+    # RFC 7235: the scheme name is case-insensitive; the key is not.
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    wrong_case_key = {"Authorization": f"{scheme} {KEY.upper()}"}
+    assert httpx.get(f"{server.url}/v1/models", headers=wrong_case_key).status_code == 401
+
+
+def test_a_size_the_model_picks_itself_is_checked_against_the_largest_side(server):
+    # No size: Qwen-Image would run at 1024x1024, above --max-image-size 512.
+    response = post(server, size=None)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "size" and "1024x1024" in error["message"] and "512" in error["message"]
 
 
 def test_openai_client_with_the_key_works_and_without_it_is_refused(server):
@@ -107,6 +140,7 @@ def test_full_queue_is_429_and_a_waiting_request_whose_client_left_is_dropped(se
 
     refused = post(server)
     assert refused.status_code == 429 and "queue is full" in refused.json()["error"]["message"]
+    assert int(refused.headers["retry-after"]) >= 1
 
     waiting.close()
     server.wait_for_log(rf"Request {second} dropped from the queue: client disconnected", start)
@@ -114,3 +148,26 @@ def test_full_queue_is_429_and_a_waiting_request_whose_client_left_is_dropped(se
     server.wait_for_log(rf"request {first} cancelled at step \d+", start)
     assert post(server).status_code == 200
     assert f"Request {second} running" not in server.log(start)
+
+
+def test_workers_that_cannot_be_reloaded_fail_the_request_in_one_line_and_end_the_server(server):
+    # Runs last: the server does not survive it.
+    start = server.log_size()
+    (server.model_folder / "model_index.json").unlink()  # a new worker fails early in its load
+    outcome: dict[str, httpx.Response] = {}
+    thread = threading.Thread(
+        target=lambda: outcome.setdefault("response", post(server, num_inference_steps=LONG_STEPS))
+    )
+    thread.start()
+    request_id = server.wait_for_log(rf"Request (img-\w+) queued: size=80x48, steps={LONG_STEPS}", start).group(1)
+    server.wait_for_log(rf"Request {request_id} running", start)
+    workers = server.worker_pids()
+    assert workers
+    os.kill(workers[-1], signal.SIGKILL)
+    thread.join(timeout=HTTP_TIMEOUT_S)
+    response = outcome["response"]
+    assert response.status_code == 500, response.text
+    message = response.json()["error"]["message"]
+    assert "\n" not in message and "Traceback" not in message and 'File "' not in message, message
+    assert server.wait_exit() == 1
+    assert "Traceback" in server.log(start)  # the details went to the log

@@ -183,3 +183,37 @@ def test_sp_unmasked_padding_is_close_but_not_equal(sp_pool, models, checkpoints
         expected = ours(**inputs)[0]
     for out in sp_pool.run(sp_forward, checkpoints[False], "divisible", "none", 1, 12):
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+# ---- text longer than diffusers' rotary table ------------------------------------------------------
+
+LONG_TEXT = 4100  # diffusers' table has 4096 positions; the 5x7 grid's text starts at position 3
+
+
+def _reference_with_longer_table(folder: str) -> torch.nn.Module:
+    """The reference with a rotary table long enough for LONG_TEXT: what it would compute if it could."""
+    ref = ReferenceTransformer.from_pretrained(folder).eval()
+    rope = ref.pos_embed
+    index = torch.arange(2 * 4096)
+    rope.pos_freqs = torch.cat([rope.rope_params(index, dim, rope.theta) for dim in rope.axes_dim], dim=1)
+    return ref
+
+
+def test_text_beyond_the_rotary_table_gets_a_row_per_token_like_a_longer_table(models, checkpoints):
+    ref, ours = models[False]
+    inputs = make_inputs(CASES["generate"][0], 1, LONG_TEXT)
+    # The reference slices fewer text rows than tokens from its 4096-row table and fails in attention.
+    with torch.no_grad(), pytest.raises(RuntimeError, match="size of tensor"):
+        ref(**inputs)
+    with torch.no_grad():
+        expected = _reference_with_longer_table(checkpoints[False])(**inputs)[0]
+        actual = ours(**inputs)[0]
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_text_beyond_the_rotary_table_under_sp_matches_single_process(sp_pool, models, checkpoints):
+    _, ours = models[False]
+    with torch.no_grad():
+        expected = ours(**make_inputs(CASES["generate"][0], 1, LONG_TEXT))[0]
+    for out in sp_pool.run(sp_forward, checkpoints[False], "generate", "trim", 1, LONG_TEXT):
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)

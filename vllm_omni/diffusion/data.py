@@ -171,6 +171,7 @@ class EngineLimits:
     max_input_images: int = 4  # source images per edit
     max_upload_bytes: int = 20 * 1024 * 1024  # one uploaded image file
     max_input_pixels: int = 40_000_000  # decoded source image, w*h (no decompression bombs)
+    max_prompt_tokens: int = 1024  # prompt and negative_prompt, each, in the model's tokenizer
     max_queue: int = 64  # requests waiting in the server's queue
     max_frames: int = 257  # video frames per request
     max_fps: int = 120
@@ -210,7 +211,10 @@ class DiffusionRequest:
     request_id: str
     prompt: str
     negative_prompt: str | None = None
-    images: list[Any] | None = None  # PIL images (edits, FLUX.2 references, image-to-video)
+    # Source images (edits, FLUX.2 references, image-to-video) as the engine checked them: the
+    # compressed file bytes (the worker decodes them; queued requests stay small), or PIL images
+    # handed to `Omni.generate`.
+    images: list[Any] | None = None
     height: int | None = None  # None: the pipeline's default (edits: from the source aspect ratio)
     width: int | None = None
     num_inference_steps: int = 50
@@ -241,6 +245,17 @@ class DiffusionOutput:
     num_frames: int | None = None  # videos only
     fps: int | None = None
     timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+class RequestError(ValueError):
+    """Bad input, found by the engine's checks; `param` names the request field at fault.
+
+    The HTTP server answers it with a 400 carrying `param` (height and width travel in `size`).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestCancelled(Exception):

@@ -1,21 +1,20 @@
 """DiffusionEngine: validate a request, run it on the workers, hand back images.
 
-`step()` = preprocess (validation, size rounding, seed, image decoding) -> add_req_and_wait
-(the executor runs it on every rank) -> postprocess (PIL or arrays), and logs the breakdown
-users grep for. Used by the offline `Omni` class and by the HTTP server.
+`step()` = preprocess (preprocess.py: validation, the sizes and seed the pipeline would pick,
+prompt tokens, image headers) -> add_req_and_wait (the executor runs it on every rank) ->
+postprocess (PIL or arrays), and logs the breakdown users grep for. Used by the offline `Omni`
+class and by the HTTP server's scheduler, which reads the workers' state only through
+`health_status()`, `restarts`, `check_workers()` and `begin_shutdown()`.
 """
 
 from __future__ import annotations
 
-import io
 import itertools
-import math
-import secrets
 import threading
 import time
 import uuid
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 
@@ -30,12 +29,14 @@ from vllm_omni.diffusion.data import (
 )
 from vllm_omni.diffusion.executor import MultiprocExecutor
 from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
-from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
+from vllm_omni.diffusion.preprocess import RequestPreprocessor
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
-MAX_SEED = 2**63 - 1
+# loading: the first load; ok: serving; restarting: a new group loads after a restart;
+# unhealthy: a worker died while idle (respawned before the next request); failed: lost for good.
+HealthState = Literal["loading", "ok", "restarting", "unhealthy", "failed", "shut_down"]
 
 
 def _cuda_device_count() -> int:
@@ -47,60 +48,7 @@ def _cuda_device_count() -> int:
         return 0
 
 
-def _check_int(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            if isinstance(value, bool) or float(value) != int(value):
-                raise ValueError
-            value = int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be between {low} and {high}, got {value}")
-    return value
-
-
-def _check_float(name: str, value: Any, low: float, high: float) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(value) or not low <= value <= high:
-        raise ValueError(f"{name} must be between {low} and {high}, got {value}")
-    return value
-
-
-def decode_image(source: Any, limits: EngineLimits, name: str = "image") -> Any:
-    """A PIL RGB image from a PIL image, a path or bytes; refuses unreadable or oversized input."""
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(source, Image.Image):
-        image = source
-    else:
-        if isinstance(source, (str, Path)):
-            try:
-                source = Path(source).read_bytes()
-            except OSError as exc:
-                raise ValueError(f"{name}: cannot read {source}: {exc.strerror}") from None
-        if not isinstance(source, (bytes, bytearray)):
-            raise ValueError(f"{name} must be a PIL image, a file path or image bytes, got {type(source).__name__}")
-        if len(source) > limits.max_upload_bytes:
-            raise ValueError(f"{name} is {len(source)} bytes; the limit is {limits.max_upload_bytes}")
-        try:
-            image = Image.open(io.BytesIO(source))
-        except Image.DecompressionBombError:
-            raise ValueError(f"{name} has too many pixels; the limit is {limits.max_input_pixels}") from None
-        except (UnidentifiedImageError, OSError) as exc:
-            raise ValueError(f"{name} is not a readable image: {exc}") from None
-    width, height = image.size
-    if width * height > limits.max_input_pixels:
-        raise ValueError(
-            f"{name} is {width}x{height} = {width * height} pixels; the limit is {limits.max_input_pixels}"
-        )
-    try:
-        return image.convert("RGB")  # decodes now: truncated files fail here, not in a worker
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{name} is not a readable image: {exc}") from None
+ProgressCallback = Callable[[int, int], None]  # (denoising steps done, total steps)
 
 
 class DiffusionEngine:
@@ -129,6 +77,8 @@ class DiffusionEngine:
         self._id_lock = threading.Lock()
         self._cancel_tokens: dict[str, int] = {}  # running request id -> the executor's cancel token
         self._cancelled_early: dict[str, None] = {}  # ids cancelled before they ran (insertion-ordered)
+        self._preprocessor = RequestPreprocessor(self.spec, self.limits, self.model_path)
+        self._stopping = False
         logger.info(
             "Starting %d worker(s) for %s (%s) on %s, %s, ulysses_degree=%d, cfg_parallel_size=%d, padding=%s",
             parallel.world_size,
@@ -154,6 +104,28 @@ class DiffusionEngine:
     def is_healthy(self) -> bool:
         return self.executor.is_healthy()
 
+    def health_status(self) -> tuple[HealthState, str | None]:
+        """The worker group's state and, where there is one, why (for /health and the watchdog)."""
+        status = self.executor.status()
+        return status.state, status.detail
+
+    @property
+    def restarts(self) -> int:
+        """How many times the worker group was restarted."""
+        return self.executor.restarts
+
+    def check_workers(self) -> None:
+        """Respawn the group if a worker died while idle; the server's watchdog calls it."""
+        self.executor.check_workers()
+
+    def begin_shutdown(self) -> None:
+        """From now on `step()` starts nothing; `close()` ends the workers.
+
+        The running request is not touched: the caller cancels it if it wants to.
+        """
+        self._stopping = True
+        self.executor.begin_shutdown()
+
     def close(self) -> None:
         self.executor.shutdown()
 
@@ -175,120 +147,31 @@ class DiffusionEngine:
         self.executor.cancel(token)
 
     def preprocess(self, params: GenerationParams) -> DiffusionRequest:
-        """Validate user input into a request; every problem is a ValueError naming the field."""
-        start = time.perf_counter()
-        limits, spec = self.limits, self.spec
-        if not isinstance(params.prompt, str) or not params.prompt.strip():
-            raise ValueError("prompt must be a non-empty string")
-        if params.output_type not in ("pil", "np", "uint8"):
-            raise ValueError(f"output_type must be 'pil', 'np' or 'uint8', got {params.output_type!r}")
-        for f in SAMPLING_FIELDS:
-            if getattr(params, f.name) is not None and not spec.takes(f.name):
-                raise ValueError(f"{f.name} is not accepted by {spec.diffusers_class}")
-        if params.negative_prompt is not None and not isinstance(params.negative_prompt, str):
-            raise ValueError("negative_prompt must be a string")
-        height, width = (self._check_size(n, v) for n, v in (("height", params.height), ("width", params.width)))
-        if not spec.input_image_required and (height is None) != (width is None):
-            raise ValueError("give both height and width, or neither")
-        steps = params.num_inference_steps if params.num_inference_steps is not None else spec.default_steps
-        steps = _check_int("num_inference_steps", steps, spec.min_steps, limits.max_steps)
-        n = _check_int("n", 1 if params.n is None else params.n, 1, limits.max_n)
-        guidance = (
-            None if params.guidance_scale is None else _check_float("guidance_scale", params.guidance_scale, 0, 100)
-        )
-        true_cfg = None
-        if spec.takes("true_cfg_scale"):
-            # True CFG needs a negative prompt; without one the default is plain sampling, not a warning.
-            true_cfg = params.true_cfg_scale
-            if true_cfg is None:
-                true_cfg = spec.default_true_cfg_scale if params.negative_prompt is not None else 1.0
-            true_cfg = _check_float("true_cfg_scale", true_cfg, 0, 100)
-        num_frames = fps = None
-        if spec.modality == "video":
-            num_frames = self._check_frames(params.num_frames)
-            fps = _check_int("fps", spec.default_fps if params.fps is None else params.fps, 1, limits.max_fps)
-        seed = params.seed
-        if seed is None:
-            seed = secrets.randbelow(2**31)
-            logger.info("No seed given: drew seed %d", seed)
-        seed = _check_int("seed", seed, 0, MAX_SEED)
-
-        images = None
-        sources = params.image if isinstance(params.image, (list, tuple)) else [params.image]
-        sources = [s for s in sources if s is not None]
-        if spec.max_input_images == 0 and sources:
-            raise ValueError(f"image is not accepted by {spec.diffusers_class} (it takes no input image)")
-        if spec.input_image_required and not sources:
-            raise ValueError(f"image is required by {spec.diffusers_class}")
-        if sources:
-            most = min(spec.max_input_images, limits.max_input_images)
-            if len(sources) > most:
-                raise ValueError(f"image: at most {most} image(s) for this model, got {len(sources)}")
-            images = [
-                decode_image(s, limits, f"image[{i}]" if len(sources) > 1 else "image") for i, s in enumerate(sources)
-            ]
-
+        """Validate user input into a request the workers run as is (preprocess.py); bad input is a
+        RequestError naming the field."""
         with self._id_lock:
             token = next(self._ids)
-        request_id = params.request_id or self.new_request_id()
-        request = DiffusionRequest(
-            request_id=request_id,
-            prompt=params.prompt,
-            negative_prompt=params.negative_prompt,
-            images=images,
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            guidance_scale=guidance,
-            true_cfg_scale=true_cfg,
-            num_images=n,
-            seed=seed,
-            num_frames=num_frames,
-            fps=fps,
-            cancel_token=token,
-            output_type=params.output_type,
-        )
-        request.preprocess_ms = (time.perf_counter() - start) * 1e3
-        return request
+        return self._preprocessor(params, params.request_id or self.new_request_id(), token)
 
-    def _check_size(self, name: str, value: Any) -> int | None:
-        if value is None:
-            return None
-        value = _check_int(name, value, 1, self.limits.max_image_size)
-        multiple = self.spec.size_multiple
-        if value < multiple:
-            raise ValueError(f"{name} must be at least {multiple}, got {value}")
-        if value % multiple:
-            rounded = value // multiple * multiple
-            logger.warning("%s=%d is not a multiple of %d: rounded down to %d", name, value, multiple, rounded)
-            value = rounded
-        return value
-
-    def _check_frames(self, value: Any) -> int | None:
-        """None (the pipeline's default) or a frame count the VAE can encode: k * frame_multiple + 1."""
-        if value is None:
-            return None
-        value = _check_int("num_frames", value, 1, self.limits.max_frames)
-        multiple = self.spec.frame_multiple
-        if (value - 1) % multiple:
-            rounded = (value - 1) // multiple * multiple + 1
-            logger.warning("num_frames=%d is not k*%d+1: rounded down to %d", value, multiple, rounded)
-            value = rounded
-        return value
-
-    def step(self, params: GenerationParams | DiffusionRequest) -> DiffusionOutput:
+    def step(
+        self, params: GenerationParams | DiffusionRequest, on_progress: ProgressCallback | None = None
+    ) -> DiffusionOutput:
         """Run one request end to end and log the time of each phase.
 
         A `DiffusionRequest` from `preprocess` (the server validates before queueing) is run as is.
+        `on_progress(steps_done, total_steps)` is called, in this thread, as the request starts
+        (0) and as the workers report finished denoising steps.
         """
         request = params if isinstance(params, DiffusionRequest) else self.preprocess(params)
         preprocessed = time.perf_counter()
         with self._id_lock:
+            if self._stopping:
+                raise RequestCancelled(f"request {request.request_id} not started: the engine is shutting down")
             if self._cancelled_early.pop(request.request_id, False) is None:
                 raise RequestCancelled(f"request {request.request_id} cancelled before it started")
             self._cancel_tokens[request.request_id] = request.cancel_token
         try:
-            images = self.executor.execute(request)
+            images = self.executor.execute(request, on_progress)
         finally:
             self._cancel_tokens.pop(request.request_id, None)
         waited = time.perf_counter()

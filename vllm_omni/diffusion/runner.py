@@ -1,11 +1,12 @@
 """One runner for every model family: a diffusers pipeline with our SP transformer swapped in.
 
 A worker (worker.py) builds one `PipelineRunner` and calls `run` per request. What every family
-shares lives here: loading the pipeline with the family's transformer, CUDA graphs for the
-transformer's sharded forward, CFG parallel (cfg_parallel.py), one CPU generator seeded
-identically on every rank (so every rank holds the same latents), the per-step hook
-(cancellation, progress), the progress bar on rank 0 only, and the result as uint8 (images
-[n, H, W, 3], videos [n, F, H, W, 3]) unless the caller asked for float arrays.
+shares lives here: loading the pipeline with the family's transformer, decoding the source images
+(they arrive as the compressed files the engine checked), CUDA graphs for the transformer's
+sharded forward, CFG parallel (cfg_parallel.py), one CPU generator seeded identically on every
+rank (so every rank holds the same latents), the per-step hook (cancellation, progress), the
+progress bar on rank 0 only, and the result as uint8 (images [n, H, W, 3], videos
+[n, F, H, W, 3]) unless the caller asked for float arrays.
 
 A family supplies only what differs, in `models/<family>/pipeline.py`: its transformer class
 (TRANSFORMER_CLASS), `pipeline_kwargs` (request -> the pipeline's keyword arguments; or
@@ -15,6 +16,7 @@ pipelines with CFG, `uses_cfg(request)` and DEFAULT_NEGATIVE_PROMPT.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +29,7 @@ from vllm_omni.diffusion.cfg_parallel import CFGParallelForward, swap_prompts
 from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, compile_repeated_blocks
 from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
+from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.registry import PipelineSpec
 
 StepCallback = Callable[[int], None]
@@ -73,6 +76,12 @@ class PipelineRunner:
 
         Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np".
         """
+        if request.images:
+            # The engine checked the files' headers; they travel compressed and are decoded here, once.
+            names = [f"image[{i}]" if len(request.images) > 1 else "image" for i in range(len(request.images))]
+            request = dataclasses.replace(
+                request, images=[decode_image(image, name) for image, name in zip(request.images, names)]
+            )
         prepare = getattr(self.family, "prepare_pipeline", None)  # families that configure the pipeline per request
         kwargs = prepare(self.pipe, request, self.spec) if prepare else self.family.pipeline_kwargs(request, self.spec)
         # One CPU generator on every rank: identical latents everywhere, on any device.

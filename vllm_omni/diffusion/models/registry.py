@@ -11,6 +11,7 @@ package and one entry in FAMILIES.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Literal
@@ -36,6 +37,19 @@ class PipelineSpec:
     default_true_cfg_scale: float | None = None  # used when a negative prompt is given (Qwen-Image true CFG)
     default_fps: int = 24
     cfg_parallel: bool = False  # the pipeline runs CFG as two forwards per step (cfg_parallel_size=2 splits them)
+    # Sizes the pipeline picks by itself, restated so the engine can check them against its limits
+    # before any worker runs (and then passes them explicitly). Without a size and without a source
+    # image the pipeline draws `default_size` (width, height); with source images it keeps the
+    # aspect ratio of source `auto_size_source` (-1: the last) at about `auto_size_area` pixels,
+    # each side rounded to `auto_size_rounding`.
+    default_size: tuple[int, int] | None = None
+    auto_size_area: int | None = None
+    auto_size_source: int = 0
+    auto_size_rounding: int = 32
+    # Sources more elongated than this break the pipeline's own resizing (a side rounds to 0).
+    max_source_aspect_ratio: float | None = None
+    # Prompt tokens the pipeline reads; it cuts longer prompts silently, so the engine refuses them.
+    max_prompt_tokens: int | None = None
 
     def family_module(self, name: str) -> ModuleType:
         """`vllm_omni.diffusion.models.<family>.<name>` (imports torch: workers and tests only)."""
@@ -43,6 +57,15 @@ class PipelineSpec:
 
     def takes(self, field_name: str) -> bool:
         return field_name in self.fields
+
+    def output_size(self, source_sizes: list[tuple[int, int]]) -> tuple[int, int] | None:
+        """(width, height) the pipeline runs at when the request gives no size; None: not known here."""
+        if source_sizes and self.auto_size_area is not None:
+            width, height = source_sizes[self.auto_size_source]
+            exact_width = math.sqrt(self.auto_size_area * width / height)
+            step = self.auto_size_rounding
+            return round(exact_width / step) * step, round(exact_width * height / width / step) * step
+        return self.default_size
 
 
 @dataclass(frozen=True)
@@ -63,6 +86,16 @@ def _qwen(diffusers_class: str, task: str, max_input_images: int) -> PipelineSpe
         # Qwen-Image's scheduler stretches sigmas to a terminal shift: one step divides 0 by 0 (NaN image).
         min_steps=2,
         default_true_cfg_scale=4.0,
+        default_size=(1024, 1024),  # default_sample_size 128 x the VAE's 8
+        # Edit: the first source at about 1 MP; Edit-Plus: the last one.
+        auto_size_area=1024 * 1024 if task == "edit" else None,
+        auto_size_source=-1 if max_input_images > 1 else 0,
+        # Edit-Plus shows each source to the text encoder at about 384x384 and Qwen2.5-VL's image
+        # processor refuses sides more than 200:1 apart: 100:1 stays clear of both (and of Edit's 1 MP).
+        max_source_aspect_ratio=100.0 if task == "edit" else None,
+        # The generation pipeline keeps 512 text tokens (max_sequence_length) after its system
+        # prompt: the user's prompt and the 5 tokens that close the chat template.
+        max_prompt_tokens=507 if task == "generate" else None,
         cfg_parallel=True,
     )
 

@@ -28,6 +28,11 @@ LIMIT_FLAGS: dict[str, tuple[str, str]] = {
         "max_input_pixels",
         "largest decoded source image, width*height (uploads claiming more are refused before decoding)",
     ),
+    "--max-prompt-tokens": (
+        "max_prompt_tokens",
+        "longest prompt (and negative prompt), in the model's tokens; a pipeline that reads fewer refuses "
+        "beyond its own limit",
+    ),
     "--max-frames": ("max_frames", "most video frames one request may ask for"),
     "--max-fps": ("max_fps", "largest video fps a request may ask for"),
 }

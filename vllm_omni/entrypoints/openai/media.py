@@ -1,15 +1,35 @@
-"""Media encoders for what the engine returns: MP4 (H.264) for videos.
+"""Media encoders for what the engine returns: PNG, JPEG and WebP for images, MP4 (H.264) for videos.
 
-Encoding uses PyAV (FFmpeg's libraries, shipped in its wheels), a maintained encoder; nothing
-here writes container or codec bytes by hand. Used by the videos API and `vllm-omni generate`.
+Images go through Pillow, videos through PyAV (FFmpeg's libraries, shipped in its wheels):
+maintained encoders; nothing here writes container or codec bytes by hand. Used by the API
+routes (routes/images.py, the videos API) and `vllm-omni generate`.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
+
+IMAGE_FORMATS = ("png", "jpeg", "webp")
+
+
+def encode_image(image: Any, fmt: str = "png", quality: int | None = None) -> bytes:
+    """A PIL image -> the bytes of a PNG, JPEG or WebP file (`quality` 0-100 for JPEG and WebP)."""
+    if fmt not in IMAGE_FORMATS:
+        raise ValueError(f"image format must be one of {', '.join(IMAGE_FORMATS)}, got {fmt!r}")
+    options = {} if fmt == "png" or quality is None else {"quality": quality}
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt.upper(), **options)
+    return buffer.getvalue()
+
+
+def encode_images_b64(images: list[Any], fmt: str = "png", quality: int | None = None) -> list[str]:
+    """`encode_image` for each image, base64 text (the images API's `b64_json`)."""
+    return [base64.b64encode(encode_image(image, fmt, quality)).decode("ascii") for image in images]
 
 
 def encode_mp4(frames: np.ndarray, fps: int, crf: int = 18) -> bytes:

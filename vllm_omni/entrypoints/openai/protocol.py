@@ -1,10 +1,10 @@
 """Request and response bodies of the OpenAI-style image API, and the size parser.
 
 The generation body is JSON; the edit body is the same fields as multipart form values (the
-api_server validates both with these models). The sampling fields come from the one
-declaration in diffusion/request_fields.py. Responses follow OpenAI's images schema
-(`created`, `data[].b64_json`) and add the seed used and the real output size. Used by
-openai/api_server.py and the one-shot CLI (cli/generate.py, for `parse_size`).
+routes in routes/images.py validate both with these models). The sampling fields come from the
+one declaration in diffusion/request_fields.py. Responses follow OpenAI's images schema
+(`created`, `data[].b64_json`) and add the seed used and the real output size. Used by the
+routes, the error handlers (errors.py) and the one-shot CLI (cli/generate.py, for `parse_size`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,15 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 
-_SIZE = re.compile(r"^\s*(-?\d+)\s*[xX]\s*(-?\d+)\s*$")
+# ASCII digits only: Python's int() also reads full-width and other Unicode digits.
+_SIZE = re.compile(r"^\s*(-?[0-9]+)\s*[xX]\s*(-?[0-9]+)\s*$")
+
+# Numeric fields: pydantic's lax mode would read JSON true as 1 for them.
+_NUMERIC_FIELDS = frozenset({f.name for f in SAMPLING_FIELDS if f.type in (int, float)} | {"output_compression"})
 
 
 def parse_size(size: str, max_side: int) -> tuple[int, int]:
@@ -52,6 +56,13 @@ class _ImageRequestBase(BaseModel):
     style: str | None = None
     moderation: str | None = None
     safety_identifier: str | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_are_not_numbers(cls, value: Any, info: Any) -> Any:
+        if isinstance(value, bool) and info.field_name in _NUMERIC_FIELDS:
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
 
 def _with_sampling_fields(name: str, base: type[BaseModel], video: bool) -> type[BaseModel]:

@@ -75,6 +75,29 @@ class QwenImageSPAttnProcessor:
         return img_out, attn.to_add_out(txt_out.flatten(2, 3))
 
 
+class QwenEmbedRopeForLongText(reference.QwenEmbedRope):
+    """diffusers' rotary table, with text rows past its fixed 4096 positions computed as needed.
+
+    The reference precomputes 4096 positions and slices the text's rows from just after the
+    image's largest index: a longer text gets fewer rotary rows than it has tokens, silently,
+    and fails later (an edit prompt of about 4000 tokens at 1024x1024). The missing rows use the
+    reference's own formula, computed on the forward's device (no host copy: CUDA graphs capture it).
+    """
+
+    def forward(self, video_fhw, device=None, max_txt_seq_len=None):
+        vid_freqs, txt_freqs = super().forward(video_fhw, device, max_txt_seq_len)
+        missing = int(max_txt_seq_len) - txt_freqs.shape[0]
+        if missing > 0:
+            if txt_freqs.shape[0] == 0:
+                raise ValueError(f"image grid {video_fhw} is beyond the rotary table's {self.pos_freqs.shape[0]} rows")
+            start = self.pos_freqs.shape[0]  # the text's rows were cut at the table's end
+            with torch.device(txt_freqs.device):
+                index = torch.arange(start, start + missing)
+                extra = torch.cat([self.rope_params(index, dim, self.theta) for dim in self.axes_dim], dim=1)
+            txt_freqs = torch.cat([txt_freqs, extra])
+        return vid_freqs, txt_freqs
+
+
 def _call_processor(attn, **kwargs: Any):
     return attn.processor(attn, **kwargs)
 
@@ -85,6 +108,7 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
     @functools.wraps(reference.QwenImageTransformer2DModel.__init__)  # keeps the config signature for from_pretrained
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.pos_embed.__class__ = QwenEmbedRopeForLongText  # same state; only long texts differ
         for block in self.transformer_blocks:
             block.attn.set_processor(QwenImageSPAttnProcessor())
             # Call the processor directly: diffusers' Attention.forward inspects the processor's

@@ -1,0 +1,344 @@
+"""The server's scheduler without HTTP: a fake engine whose requests run only when a test lets them.
+
+Covers loading and readiness, first-in-first-out order, the queue limit checked before the
+engine's checks (and with Retry-After), jobs that live with nobody waiting (poll, progress,
+times, forget), cancellation queued and running, errors as data (the field at fault; one-line
+messages, tracebacks in the log), shutdown, and the watchdog giving up on lost workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_omni.diffusion.data import (
+    DiffusionOutput,
+    DiffusionRequest,
+    EngineLimits,
+    GenerationParams,
+    RequestCancelled,
+    RequestError,
+)
+from vllm_omni.entrypoints.openai.scheduler import InternalError, QueueFull, Scheduler, Unavailable
+
+WAIT_S = 10  # a hang guard for conditions that hold within milliseconds
+
+
+class FakeEngine:
+    """Each request runs until the test calls `finish(id)` (or cancels it); it reports half its steps first."""
+
+    spec = SimpleNamespace(task="generate")
+
+    def __init__(self) -> None:
+        self.loaded = threading.Event()
+        self.state: tuple[str, str | None] = ("ok", None)
+        self.preprocessed: list[str] = []
+        self.preprocess_gate: threading.Event | None = None  # set: preprocess waits for it
+        self.started: dict[str, threading.Event] = {}
+        self.go: dict[str, threading.Event] = {}
+        self.cancelled: list[str] = []
+        self.closed = False
+        self.shutdown_begun = False
+        self.failure: Exception | None = None  # raised by the next step
+
+    def _event(self, table: dict, request_id: str) -> threading.Event:
+        return table.setdefault(request_id, threading.Event())
+
+    # -- the Engine protocol
+    def wait_until_ready(self) -> None:
+        assert self.loaded.wait(WAIT_S)
+
+    def health_status(self):
+        return self.state if self.loaded.is_set() else ("loading", None)
+
+    def check_workers(self) -> None:
+        pass
+
+    def preprocess(self, params: GenerationParams) -> DiffusionRequest:
+        self.preprocessed.append(params.prompt)
+        if self.preprocess_gate is not None:
+            assert self.preprocess_gate.wait(WAIT_S)
+        if params.prompt == "bad":
+            raise RequestError("prompt is bad", "prompt")
+        if params.prompt == "boom":
+            raise KeyError("unexpected")
+        return DiffusionRequest(request_id=params.request_id, prompt=params.prompt, num_inference_steps=4, seed=1)
+
+    def step(self, request: DiffusionRequest, on_progress=None) -> DiffusionOutput:
+        on_progress(2, 4)
+        self._event(self.started, request.request_id).set()
+        assert self._event(self.go, request.request_id).wait(WAIT_S)
+        if request.request_id in self.cancelled:
+            raise RequestCancelled(f"request {request.request_id} cancelled at step 3")
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise failure
+        return DiffusionOutput(request.request_id, [request.prompt], request.seed, 16, 16)
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+        self._event(self.go, request_id).set()
+
+    def begin_shutdown(self) -> None:
+        self.shutdown_begun = True
+
+    def close(self) -> None:
+        self.closed = True
+
+    # -- test controls
+    async def running(self, request_id: str) -> None:
+        assert await asyncio.to_thread(self._event(self.started, request_id).wait, WAIT_S)
+
+    def finish(self, request_id: str) -> None:
+        self._event(self.go, request_id).set()
+
+
+def scheduler_for(engine: FakeEngine, max_queue: int = 4, **kwargs) -> Scheduler:
+    return Scheduler(lambda: engine, EngineLimits(max_queue=max_queue), **kwargs)
+
+
+async def started(engine: FakeEngine, max_queue: int = 4, **kwargs) -> Scheduler:
+    scheduler = scheduler_for(engine, max_queue, **kwargs)
+    await scheduler.start()
+    engine.loaded.set()
+    while not scheduler.ready:  # the loader thread finishes within milliseconds
+        await asyncio.sleep(0.001)
+    return scheduler
+
+
+def params(prompt: str = "a cat") -> GenerationParams:
+    return GenerationParams(prompt=prompt)
+
+
+def test_nothing_is_taken_until_the_engine_has_loaded_then_health_is_ok():
+    async def scenario():
+        engine = FakeEngine()
+        scheduler = scheduler_for(engine)
+        await scheduler.start()
+        assert scheduler.health().to_dict() == {"status": "loading"}
+        with pytest.raises(Unavailable, match="still loading") as refused:
+            await scheduler.submit(params())
+        assert refused.value.state == "loading" and engine.preprocessed == []
+        engine.loaded.set()
+        while not scheduler.ready:
+            await asyncio.sleep(0.001)
+        assert scheduler.health().ok
+        job = await scheduler.submit(params())
+        engine.finish(job.id)
+        assert (await job.wait()).status == "completed"
+        await scheduler.stop()
+        assert engine.closed
+
+    asyncio.run(scenario())
+
+
+def test_jobs_run_one_at_a_time_in_the_order_they_came():
+    async def scenario():
+        engine = FakeEngine()
+        scheduler = await started(engine)
+        jobs = [await scheduler.submit(params(f"prompt {i}")) for i in range(3)]
+        await engine.running(jobs[0].id)
+        assert [j.status for j in jobs] == ["in_progress", "queued", "queued"]
+        for job in reversed(jobs):  # released last first: they still finish first in, first out
+            engine.finish(job.id)
+        done = [await job.wait() for job in jobs]
+        assert [j.result.images for j in done] == [["prompt 0"], ["prompt 1"], ["prompt 2"]]
+        assert jobs[0].completed_at <= jobs[1].started_at and jobs[1].completed_at <= jobs[2].started_at
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_job_lives_without_anyone_waiting_and_can_be_polled_then_forgotten():
+    async def scenario():
+        engine = FakeEngine()
+        scheduler = await started(engine, max_finished_jobs=2)
+        job_id = (await scheduler.submit(params())).id
+        polled = scheduler.get(job_id)
+        assert polled.status in ("queued", "in_progress") and polled.created_at > 0
+        await engine.running(job_id)
+        assert scheduler.get(job_id).status == "in_progress" and scheduler.get(job_id).progress == 50
+        engine.finish(job_id)
+        job = await scheduler.get(job_id).wait()
+        assert (job.status, job.progress, job.error) == ("completed", 100, None)
+        assert job.created_at <= job.started_at <= job.completed_at
+        assert job.request.images is None  # nothing held for a finished job but its result
+        scheduler.forget(job_id)
+        assert scheduler.get(job_id) is None
+        # Finished jobs nobody forgets are kept up to max_finished_jobs, the oldest dropped first.
+        kept = []
+        for i in range(3):
+            kept.append(await scheduler.submit(params(f"p{i}")))
+            engine.finish(kept[-1].id)
+            await kept[-1].wait()
+        assert [scheduler.get(j.id) is not None for j in kept] == [False, True, True]
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_refuses_before_the_engine_checks_anything_and_says_when_to_retry():
+    async def scenario():
+        engine = FakeEngine()
+        scheduler = await started(engine, max_queue=1)
+        running = await scheduler.submit(params("running"))
+        await engine.running(running.id)
+        # While one submit is still in the engine's checks its place is held: a second one is refused.
+        engine.preprocess_gate = threading.Event()
+        checking = asyncio.create_task(scheduler.submit(params("waiting")))
+        while engine.preprocessed[-1] != "waiting":
+            await asyncio.sleep(0.001)
+        with pytest.raises(QueueFull) as full:
+            await scheduler.submit(params("refused"))
+        assert "refused" not in engine.preprocessed  # refused before its upload was read or its prompt counted
+        assert full.value.retry_after_s >= 1
+        with pytest.raises(QueueFull):
+            scheduler.hold_place()  # what the edits route takes before it reads a multipart body
+        engine.preprocess_gate.set()
+        waiting = await checking
+        engine.finish(running.id)
+        engine.finish(waiting.id)
+        assert (await waiting.wait()).status == "completed"
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_place_held_while_an_upload_is_read_counts_until_its_job_takes_it():
+    async def scenario():
+        engine = FakeEngine()
+        scheduler = await started(engine, max_queue=1)
+        running = await scheduler.submit(params("running"))
+        await engine.running(running.id)
+        with scheduler.hold_place():
+            with pytest.raises(QueueFull):
+                await scheduler.submit(params("refused"))
+            queued = await scheduler.submit(params("uploaded"), place_held=True)
+        assert "refused" not in engine.preprocessed
+        with pytest.raises(QueueFull):
+            scheduler.hold_place()  # the queued job has the place now
+        engine.finish(running.id)
+        engine.finish(queued.id)
+        assert (await queued.wait()).status == "completed"
+        with scheduler.hold_place():  # free again
+            pass
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_cancel_drops_a_queued_job_at_once_and_stops_a_running_one():
+    async def scenario():
+        engine = FakeEngine()
+        scheduler = await started(engine)
+        running = await scheduler.submit(params("running"))
+        queued = await scheduler.submit(params("queued"))
+        await engine.running(running.id)
+        scheduler.cancel(queued.id, "client disconnected")
+        assert queued.status == "cancelled" and queued.error.code == "cancelled"
+        assert "client disconnected" in queued.error.message
+        scheduler.cancel(running.id, "client disconnected")
+        assert engine.cancelled == [running.id]
+        await running.wait()
+        assert running.status == "cancelled" and running.error.code == "cancelled"
+        assert queued.id not in engine.started  # it never ran
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_errors_are_data_bad_input_names_its_field_and_failures_are_one_line(capsys):
+    async def scenario():
+        engine = FakeEngine()
+        scheduler = await started(engine)
+        with pytest.raises(RequestError) as bad:
+            await scheduler.submit(params("bad"))
+        assert bad.value.param == "prompt"
+        with pytest.raises(InternalError, match=r"^could not check the request: KeyError: 'unexpected'$"):
+            await scheduler.submit(params("boom"))
+
+        # Bad input found while running (a source image that does not decode) keeps its field.
+        engine.failure = RequestError("image cannot be decoded: truncated", "image")
+        job = await scheduler.submit(params())
+        engine.finish(job.id)
+        await job.wait()
+        assert (job.status, job.error.code, job.error.param) == ("failed", "invalid_request", "image")
+
+        # A worker group that could not be reloaded reports a traceback: the client gets one line.
+        traceback_text = 'Traceback (most recent call last):\n  File "/srv/worker.py", line 3, in _load\nOSError: gone'
+        engine.failure = RuntimeError(f"worker rank 0 could not load tiny/qwen-image: OSError: gone\n{traceback_text}")
+        job = await scheduler.submit(params())
+        engine.finish(job.id)
+        await job.wait()
+        assert job.error.code == "server_error"
+        assert job.error.message == "generation failed: worker rank 0 could not load tiny/qwen-image: OSError: gone"
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+    assert 'File "/srv/worker.py", line 3' in capsys.readouterr().err  # the log keeps the whole text
+
+
+def test_shutdown_ends_queued_jobs_cancels_the_running_one_and_refuses_new_work():
+    async def scenario():
+        engine = FakeEngine()
+        scheduler = await started(engine)
+        running = await scheduler.submit(params("running"))
+        queued = await scheduler.submit(params("queued"))
+        await engine.running(running.id)
+        scheduler.begin_shutdown()
+        assert engine.shutdown_begun and engine.cancelled == [running.id]
+        assert queued.status == "cancelled" and queued.error.code == "shutting_down"
+        await running.wait()
+        assert running.error.code == "shutting_down" and "shutting down" in running.error.message
+        with pytest.raises(Unavailable) as refused:
+            await scheduler.submit(params())
+        assert refused.value.state == "shutting_down"
+        assert scheduler.health().to_dict() == {"status": "shutting_down"}
+        await scheduler.stop()
+        assert engine.closed
+
+    asyncio.run(scenario())
+
+
+def test_watchdog_reports_lost_workers_and_health_says_why():
+    async def scenario():
+        engine = FakeEngine()
+        lost = asyncio.Event()
+        reasons = []
+
+        def on_fatal(reason: str) -> None:
+            reasons.append(reason)
+            lost.set()
+
+        scheduler = await started(engine, watchdog_interval_s=0.01, on_fatal=on_fatal)
+        engine.state = ("failed", "worker rank 1 could not load tiny/qwen-image: OSError: gone")
+        await asyncio.wait_for(lost.wait(), WAIT_S)
+        assert reasons == ["worker rank 1 could not load tiny/qwen-image: OSError: gone"]
+        health = scheduler.health()
+        assert not health.ok and health.to_dict()["status"] == "failed"
+        with pytest.raises(Unavailable, match="the workers are down"):
+            await scheduler.submit(params())
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_model_that_cannot_load_ends_the_server_with_a_one_line_reason():
+    async def scenario():
+        lost = asyncio.Event()
+        reasons = []
+
+        def broken_engine():
+            raise OSError("no file named model_index.json\n  File ...")
+
+        scheduler = Scheduler(broken_engine, EngineLimits(), on_fatal=lambda r: (reasons.append(r), lost.set()))
+        await scheduler.start()
+        await asyncio.wait_for(lost.wait(), WAIT_S)
+        assert reasons == ["OSError: no file named model_index.json"]
+        assert scheduler.health().to_dict() == {"status": "failed", "detail": reasons[0]}
+        await scheduler.stop()
+
+    asyncio.run(scenario())

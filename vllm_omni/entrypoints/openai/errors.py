@@ -1,0 +1,149 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, for every answer that is not a 2xx.
+
+`ApiError` is what the routes raise; `install_error_handlers` makes the app answer everything
+else in the same shape too: the scheduler's refusals (503, 429 with Retry-After), bad input
+found by the engine (`RequestError`, 400 with its `param`), pydantic's validation errors,
+Starlette's own 404 / 405 / unparsable bodies, and unexpected exceptions (500, one line; the
+traceback goes to the log). `job_error` maps a failed or cancelled job to its answer.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vllm_omni.diffusion.data import RequestError
+from vllm_omni.diffusion.request_fields import FIELDS_BY_NAME
+from vllm_omni.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from vllm_omni.entrypoints.openai.scheduler import InternalError, JobError, QueueFull, Unavailable, one_line
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it, but the access log does
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    CLIENT_CLOSED: "cancelled",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def response(self) -> JSONResponse:
+        kind = ERROR_TYPES.get(self.status, "server_error")
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+def request_error(exc: RequestError, size: str | None = None) -> ApiError:
+    """The engine's RequestError as a 400; height and width travel in `size` over HTTP."""
+    param, message = exc.param, str(exc)
+    if param in FIELDS_BY_NAME and FIELDS_BY_NAME[param].in_size:
+        param = "size"
+        if size is not None:
+            message = f"size {size!r}: {message}"
+    return ApiError(400, message, param=param)
+
+
+def scheduler_error(exc: Exception) -> ApiError:
+    """The scheduler's refusals of `submit` as answers."""
+    if isinstance(exc, Unavailable):
+        return ApiError(503, str(exc), code=exc.state)
+    if isinstance(exc, QueueFull):
+        return ApiError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, InternalError):
+        return ApiError(500, str(exc))
+    raise TypeError(f"not a scheduler error: {exc!r}")
+
+
+def job_error(error: JobError, size: str | None = None) -> ApiError:
+    """A job that did not complete, as the answer to the request that made it."""
+    if error.code == "invalid_request":
+        return request_error(RequestError(error.message, error.param), size)
+    if error.code == "shutting_down":
+        return ApiError(503, error.message, code="shutting_down")
+    if error.code == "cancelled":
+        return ApiError(CLIENT_CLOSED, error.message, code="cancelled")
+    return ApiError(500, error.message)
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """pydantic errors -> one 400 naming the first bad field."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return ApiError(400, f"the request body is not valid JSON: {detail}".rstrip(": "))
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    name = ".".join(loc) or "body"
+    if name == "body":
+        return ApiError(
+            400, "the request body must be a JSON object of request fields (Content-Type: application/json)"
+        )
+    if first.get("type") == "extra_forbidden":
+        return ApiError(400, f"unknown field {name!r}", param=name)
+    if first.get("type") == "missing":
+        return ApiError(400, f"{name} is required", param=name)
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return ApiError(400, f"{name}: {message}", param=name)
+
+
+def _http_exception(request: Request, exc: StarletteHTTPException) -> ApiError:
+    """Starlette's and FastAPI's own refusals, reworded."""
+    if exc.status_code == 404:
+        return ApiError(404, f"no such endpoint: {request.method} {request.url.path}")
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        hint = f"; use {allowed}" if allowed else ""
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}{hint}", headers=exc.headers)
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI could not read the JSON body: not UTF-8 (UnicodeDecodeError), nested too deep (RecursionError).
+        cause = exc.__cause__
+        if isinstance(cause, UnicodeDecodeError):
+            return ApiError(400, "the request body is not valid JSON: it is not UTF-8 text")
+        if isinstance(cause, RecursionError):
+            return ApiError(400, "the request body is not valid JSON: it is nested too deeply")
+        return ApiError(400, f"the request body is not valid JSON: {one_line(cause)}")
+    return ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return request_error(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _http_exception(request, exc).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return ApiError(500, f"internal error: {one_line(f'{type(exc).__name__}: {exc}')}").response()

@@ -1,0 +1,1 @@
+"""The API routes: thin translations between HTTP and the scheduler, one module per API."""

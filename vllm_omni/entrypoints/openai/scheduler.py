@@ -1,0 +1,473 @@
+"""The scheduler behind the HTTP server: one engine, its FIFO queue of jobs, cancellation, worker health.
+
+No HTTP here: the routes (routes/) translate between requests and jobs, and tests drive the
+scheduler with a fake engine (tests/entrypoints/test_scheduler.py).
+
+- The engine is created and loads in the background (`start`); until every worker has loaded,
+  `submit` raises `Unavailable` and `health()` says "loading".
+- `submit(params)` checks the queue's capacity before the engine's checks (which read the
+  uploads' headers and count prompt tokens) and holds a place meanwhile, so concurrent submits
+  cannot overfill it; a route that must read a large upload first holds one (`hold_place`)
+  (so uploads in flight are bounded by the queue too). A queued job carries the checked
+  request, source images still compressed.
+- One consumer runs jobs first in, first out, one at a time (`engine.step` blocks, so it runs in
+  a thread of its own).
+- A job lives on its own, whether or not anyone waits for it: an id, a status, progress 0-100,
+  its times, and in the end a result or an error (`JobError`: a code, a one-line message, the
+  field at fault). Callers wait for it (`Job.wait`), poll it (`get`) or cancel it (`cancel`);
+  finished jobs are kept (the latest `max_finished_jobs`) until `forget`.
+- A watchdog has dead workers respawned while idle and calls `on_fatal` when they are lost.
+- `begin_shutdown` refuses new work, ends the queued jobs and cancels the running one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from vllm_omni.diffusion.data import (
+    DiffusionOutput,
+    DiffusionRequest,
+    EngineLimits,
+    GenerationParams,
+    RequestCancelled,
+    RequestError,
+)
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+ErrorCode = Literal["invalid_request", "server_error", "cancelled", "shutting_down"]
+MESSAGE_CHARS = 500  # a client's error message is one line, at most this long
+
+
+class Engine(Protocol):
+    """What the scheduler needs of a DiffusionEngine (tests pass a fake)."""
+
+    spec: Any
+
+    def preprocess(self, params: GenerationParams) -> DiffusionRequest: ...
+    def step(self, request: DiffusionRequest, on_progress: Callable[[int, int], None] | None = None) -> Any: ...
+    def cancel(self, request_id: str) -> None: ...
+    def wait_until_ready(self) -> None: ...
+    def health_status(self) -> tuple[str, str | None]: ...
+    def check_workers(self) -> None: ...
+    def begin_shutdown(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def one_line(error: BaseException | str) -> str:
+    """The first line of an error's text (a worker's load error carries its whole traceback)."""
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    if not line and isinstance(error, BaseException):
+        line = type(error).__name__
+    return line if len(line) <= MESSAGE_CHARS else line[: MESSAGE_CHARS - 3] + "..."
+
+
+@dataclass(frozen=True)
+class JobError:
+    """Why a job did not complete.
+
+    code: "invalid_request" (bad input; `param` names the field), "server_error" (the engine or
+    the workers failed), "cancelled" (`Scheduler.cancel`), "shutting_down" (the server stops).
+    """
+
+    code: ErrorCode
+    message: str  # one line, for the client; details go to the log
+    param: str | None = None
+
+
+@dataclass(eq=False)
+class Job:
+    id: str  # also the engine's request id, in every log line about it
+    request: DiffusionRequest
+    status: JobStatus = "queued"
+    progress: int = 0  # percent of the denoising steps done
+    created_at: float = field(default_factory=time.time)  # Unix times
+    started_at: float | None = None
+    completed_at: float | None = None
+    result: DiffusionOutput | None = None
+    error: JobError | None = None
+    _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _cancel_reason: str | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("completed", "failed", "cancelled")
+
+    async def wait(self) -> Job:
+        """Until the job completed, failed or was cancelled."""
+        await self._done.wait()
+        return self
+
+
+@dataclass(frozen=True)
+class Health:
+    state: str  # loading, ok, restarting, unhealthy, failed, shutting_down
+    detail: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "ok"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"status": self.state} | ({"detail": self.detail} if self.detail else {})
+
+
+class Unavailable(Exception):
+    """No work is taken now; `state` is "loading", "failed" or "shutting_down"."""
+
+    def __init__(self, state: str, message: str) -> None:
+        super().__init__(message)
+        self.state = state
+
+
+class QueueFull(Exception):
+    def __init__(self, max_queue: int, retry_after_s: int) -> None:
+        super().__init__(f"the queue is full ({max_queue} request(s) waiting behind the running one); retry later")
+        self.retry_after_s = retry_after_s
+
+
+class InternalError(Exception):
+    """The engine's checks failed unexpectedly (logged with its traceback); the message is one line."""
+
+
+class QueuePlace:
+    """A place held in the queue; leaving the `with` block gives it back (a queued job has its own)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler: Scheduler | None = scheduler
+
+    def __enter__(self) -> QueuePlace:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler._reserved -= 1
+            self._scheduler = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        limits: EngineLimits,
+        *,
+        watchdog_interval_s: float = 2.0,
+        max_finished_jobs: int = 256,
+        on_fatal: Callable[[str], None] = lambda reason: None,
+    ) -> None:
+        self.limits = limits
+        self.watchdog_interval_s = watchdog_interval_s
+        self.max_finished_jobs = max_finished_jobs
+        self.on_fatal = on_fatal  # the workers are lost for good, or the model cannot load: the server ends
+        self._engine_factory = engine_factory
+        self._engine: Engine | None = None  # set once constructed (its workers may still be loading)
+        self._engine_lock = threading.Lock()  # engine creation vs. shutdown
+        self._loaded = False  # the first load finished; later restarts do not reset it
+        self._load_error: str | None = None
+        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._waiting: deque[Job] = deque()
+        self._reserved = 0  # submits past the capacity check, still in the engine's checks
+        self._running: Job | None = None
+        self._jobs: dict[str, Job] = {}
+        self._finished: deque[str] = deque()
+        self._run_seconds: deque[float] = deque(maxlen=16)  # recent run times, for Retry-After
+        self._wakeup: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._shutting_down = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Begin loading the engine; start the consumer and the watchdog. Returns at once."""
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._tasks = [
+            asyncio.create_task(self._load_engine(), name="load-engine"),
+            asyncio.create_task(self._consume(), name="consume-queue"),
+            asyncio.create_task(self._watchdog(), name="watchdog"),
+        ]
+
+    @property
+    def engine(self) -> Engine | None:
+        return self._engine
+
+    @property
+    def ready(self) -> bool:
+        return self._loaded
+
+    async def _load_engine(self) -> None:
+        started = time.perf_counter()
+        try:
+            await asyncio.to_thread(self._create_engine_and_wait)
+        except Exception as exc:  # noqa: BLE001 - any failure to load ends the server
+            if self._shutting_down:
+                return
+            logger.error("Could not start the engine: %s", exc)
+            self._load_error = one_line(f"{type(exc).__name__}: {exc}")
+            self.on_fatal(self._load_error)
+            return
+        if self._engine is not None and not self._shutting_down:
+            self._loaded = True
+            logger.info("Engine ready in %.1f s", time.perf_counter() - started)
+
+    def _create_engine_and_wait(self) -> None:
+        engine = self._engine_factory()
+        with self._engine_lock:
+            if self._shutting_down:
+                engine.close()
+                return
+            self._engine = engine
+        engine.wait_until_ready()
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self.watchdog_interval_s)
+            engine = self._engine
+            if engine is None or not self._loaded or self._shutting_down:
+                continue
+            try:
+                await asyncio.to_thread(engine.check_workers)
+            except Exception as exc:  # noqa: BLE001 - a failed respawn shows in health_status, handled below
+                logger.error("Respawning the workers failed: %s", exc)
+            state, detail = engine.health_status()
+            if state == "failed" and not self._shutting_down:
+                logger.error("The workers cannot be brought back (%s); shutting down", detail)
+                self.on_fatal(detail or "the workers are lost")
+                return
+
+    def begin_shutdown(self) -> None:
+        """Refuse new work, end the queued jobs, cancel the running one (it stops at its next step)."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        logger.info("Shutting down: cancelling the running request and %d queued one(s)", len(self._waiting))
+        while self._waiting:
+            job = self._waiting.popleft()
+            self._finish(job, "cancelled", error=JobError("shutting_down", "the server is shutting down; not run"))
+        with self._engine_lock:
+            engine = self._engine
+        if engine is not None:
+            engine.begin_shutdown()
+            if self._running is not None:
+                engine.cancel(self._running.id)
+
+    def begin_shutdown_threadsafe(self) -> None:
+        """`begin_shutdown` from another thread (a signal handler)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.begin_shutdown)
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Shut down: give the running job `grace_s` to stop, then close the engine and its workers."""
+        self.begin_shutdown()
+        running = self._running
+        if running is not None:
+            try:
+                await asyncio.wait_for(running.wait(), grace_s)
+            except asyncio.TimeoutError:
+                logger.warning("Request %s did not stop within %.0f s", running.id, grace_s)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with self._engine_lock:
+            engine = self._engine
+        if engine is not None:
+            await asyncio.to_thread(engine.close)
+            logger.info("Workers shut down")
+        self._step_thread.shutdown(wait=False, cancel_futures=True)
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def health(self) -> Health:
+        """ok only while every worker is up; the state otherwise says why not."""
+        if self._shutting_down:
+            return Health("shutting_down")
+        if self._load_error:
+            return Health("failed", self._load_error)
+        engine = self._engine
+        if engine is None:
+            return Health("loading")
+        state, detail = engine.health_status()
+        return Health(state, detail)
+
+    def check_accepting(self) -> None:
+        """Unavailable unless new work is taken (loaded, workers not lost, not shutting down)."""
+        if self._shutting_down:
+            raise Unavailable("shutting_down", "the server is shutting down")
+        if self._load_error:
+            raise Unavailable("failed", f"the model could not be loaded: {self._load_error}")
+        engine = self._engine
+        if engine is not None:
+            state, detail = engine.health_status()
+            if state == "failed":
+                raise Unavailable("failed", f"the workers are down: {detail}")
+        if engine is None or not self._loaded:
+            raise Unavailable("loading", "the model is still loading; poll GET /health until it answers 200")
+        # While a dead worker's group is respawned, requests still queue: the engine waits for it.
+
+    def check_capacity(self) -> None:
+        """QueueFull when `max_queue` requests already wait (or are being checked) behind the running one."""
+        if len(self._waiting) + self._reserved >= self.limits.max_queue:
+            raise QueueFull(self.limits.max_queue, self.retry_after_s())
+
+    def hold_place(self) -> QueuePlace:
+        """A place in the queue, held while a request is read and checked (`with` it; `place_held=True` to submit).
+
+        Raises Unavailable or QueueFull at once, before anything is read.
+        """
+        self.check_accepting()
+        self.check_capacity()
+        self._reserved += 1
+        return QueuePlace(self)
+
+    def retry_after_s(self) -> int:
+        """Seconds until a place in the queue is likely free: what the running job has left, about."""
+        typical = sum(self._run_seconds) / len(self._run_seconds) if self._run_seconds else 1.0
+        running = self._running
+        elapsed = time.time() - running.started_at if running is not None and running.started_at else 0.0
+        return max(1, min(3600, math.ceil(typical - elapsed)))
+
+    def get(self, job_id: str) -> Job | None:
+        return self._jobs.get(job_id)
+
+    # ---- jobs ---------------------------------------------------------------------------------
+
+    async def submit(self, params: GenerationParams, id_prefix: str = "req", place_held: bool = False) -> Job:
+        """Check, then queue; raises Unavailable, QueueFull, RequestError (bad input) or InternalError.
+
+        The queue's capacity is checked before the engine's checks, unless the caller holds a place (`hold_place`).
+        """
+        with contextlib.nullcontext() if place_held else self.hold_place():
+            request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
+            try:
+                request = await asyncio.to_thread(
+                    self._engine.preprocess, dataclasses.replace(params, request_id=request_id)
+                )
+            except RequestError:
+                raise
+            except Exception as exc:
+                logger.exception("Request %s: the checks failed unexpectedly", request_id)
+                message = one_line(f"{type(exc).__name__}: {exc}")
+                raise InternalError(f"could not check the request: {message}") from None
+        self.check_accepting()  # shutdown may have begun meanwhile
+        job = Job(request.request_id, request)
+        self._jobs[job.id] = job
+        self._waiting.append(job)
+        self._wakeup.set()
+        size = f"{request.width}x{request.height}" if request.width else "auto"
+        logger.info(
+            "Request %s queued: size=%s, steps=%d, seed=%d, n=%d (position %d)",
+            job.id,
+            size,
+            request.num_inference_steps,
+            request.seed,
+            request.num_images,
+            len(self._waiting),
+        )
+        return job
+
+    def cancel(self, job_id: str, reason: str = "cancelled") -> Job | None:
+        """A queued job ends now; a running one stops at its next denoising step. None: no such job."""
+        job = self._jobs.get(job_id)
+        if job is None or job.finished or job._cancel_reason is not None:
+            return job
+        job._cancel_reason = reason
+        if job.status == "queued":
+            self._waiting.remove(job)
+            logger.info("Request %s dropped from the queue: %s", job.id, reason)
+            self._finish(job, "cancelled", error=JobError("cancelled", f"cancelled before it ran: {reason}"))
+        else:
+            logger.info("Request %s: %s, cancelling at the next step", job.id, reason)
+            self._engine.cancel(job.id)
+        return job
+
+    def forget(self, job_id: str) -> None:
+        """Drop a finished job (its result was delivered)."""
+        job = self._jobs.get(job_id)
+        if job is not None and job.finished:
+            del self._jobs[job_id]
+
+    def _finish(
+        self, job: Job, status: JobStatus, result: DiffusionOutput | None = None, error: JobError | None = None
+    ) -> None:
+        job.status, job.result, job.error = status, result, error
+        job.completed_at = time.time()
+        if status == "completed":
+            job.progress = 100
+        job.request.images = None  # the compressed uploads are not needed any more
+        job._done.set()
+        self._finished.append(job.id)
+        while len(self._finished) > self.max_finished_jobs:
+            self._jobs.pop(self._finished.popleft(), None)
+
+    async def _consume(self) -> None:
+        """The single consumer: first in, first out, one job at a time."""
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            job = self._waiting.popleft()
+            self._running = job
+            job.status, job.started_at = "in_progress", time.time()
+            logger.info("Request %s running (%.2f s in the queue)", job.id, job.started_at - job.created_at)
+            try:
+                output = await loop.run_in_executor(self._step_thread, self._step, job)
+            except asyncio.CancelledError:
+                raise
+            except RequestCancelled as exc:
+                logger.info("Request %s cancelled: %s", job.id, exc)
+                if job._cancel_reason is not None:
+                    error = JobError("cancelled", f"cancelled: {job._cancel_reason}")
+                elif self._shutting_down:
+                    error = JobError("shutting_down", "the server is shutting down; the request was cancelled")
+                else:
+                    error = JobError("cancelled", "cancelled")
+                self._finish(job, "cancelled", error=error)
+            except RequestError as exc:
+                logger.info("Request %s refused: %s", job.id, exc)
+                self._finish(job, "failed", error=JobError("invalid_request", one_line(exc), exc.param))
+            except Exception as exc:  # noqa: BLE001 - the job fails, the scheduler goes on
+                # The whole text (a worker's traceback, say) goes to the log; the client gets its first line.
+                logger.error("Request %s failed: %s: %s", job.id, type(exc).__name__, exc, exc_info=exc)
+                message = f"generation failed: {one_line(exc)}"
+                self._finish(job, "failed", error=JobError("server_error", message))
+            else:
+                self._run_seconds.append(time.time() - job.started_at)
+                self._finish(job, "completed", result=output)
+                logger.info(
+                    "Request %s done: size=%dx%d, steps=%d, seed=%d, n=%d, %.2f s (%.2f s queued)",
+                    job.id,
+                    output.width,
+                    output.height,
+                    job.request.num_inference_steps,
+                    output.seed,
+                    len(output.images),
+                    job.completed_at - job.created_at,
+                    job.started_at - job.created_at,
+                )
+            finally:
+                self._running = None
+
+    def _step(self, job: Job) -> DiffusionOutput:
+        if job._cancel_reason is not None:
+            raise RequestCancelled(f"request {job.id} cancelled before it started")
+
+        def on_progress(done: int, total: int) -> None:
+            job.progress = min(99, 100 * done // total) if total else 0  # 100 once the result is in
+
+        return self._engine.step(job.request, on_progress=on_progress)
