@@ -1,6 +1,6 @@
 """What every SP transformer keeps of diffusers' contract, and its compiled blocks.
 
-Runs on the tiny Qwen-Image transformer (the other families add their classes to FAMILIES here):
+Runs on a small transformer of every family (a new family adds its class to FAMILIES here):
 a processor set with `set_attn_processor` is the one that runs, `attention_kwargs={"scale": ...}`
 goes through diffusers' LoRA scaling rather than into the processors, and the regionally
 compiled blocks (what the runner does on GPUs) give the same output as eager ones.
@@ -8,10 +8,16 @@ compiled blocks (what the runner does on GPUs) give the same output as eager one
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
+import test_flux2_transformer as flux2_case
+import test_hunyuan_video_15_transformer as hunyuan_case
 import torch
 
 from vllm_omni.diffusion.cuda_graphs import compile_repeated_blocks
+from vllm_omni.diffusion.models.flux2 import Flux2Transformer2DModel
+from vllm_omni.diffusion.models.hunyuan_video_15 import HunyuanVideo15Transformer3DModel
 from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
 
 QWEN_CONFIG = dict(
@@ -37,7 +43,15 @@ def qwen_inputs() -> dict:
     )
 
 
-FAMILIES = {"qwen_image": (QwenImageTransformer2DModel, QWEN_CONFIG, qwen_inputs)}
+FAMILIES = {
+    "qwen_image": (QwenImageTransformer2DModel, QWEN_CONFIG, qwen_inputs),
+    "flux2": (Flux2Transformer2DModel, flux2_case.CONFIG, lambda: flux2_case.make_inputs("generate", 1)),
+    "hunyuan_video_15": (
+        HunyuanVideo15Transformer3DModel,
+        hunyuan_case.CONFIG,
+        lambda: dict(hunyuan_case.make_inputs(hunyuan_case.PARITY_CASES["t2v_glyph"]), return_dict=False),
+    ),
+}
 
 
 @pytest.fixture(params=sorted(FAMILIES))
@@ -70,7 +84,12 @@ def test_lora_scale_goes_through_diffusers_scaling(family):
     model, inputs = family
     with torch.no_grad():
         plain = model(**inputs())[0]
-        scaled = model(**inputs(), attention_kwargs={"scale": 1.0})[0]
+        name = next(
+            n
+            for n in ("attention_kwargs", "joint_attention_kwargs")
+            if n in inspect.signature(model.forward).parameters
+        )
+        scaled = model(**inputs(), **{name: {"scale": 1.0}})[0]
     torch.testing.assert_close(scaled, plain, rtol=0, atol=0)
 
 
@@ -78,7 +97,8 @@ def test_compiled_blocks_equal_eager(family):
     model, inputs = family
     with torch.no_grad():
         expected = model(**inputs())[0]
-    assert compile_repeated_blocks(model, backend="eager") == model.config.num_layers
+    blocks = [m for m in model.modules() if type(m).__name__ in model._repeated_blocks]
+    assert blocks and compile_repeated_blocks(model, backend="eager") == len(blocks)
     with torch.no_grad():
         actual = model(**inputs())[0]
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
