@@ -313,3 +313,13 @@ def test_unmasked_padding_is_close_not_equal_and_warns_once_per_worker():
     # Progress bars come from rank 0 only: one finished bar per request (1 + 3).
     assert proc.stderr.count("denoising: 100%") == 4
     assert proc.stderr.count("DiffusionEngine.step breakdown: preprocess=") == 4
+
+
+def test_warmup_runs_once_before_ready_and_requests_follow(capfd):
+    """What CUDA engines do by default (compile, capture), forced on the CPU: one short request at
+    the warm-up size before `Omni(...)` returns."""
+    with Omni("tiny/qwen-image", warmup=True) as omni:
+        assert omni.engine.warmup_s is not None and omni.engine.warmup_s > 0
+        err = capfd.readouterr().err
+        assert err.count("Warm-up request done in") == 1 and "(1024x1024)" in err
+        assert omni.generate(PROMPT, height=32, width=32, num_inference_steps=2, seed=0)[0].size == (32, 32)

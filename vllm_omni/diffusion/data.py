@@ -138,6 +138,10 @@ class OmniDiffusionConfig:
     # this long has hung: it fails and the workers restart. Covers the slowest single phase (first
     # step with graph capture / compilation, a long video's VAE decode), hence generous.
     stall_timeout_s: float = field(default_factory=lambda: _seconds_from_env("VLLM_OMNI_STALL_TIMEOUT_S", 300.0))
+    # One short request once the workers are up, so compilation and graph capture happen before the
+    # first user request (DiffusionEngine.wait_until_ready). None: on CUDA unless enforce_eager.
+    warmup: bool | None = None
+    warmup_size: tuple[int, int] | None = None  # (width, height); None: the pipeline's default size
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():

@@ -9,12 +9,13 @@ class and by the HTTP server's scheduler, which reads the workers' state only th
 
 from __future__ import annotations
 
+import io
 import itertools
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -51,6 +52,14 @@ def _cuda_device_count() -> int:
 ProgressCallback = Callable[[int, int], None]  # (denoising steps done, total steps)
 
 
+def _gray_png(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 class DiffusionEngine:
     def __init__(self, config: OmniDiffusionConfig, limits: EngineLimits | None = None) -> None:
         parallel = config.parallel_config
@@ -79,6 +88,7 @@ class DiffusionEngine:
         self._cancelled_early: dict[str, None] = {}  # ids cancelled before they ran (insertion-ordered)
         self._preprocessor = RequestPreprocessor(self.spec, self.limits, self.model_path)
         self._stopping = False
+        self.warmup_s: float | None = None  # how long the warm-up request took, once it ran
         logger.info(
             "Starting %d worker(s) for %s (%s) on %s, %s, ulysses_degree=%d, cfg_parallel_size=%d, padding=%s",
             parallel.world_size,
@@ -95,7 +105,33 @@ class DiffusionEngine:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Block until every worker has loaded, then run the warm-up request (once)."""
         self.executor.wait_until_ready(timeout)
+        warmup = self.config.warmup
+        if warmup is None:
+            warmup = self.config.device == "cuda" and not self.config.enforce_eager
+        if warmup and self.warmup_s is None:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Two steps at the default size: the blocks compile and the graphs are captured now, not
+        during the first user request. A failure is logged, never fatal: requests then pay it."""
+        spec = self.spec
+        size = self.config.warmup_size or spec.default_size  # None: the pipeline picks its own
+        values: dict[str, Any] = {"num_inference_steps": max(spec.min_steps, 2), "request_id": "warm-up"}
+        if size is not None and spec.takes("height"):
+            values.update(width=size[0], height=size[1])
+        if spec.input_image_required:
+            values["image"] = _gray_png(*(size or (1024, 1024)))
+        start = time.perf_counter()
+        try:
+            self.step(GenerationParams(prompt="a warm-up request", output_type="uint8", **values))
+        except Exception as exc:  # noqa: BLE001 - the engine serves anyway, only slower at first
+            logger.error("Warm-up request failed (%s: %s); serving without it", type(exc).__name__, exc)
+            self.warmup_s = 0.0
+            return
+        self.warmup_s = time.perf_counter() - start
+        logger.info("Warm-up request done in %.1f s (%s)", self.warmup_s, "x".join(map(str, size or ["default size"])))
 
     @property
     def is_ready(self) -> bool:

@@ -174,6 +174,7 @@ class EngineSettings:
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     devices: list[int] | None = None
     deploy_config: Path | None = None
+    warmup: bool | None = None  # None: on CUDA unless enforce_eager
 
     @classmethod
     def resolve(
@@ -187,6 +188,7 @@ class EngineSettings:
         attention_backend: str | None = None,
         enforce_eager: bool = False,
         limit_overrides: dict[str, Any] | None = None,
+        warmup: bool | None = None,
     ) -> EngineSettings:
         """YAML first, then every override that is not None (None means "the user did not give it")."""
         deploy = load_deploy_config(deploy_config) if deploy_config else None
@@ -209,6 +211,7 @@ class EngineSettings:
             default_sampling_params=dict(deploy.default_sampling_params) if deploy else {},
             devices=deploy.devices if deploy else None,
             deploy_config=deploy.path if deploy else None,
+            warmup=warmup,
         )
 
     def apply_devices(self) -> None:
@@ -246,4 +249,11 @@ class EngineSettings:
             dtype=self.dtype,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            warmup=self.warmup,
+            warmup_size=self._warmup_size(),
         )
+
+    def _warmup_size(self) -> tuple[int, int] | None:
+        """The deploy's default size, which most requests use: warm up at it."""
+        width, height = (self.default_sampling_params.get(k) for k in ("width", "height"))
+        return (width, height) if width and height else None

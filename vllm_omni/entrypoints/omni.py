@@ -34,6 +34,7 @@ class Omni:
         dtype: Any = None,
         attention_backend: str | None = None,
         enforce_eager: bool = False,
+        warmup: bool | None = None,
         limits: EngineLimits | None = None,
     ) -> None:
         from vllm_omni.diffusion.engine import DiffusionEngine
@@ -52,6 +53,7 @@ class Omni:
             dtype=None if dtype is None else normalize_dtype_name(dtype),
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            warmup=warmup,
         )
         self.engine = DiffusionEngine(config, limits)
         try:

@@ -92,6 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype=settings.dtype,
         attention_backend=settings.attention_backend,
         enforce_eager=settings.enforce_eager,
+        warmup=False,  # one request: warming up first would only double the work
         limits=settings.limits,
     ) as omni:
         print(f"Engine ready in {time.perf_counter() - start:.1f} s", flush=True)

@@ -117,6 +117,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
     eng.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run one short request at the deploy's default size once the workers are up, before /health "
+        "answers 200, so the first user request does not pay compilation and graph capture "
+        "(default: on for CUDA, off for CPU and with --enforce-eager)",
+    )
+    eng.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run the transformer eagerly: no CUDA graphs (CUDA only; CPU always runs eagerly)",
@@ -181,6 +189,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> Any:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         limit_overrides=limit_overrides,
+        warmup=args.warmup,
     )
 
 
