@@ -1,4 +1,4 @@
-"""Shared by the per-model SP benchmarks (qwen_image_sp.py, hunyuan_video_sp.py).
+"""Shared by the per-model SP benchmarks (sp_forward.py for Qwen-Image and FLUX.2, hunyuan_video_sp.py).
 
 `init_parallel` joins a torchrun NCCL world or acts as rank 0 of a simulated Ulysses group on
 one GPU; `time_variants` times forward variants interleaved (a new random order each round,

@@ -22,10 +22,7 @@ import dataclasses
 import json
 import math
 import os
-import random
-import statistics
 import sys
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +34,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
+from benchmarks.forward_timing import time_variants  # noqa: E402
 from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, compile_repeated_blocks  # noqa: E402
 from vllm_omni.diffusion.data import DiffusionParallelConfig  # noqa: E402
 from vllm_omni.diffusion.distributed.parallel_state import (  # noqa: E402
@@ -204,37 +202,14 @@ def _error_text(exc: Exception) -> str:
 
 def time_size(name_to_variant: dict[str, Variant], inputs: dict, iters: int, warmup: int, rank: int) -> dict:
     """name -> median ms, or the error text of a variant that cannot run (same on every rank)."""
-    timings: dict[str, list[float]] = {name: [] for name in name_to_variant}
-    errors: dict[str, str] = {}
+    known: dict[str, str] = {}
     if "diffusers U2 ulysses" in name_to_variant and inputs["hidden_states"].shape[1] % 2:
         # Its sharder asserts on one rank while the other enters a collective: NCCL is left corrupt
         # (illegal memory access in the next variant). Not run; the error it raises is recorded.
-        errors["diffusers U2 ulysses"] = "AssertionError: sequence not divisible by the degree (not run)"
-    names = list(name_to_variant)
-    order = random.Random(0)  # same shuffle on every rank
-    for i in range(warmup + iters):
-        order.shuffle(names)  # a new order each round: no variant always follows the same one
-        for name in names:
-            if name in errors:
-                continue
-            model, state = name_to_variant[name]
-            if dist.is_initialized():
-                dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            try:
-                with use_parallel_state(state), torch.inference_mode():
-                    start.record()
-                    model(**inputs)
-                    end.record()
-                torch.cuda.synchronize()
-            except Exception as exc:  # noqa: BLE001 - recorded: diffusers' plain Ulysses rejects odd token counts
-                errors[name] = _error_text(exc)
-                if rank == 0:
-                    traceback.print_exc()
-                continue
-            if i >= warmup:
-                timings[name].append(start.elapsed_time(end))
-    return {name: errors.get(name) or statistics.median(times) for name, times in timings.items()}
+        known["diffusers U2 ulysses"] = "AssertionError: sequence not divisible by the degree (not run)"
+    runnable = {name: variant for name, variant in name_to_variant.items() if name not in known}
+    result, _ = time_variants(runnable, inputs, iters, warmup, rank)
+    return {name: known.get(name) or result[name] for name in name_to_variant}
 
 
 def agreement(name_to_variant: dict[str, Variant], inputs: dict, skip: set[str]) -> dict[str, dict[str, Any]]:

@@ -31,24 +31,8 @@ PROMPT = "a cat holding a sign that says hello world"
 
 
 @pytest.fixture(scope="module")
-def engines():
-    started: dict[tuple, Omni] = {}
-
-    def get(model: str, degree: int = 1, mode: str = "trim", cfg: int = 1) -> Omni:
-        key = (model, degree, mode, cfg)
-        if key not in started:
-            started[key] = Omni(
-                model,
-                ulysses_degree=degree,
-                cfg_parallel_size=cfg,
-                mask_sp_padding=mode == "mask",
-                trim_sp_padding=mode != "none",
-            )
-        return started[key]
-
-    yield get
-    for omni in started.values():
-        omni.close()
+def engines(omni_engines):
+    return omni_engines
 
 
 def _generate(omni: Omni, **kwargs) -> np.ndarray:

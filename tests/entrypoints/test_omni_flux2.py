@@ -4,6 +4,7 @@ reference images, the fields it refuses, and the unmasked-padding warning. CPU w
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -22,20 +23,8 @@ PROMPT = "a lighthouse on a cliff at dusk"
 
 
 @pytest.fixture(scope="module")
-def engines():
-    started: dict[tuple, Omni] = {}
-
-    def get(degree: int = 1, mode: str = "trim") -> Omni:
-        key = (degree, mode)
-        if key not in started:
-            started[key] = Omni(
-                MODEL, ulysses_degree=degree, mask_sp_padding=mode == "mask", trim_sp_padding=mode != "none"
-            )
-        return started[key]
-
-    yield get
-    for omni in started.values():
-        omni.close()
+def engines(omni_engines):
+    return functools.partial(omni_engines, MODEL)
 
 
 def _generate(omni: Omni, **kwargs) -> np.ndarray:

@@ -4,6 +4,7 @@ process at padded shapes, video outputs, frame rules, bad input, and the CLI's M
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
@@ -26,24 +27,8 @@ PROMPT = 'a paper boat on a pond, a sign that says "hello"'
 
 
 @pytest.fixture(scope="module")
-def engines():
-    started: dict[tuple, Omni] = {}
-
-    def get(degree: int = 1, mode: str = "trim", cfg: int = 1) -> Omni:
-        key = (degree, mode, cfg)
-        if key not in started:
-            started[key] = Omni(
-                MODEL,
-                ulysses_degree=degree,
-                cfg_parallel_size=cfg,
-                mask_sp_padding=mode == "mask",
-                trim_sp_padding=mode != "none",
-            )
-        return started[key]
-
-    yield get
-    for omni in started.values():
-        omni.close()
+def engines(omni_engines):
+    return functools.partial(omni_engines, MODEL)
 
 
 def _generate(omni: Omni, **kwargs) -> np.ndarray:
