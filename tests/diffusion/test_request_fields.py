@@ -15,7 +15,7 @@ from vllm_omni.diffusion.request_fields import FIELDS_BY_NAME, SAMPLING_FIELDS
 from vllm_omni.entrypoints.cli.main import build_parser
 from vllm_omni.entrypoints.deploy_config import SAMPLING_PARAM_TYPES
 from vllm_omni.entrypoints.omni import Omni
-from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
+from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest, VideoCreateRequest
 
 DECLARED = set(FIELDS_BY_NAME)
 IMAGE_FIELDS = {f.name for f in SAMPLING_FIELDS if not f.video_only}
@@ -37,6 +37,16 @@ def test_http_image_bodies_carry_the_declared_image_fields():
         for f in SAMPLING_FIELDS:
             if f.name in fields:
                 assert model.model_fields[f.name].annotation == (f.type | None), f.name
+
+
+def test_http_video_body_carries_the_declared_fields_but_n():
+    fields = set(VideoCreateRequest.model_fields)
+    in_size = {f.name for f in SAMPLING_FIELDS if f.in_size}
+    assert {"size", "seconds"} <= fields and not fields & (in_size | {"n"})  # one job is one video
+    assert DECLARED - in_size - {"n"} <= fields, DECLARED - in_size - {"n"} - fields
+    for f in SAMPLING_FIELDS:
+        if f.name in fields:
+            assert VideoCreateRequest.model_fields[f.name].annotation == (f.type | None), f.name
 
 
 def test_cli_generate_has_a_flag_for_every_declared_field():

@@ -30,7 +30,7 @@ def write(tmp_path, text: str):
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen_image", "qwen_image_edit"])
+@pytest.mark.parametrize("name", ["qwen_image", "qwen_image_edit", "hunyuan_video_15"])
 def test_packaged_deploys_load_by_name(name):
     deploy = load_deploy_config(name)
     assert deploy.path.name == f"{name}.yaml"
@@ -45,8 +45,9 @@ def test_packaged_deploys_load_by_name(name):
         (GOOD.replace("stage_id: 0", "stage_id: 0\n    engine: x"), "'engine'"),
         (GOOD.replace("ulysses_degree: 2", "ulysses_degre: 2"), "'ulysses_degre'"),
         (GOOD.replace("num_inference_steps: 8", "num_steps: 8"), "'num_steps'"),
+        (GOOD + "    limits: {max_framez: 9}\n", "'max_framez'"),
     ],
-    ids=["top-level", "stage", "parallel_config", "default_sampling_params"],
+    ids=["top-level", "stage", "parallel_config", "default_sampling_params", "limits"],
 )
 def test_unknown_key_anywhere_is_an_error_naming_it(tmp_path, text, key):
     with pytest.raises(DeployConfigError, match=f"unknown .*{key}"):
@@ -64,6 +65,7 @@ def test_unknown_key_anywhere_is_an_error_naming_it(tmp_path, text, key):
         (GOOD.replace("ulysses_degree: 2", "ulysses_degree: 0"), "ulysses_degree must be a positive integer"),
         (GOOD.replace("mask_sp_padding: true", "mask_sp_padding: 3"), "mask_sp_padding must be a boolean"),
         ("stages: [\n", "cannot read it as YAML"),
+        (GOOD + "    limits: {max_frames: 0}\n", "limits.max_frames must be a positive integer"),
     ],
 )
 def test_bad_values_are_errors_naming_the_key(tmp_path, text, words):
@@ -102,6 +104,30 @@ def test_limit_flags_set_engine_limits(tmp_path):
     resolved = settings(tmp_path, "--max-steps", "12", "--max-queue", "3", "--max-upload-bytes", "1000")
     assert (resolved.limits.max_steps, resolved.limits.max_queue, resolved.limits.max_upload_bytes) == (12, 3, 1000)
     assert resolved.limits.max_n == 4  # untouched default
+
+
+def test_yaml_limits_apply_and_limit_flags_override_them(tmp_path):
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "tiny/hunyuan-video-1.5",
+            "--deploy-config",
+            str(write(tmp_path, GOOD + "    limits: {max_frames: 61, max_steps: 20}\n")),
+            "--max-steps",
+            "12",
+        ]
+    )
+    limits = engine_settings_from_args(args).limits
+    assert (limits.max_frames, limits.max_steps, limits.max_n) == (61, 12, 4)
+
+
+def test_the_packaged_video_deploy_defaults_fit_its_limits_and_the_frame_rule():
+    deploy = load_deploy_config("hunyuan_video_15")
+    defaults, limits = deploy.default_sampling_params, deploy.limits
+    assert (defaults["width"], defaults["height"], defaults["num_frames"]) == (848, 480, 121)
+    assert defaults["num_frames"] % 4 == 1 and defaults["num_frames"] <= limits["max_frames"]
+    assert max(defaults["width"], defaults["height"]) <= limits["max_image_size"]
+    assert 16 % deploy.parallel_config["ulysses_degree"] == 0  # the transformer's 16 heads split evenly
 
 
 def test_sampling_defaults_fill_only_what_the_request_left_out():

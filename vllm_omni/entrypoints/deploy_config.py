@@ -7,6 +7,7 @@ A deploy file fixes a model's parallel layout and its request defaults:
         devices: "0,1,2,3,4,5,6,7"
         parallel_config: {ulysses_degree: 8, mask_sp_padding: false}
         default_sampling_params: {num_inference_steps: 50, true_cfg_scale: 4.0}
+        limits: {max_image_size: 2048}    # any EngineLimits field
 
 `load_deploy_config` reads and checks one (unknown keys anywhere are errors naming the key);
 `EngineSettings.resolve` lays the command-line flags the user actually gave on top of it.
@@ -15,6 +16,7 @@ A deploy file fixes a model's parallel layout and its request defaults:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,8 @@ from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "deploy"
 
 _TOP_KEYS = ("stages",)
-_STAGE_KEYS = ("stage_id", "devices", "parallel_config", "default_sampling_params")
+_STAGE_KEYS = ("stage_id", "devices", "parallel_config", "default_sampling_params", "limits")
+_LIMIT_KEYS = tuple(f.name for f in dataclasses.fields(EngineLimits))
 
 # Request fields a deploy may give defaults for, with their types: all of them.
 SAMPLING_PARAM_TYPES: dict[str, type] = {f.name: f.type for f in SAMPLING_FIELDS}
@@ -43,6 +46,7 @@ class DeployConfig:
     devices: list[int] | None = None
     parallel_config: dict[str, Any] = field(default_factory=dict)  # as written; checked by from_dict
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    limits: dict[str, int] = field(default_factory=dict)  # EngineLimits fields; flags override them
 
 
 def resolve_deploy_path(name: str) -> Path:
@@ -105,12 +109,21 @@ def load_deploy_config(name: str | os.PathLike) -> DeployConfig:
         if problem:
             raise fail(f"stages[0].default_sampling_params.{key} {problem}, got {value!r}")
 
+    limits = stage.get("limits") or {}
+    if not isinstance(limits, dict):
+        raise fail(f"stages[0].limits must be a mapping, got {type(limits).__name__}")
+    _reject_unknown(limits, _LIMIT_KEYS, "stages[0].limits", fail)
+    for key, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise fail(f"stages[0].limits.{key} must be a positive integer, got {value!r}")
+
     return DeployConfig(
         path=path,
         stage_id=stage_id,
         devices=_parse_devices(stage.get("devices"), fail),
         parallel_config=dict(parallel),
         default_sampling_params=dict(defaults),
+        limits=dict(limits),
     )
 
 
@@ -196,7 +209,8 @@ class EngineSettings:
         given = {k: v for k, v in (parallel_overrides or {}).items() if v is not None}
         if given:
             parallel = parallel.replace(**given)
-        limits = EngineLimits(**{k: v for k, v in (limit_overrides or {}).items() if v is not None})
+        given_limits = {k: v for k, v in (limit_overrides or {}).items() if v is not None}
+        limits = EngineLimits(**{**(deploy.limits if deploy else {}), **given_limits})
         for name, value in vars(limits).items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

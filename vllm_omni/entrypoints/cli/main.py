@@ -32,7 +32,8 @@ def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve",
-        help="start the HTTP server (POST /v1/images/generations, /v1/images/edits; GET /v1/models, /health)",
+        help="start the HTTP server (POST /v1/images/generations, /v1/images/edits, /v1/videos; GET /v1/models, "
+        "/health)",
         description="Start the HTTP server. Uvicorn listens at once; /health answers 503 until every "
         "worker has loaded the model.",
     )

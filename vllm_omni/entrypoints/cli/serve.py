@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from vllm_omni.diffusion.data import DTYPES, EngineLimits
 from vllm_omni.diffusion.models.registry import TINY_MODELS
+from vllm_omni.entrypoints.openai.video_store import VideoStorageSettings
 
 DEFAULT_LIMITS = EngineLimits()
+DEFAULT_VIDEO_STORAGE = VideoStorageSettings()
 
 # Flag -> (EngineLimits field, help). Defaults come from EngineLimits, the one place they live.
 LIMIT_FLAGS: dict[str, tuple[str, str]] = {
@@ -167,6 +170,39 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help=f"requests that may wait behind the running one; more get 429 (default: {DEFAULT_LIMITS.max_queue})",
     )
 
+    vid = parser.add_argument_group("videos API storage (finished videos are MP4 files, kept until deleted or evicted)")
+    vid.add_argument(
+        "--video-dir",
+        default=None,
+        metavar="DIR",
+        help="where finished videos and their job records are kept; with it, finished videos survive a restart "
+        "(jobs a restart interrupted end failed) and one server at a time may use DIR (default: a temporary "
+        "directory per server, removed when it stops)",
+    )
+    vid.add_argument(
+        "--video-max-age",
+        type=positive_int,
+        default=DEFAULT_VIDEO_STORAGE.max_age_s,
+        metavar="SECONDS",
+        help=f"a finished video is deleted this long after it finished (default: {DEFAULT_VIDEO_STORAGE.max_age_s})",
+    )
+    vid.add_argument(
+        "--video-max-bytes",
+        type=positive_int,
+        default=DEFAULT_VIDEO_STORAGE.max_bytes,
+        metavar="N",
+        help="the stored MP4s together; beyond it the oldest finished videos are deleted first "
+        f"(default: {DEFAULT_VIDEO_STORAGE.max_bytes}, 10 GiB)",
+    )
+    vid.add_argument(
+        "--video-max-videos",
+        type=positive_int,
+        default=DEFAULT_VIDEO_STORAGE.max_videos,
+        metavar="N",
+        help="finished videos kept (failed ones count too); beyond it the oldest are deleted first "
+        f"(default: {DEFAULT_VIDEO_STORAGE.max_videos})",
+    )
+
 
 def engine_settings_from_args(args: argparse.Namespace) -> Any:
     """The deploy YAML with the flags the user gave laid over it (an `EngineSettings`)."""
@@ -204,5 +240,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         served_model_name=args.served_model_name or args.model,
         api_key=args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY") or None,
+        videos=VideoStorageSettings(
+            directory=Path(args.video_dir) if args.video_dir else None,
+            max_age_s=args.video_max_age,
+            max_bytes=args.video_max_bytes,
+            max_videos=args.video_max_videos,
+        ),
     )
     return run_server(settings)

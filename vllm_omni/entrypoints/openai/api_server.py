@@ -1,10 +1,11 @@
 """The OpenAI-style server: the FastAPI app (scheduler + routes + error shape + auth) and its uvicorn runner.
 
 `vllm-omni serve` (cli/serve.py) calls `run_server(settings)`. The server has three parts:
-the scheduler (scheduler.py: engine, queue, jobs, cancellation, worker health; no HTTP), the
-routes (routes/: images, models and health), and the media encoders (media.py). This module
-wires them: uvicorn listens first and the engine loads in the background, so /health answers
-503 until every worker has loaded (it doubles as readiness). When the workers are lost for
+the scheduler (scheduler.py: engine, queue, jobs, cancellation, worker health; no HTTP; with
+video_store.py keeping the videos API's records and files), the routes (routes/: images,
+videos, models and health), and the media encoders (media.py). This module wires them:
+uvicorn listens first and the engine loads in the background, so /health answers 503 until
+every worker has loaded (it doubles as readiness). When the workers are lost for
 good, or the model cannot be loaded, the server ends with exit code 1. SIGTERM cancels what is
 running, closes the workers and exits 0. Never imports vllm.
 """
@@ -15,7 +16,7 @@ import secrets
 import signal
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
@@ -23,8 +24,9 @@ from fastapi import FastAPI
 
 from vllm_omni.entrypoints.deploy_config import EngineSettings
 from vllm_omni.entrypoints.openai.errors import ApiError, install_error_handlers
-from vllm_omni.entrypoints.openai.routes import images, models
+from vllm_omni.entrypoints.openai.routes import images, models, videos
 from vllm_omni.entrypoints.openai.scheduler import Scheduler
+from vllm_omni.entrypoints.openai.video_store import VideoStorageSettings, VideoStore
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -39,6 +41,7 @@ class ServerSettings:
     api_key: str | None = None
     watchdog_interval_s: float = 2.0
     graceful_shutdown_s: float = 30.0
+    videos: VideoStorageSettings = field(default_factory=VideoStorageSettings)
 
     @property
     def model_names(self) -> set[str]:
@@ -70,7 +73,10 @@ class BearerAuth:
 
 
 def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
-    """The FastAPI app and the scheduler behind it (the engine starts with the app's lifespan)."""
+    """The FastAPI app and the scheduler behind it (the engine starts with the app's lifespan).
+
+    Takes the video directory now (a ValueError when another server holds it), before anything starts.
+    """
 
     def create_engine() -> Any:
         from vllm_omni.diffusion.engine import DiffusionEngine
@@ -79,6 +85,8 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
         return DiffusionEngine(settings.engine.engine_config(), settings.engine.limits)
 
     scheduler = Scheduler(create_engine, settings.engine.limits, watchdog_interval_s=settings.watchdog_interval_s)
+    video_store = VideoStore(settings.videos, scheduler)
+    video_store.open()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -87,16 +95,21 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
             yield
         finally:
             await scheduler.stop(settings.graceful_shutdown_s)
+            await video_store.close(settings.graceful_shutdown_s)  # after the jobs ended: their records are final
 
-    app = FastAPI(title="vllm_omni", summary="OpenAI-style image API for diffusion transformers", lifespan=lifespan)
+    app = FastAPI(
+        title="vllm_omni", summary="OpenAI-style image and video API for diffusion transformers", lifespan=lifespan
+    )
     app.state.settings = settings
     app.state.scheduler = scheduler
+    app.state.videos = video_store
     app.state.created = int(time.time())
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     install_error_handlers(app)
     app.include_router(models.router)
     app.include_router(images.router)
+    app.include_router(videos.router)
     return app, scheduler
 
 

@@ -1,10 +1,12 @@
-"""Request and response bodies of the OpenAI-style image API, and the size parser.
+"""Request and response bodies of the OpenAI-style image and video APIs, and the size parser.
 
-The generation body is JSON; the edit body is the same fields as multipart form values (the
-routes in routes/images.py validate both with these models). The sampling fields come from the
-one declaration in diffusion/request_fields.py. Responses follow OpenAI's images schema
-(`created`, `data[].b64_json`) and add the seed used and the real output size. Used by the
-routes, the error handlers (errors.py) and the one-shot CLI (cli/generate.py, for `parse_size`).
+The image generation body is JSON; the edit body is the same fields as multipart form values
+(routes/images.py validates both with these models). The video body is JSON or a multipart
+form (routes/videos.py). The sampling fields come from the one declaration in
+diffusion/request_fields.py. Responses follow OpenAI's schemas (images: `created`,
+`data[].b64_json`; videos: the `video` job object, its list and its deletion) and add the seed
+used and the real output size. Used by the routes, the error handlers (errors.py) and the
+one-shot CLI (cli/generate.py, for `parse_size`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 _SIZE = re.compile(r"^\s*(-?[0-9]+)\s*[xX]\s*(-?[0-9]+)\s*$")
 
 # Numeric fields: pydantic's lax mode would read JSON true as 1 for them.
-_NUMERIC_FIELDS = frozenset({f.name for f in SAMPLING_FIELDS if f.type in (int, float)} | {"output_compression"})
+_NUMERIC_FIELDS = frozenset(
+    {f.name for f in SAMPLING_FIELDS if f.type in (int, float)} | {"output_compression", "seconds"}
+)
 
 
 def parse_size(size: str, max_side: int) -> tuple[int, int]:
@@ -36,11 +40,22 @@ def parse_size(size: str, max_side: int) -> tuple[int, int]:
     return width, height
 
 
-class _ImageRequestBase(BaseModel):
-    """Image API fields besides the declared sampling ones. None: "the deploy's default, else the model's"."""
+class _StrictBody(BaseModel):
+    """A request body that refuses unknown fields and booleans given for numbers."""
 
     # Typos such as "num_steps" would otherwise be ignored silently and waste a GPU run.
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_are_not_numbers(cls, value: Any, info: Any) -> Any:
+        if isinstance(value, bool) and info.field_name in _NUMERIC_FIELDS:
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
+
+
+class _ImageRequestBase(_StrictBody):
+    """Image API fields besides the declared sampling ones. None: "the deploy's default, else the model's"."""
 
     prompt: str
     model: str | None = None
@@ -57,20 +72,15 @@ class _ImageRequestBase(BaseModel):
     moderation: str | None = None
     safety_identifier: str | None = None
 
-    @field_validator("*", mode="before")
-    @classmethod
-    def _booleans_are_not_numbers(cls, value: Any, info: Any) -> Any:
-        if isinstance(value, bool) and info.field_name in _NUMERIC_FIELDS:
-            raise ValueError(f"expected a number, got {str(value).lower()}")
-        return value
 
-
-def _with_sampling_fields(name: str, base: type[BaseModel], video: bool) -> type[BaseModel]:
+def _with_sampling_fields(
+    name: str, base: type[BaseModel], video: bool, exclude: frozenset[str] = frozenset()
+) -> type[BaseModel]:
     """`base` plus the declared request fields (request_fields.py); width and height travel in `size`."""
     fields = {
         f.name: (f.type | None, Field(None, description=f.help))
         for f in SAMPLING_FIELDS
-        if not f.in_size and (video or not f.video_only)
+        if not f.in_size and (video or not f.video_only) and f.name not in exclude
     }
     return create_model(name, __base__=base, **fields)
 
@@ -103,6 +113,77 @@ class ImageResponse(BaseModel):
     seed: int  # the seed used (drawn by the server when the request gave none)
     id: str  # the request id, also in the server log
     timings_ms: dict[str, float]
+
+
+class _VideoRequestBase(_StrictBody):
+    """Videos API fields besides the declared sampling ones (`input_reference` arrives as a file part or a data URL)."""
+
+    prompt: str
+    model: str | None = None
+    seconds: str | float | None = Field(
+        None, description="clip length; num_frames = seconds * fps rounded to the model's frame rule"
+    )
+    size: str | None = Field(None, description="'WIDTHxHEIGHT'")
+
+
+# One job is one video: `n` is not part of the videos API.
+_VideoSamplingFields = _with_sampling_fields("_VideoSamplingFields", _VideoRequestBase, True, frozenset({"n"}))
+
+
+class VideoCreateRequest(_VideoSamplingFields):
+    """POST /v1/videos (JSON, or the same fields as multipart form values)."""
+
+
+VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
+
+
+class VideoError(BaseModel):
+    code: str  # invalid_request, server_error, cancelled, shutting_down, server_restarted
+    message: str
+    param: str | None = None
+
+
+class Video(BaseModel):
+    """OpenAI's video job object, plus what a diffusion client needs to reproduce the result."""
+
+    id: str
+    object: Literal["video"] = "video"
+    status: VideoStatus
+    progress: int  # percent of the denoising steps done
+    created_at: int  # Unix times, seconds
+    completed_at: int | None = None
+    expires_at: int | None = None  # the file is deleted then (or earlier, when the storage limit evicts it)
+    model: str
+    prompt: str
+    seconds: str  # as requested (or derived from num_frames / fps)
+    size: str  # "WIDTHxHEIGHT": the requested size, "auto" until done when the pipeline picks it; then the real one
+    error: VideoError | None = None
+    remixed_from_video_id: str | None = None
+    seed: int  # the seed used (drawn by the server when the request gave none)
+    num_frames: int | None = None  # the frames asked for; once completed, the real count
+    fps: int
+    width: int | None = None  # the real size, once completed
+    height: int | None = None
+    timings_ms: dict[str, float] | None = None  # the engine's step breakdown, once completed ("total": inference time)
+
+
+class VideoList(BaseModel):
+    """GET /v1/videos: OpenAI's cursor page (the client pages with `after=last_id`)."""
+
+    object: Literal["list"] = "list"
+    data: list[Video]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    """DELETE /v1/videos/{id}: `deleted` is true for a finished job (gone with its file); false when
+    the job was queued or running: it is cancelled and stays, ending `failed` with code `cancelled`."""
+
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool
 
 
 class ErrorInfo(BaseModel):

@@ -369,10 +369,12 @@ class Scheduler:
         self._waiting.append(job)
         self._wakeup.set()
         size = f"{request.width}x{request.height}" if request.width else "auto"
+        frames = f", frames={request.num_frames}" if request.num_frames else ""
         logger.info(
-            "Request %s queued: size=%s, steps=%d, seed=%d, n=%d (position %d)",
+            "Request %s queued: size=%s%s, steps=%d, seed=%d, n=%d (position %d)",
             job.id,
             size,
+            frames,
             request.num_inference_steps,
             request.seed,
             request.num_images,

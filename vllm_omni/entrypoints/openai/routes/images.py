@@ -29,6 +29,8 @@ from vllm_omni.entrypoints.openai.protocol import (
     ImageResponse,
     parse_size,
 )
+from vllm_omni.entrypoints.openai.routes.bodies import read_form
+from vllm_omni.entrypoints.openai.routes.models import check_model
 from vllm_omni.entrypoints.openai.scheduler import InternalError, Job, QueueFull, Scheduler, Unavailable
 
 router = APIRouter()
@@ -63,14 +65,7 @@ def _params(
     http: Request, body: ImageGenerationRequest | ImageEditRequest, images: bytes | list[bytes] | None
 ) -> GenerationParams:
     settings = http.app.state.settings
-    names = settings.model_names
-    if body.model and body.model not in names:
-        raise ApiError(
-            400,
-            f"model {body.model!r} is not served here; this server serves {', '.join(sorted(names))}",
-            param="model",
-            code="model_not_found",
-        )
+    check_model(http, body.model, "image")
     if body.response_format not in (None, "b64_json"):
         raise ApiError(
             400,
@@ -159,29 +154,8 @@ async def _read_edit_form(http: Request) -> tuple[ImageEditRequest, list[bytes]]
     # A form without files arrives url-encoded; it is answered "image is required" below.
     if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         raise ApiError(400, "the edits endpoint takes multipart/form-data (image files and form fields)", param="image")
-    length = http.headers.get("content-length")
     body_cap = limits.max_input_images * limits.max_upload_bytes + FORM_OVERHEAD_BYTES
-    if length is not None and length.isdigit() and int(length) > body_cap:
-        raise ApiError(413, f"request body is {length} bytes; at most {body_cap} accepted", param="image")
-    received = 0
-
-    async def receive_within_cap() -> dict:
-        # Content-Length can be absent (chunked uploads): count what actually arrives.
-        nonlocal received
-        message = await http.receive()
-        if message["type"] == "http.request":
-            received += len(message.get("body", b""))
-            if received > body_cap:
-                raise ApiError(413, f"request body exceeds {body_cap} bytes", param="image")
-        return message
-
-    try:
-        form = await Request(http.scope, receive_within_cap).form(max_files=limits.max_input_images + 1, max_fields=64)
-    except ApiError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - starlette raises HTTPException / MultiPartException variants
-        detail = getattr(exc, "detail", None) or getattr(exc, "message", None) or str(exc)
-        raise ApiError(400, f"cannot parse the multipart body: {detail}") from None
+    form = await read_form(http, body_cap, "image", max_files=limits.max_input_images + 1)
     images: list[bytes] = []
     fields: dict[str, str] = {}
     try:

@@ -1,4 +1,5 @@
-"""GET /health (readiness and worker health, open without the API key) and GET /v1/models."""
+"""GET /health (readiness and worker health, open without the API key), GET /v1/models, and
+`check_model`: the served model, as the image and video routes check a request's `model`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from vllm_omni.entrypoints.openai.errors import ApiError
 from vllm_omni.entrypoints.openai.protocol import ModelCard, ModelList
 
 router = APIRouter()
@@ -35,3 +37,27 @@ async def models(http: Request) -> ModelList:
         limits=asdict(settings.engine.limits),
     )
     return ModelList(data=[card])
+
+
+def check_model(http: Request, model: str | None, modality: str) -> None:
+    """A 400 naming `model` when the request names another model, or the served one makes the other modality."""
+    settings = http.app.state.settings
+    names = settings.model_names
+    if model and model not in names:
+        raise ApiError(
+            400,
+            f"model {model!r} is not served here; this server serves {', '.join(sorted(names))}",
+            param="model",
+            code="model_not_found",
+        )
+    engine = http.app.state.scheduler.engine
+    served = engine.spec.modality if engine is not None else None  # None: still starting (submit answers 503)
+    if served is not None and served != modality:
+        name = settings.served_model_name or settings.engine.model
+        endpoint = "POST /v1/videos" if served == "video" else "POST /v1/images/generations or /v1/images/edits"
+        raise ApiError(
+            400,
+            f"model {name!r} generates {served}s, not {modality}s: use {endpoint}",
+            param="model",
+            code="wrong_modality",
+        )

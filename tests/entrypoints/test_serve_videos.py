@@ -1,0 +1,236 @@
+"""The videos API end to end: `vllm-omni serve tiny/hunyuan-video-1.5 --ulysses-degree 2` and the `openai` client.
+
+One server process for the module (CPU workers), its videos kept in a test directory.
+208x144 is 13x9 latent pixels; 9 frames are 3 latent frames: 351 video tokens, odd, so Ulysses
+2 pads them. Covers create_and_poll and download (a real MP4 of the asked frames and size),
+progress, cancellation by DELETE, deleting a finished video (its file goes, then 404), the list
+newest first with its cursor, two jobs at once, JSON bodies, and bad input naming the field.
+Image-to-video (`input_reference` on the i2v model) would need a second server (about 12 s
+more): only the upload paths are covered here, by the text-to-video model refusing them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import av
+import httpx
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+from server_process import HTTP_TIMEOUT_S, start_server
+
+MODEL = "tiny/hunyuan-video-1.5"
+PROMPT = "A cat walks on the grass, realistic style."
+SIZE = "208x144"
+FAST = {"num_inference_steps": 2, "fps": 8}  # seconds="1" at 8 fps: 9 frames (k * 4 + 1)
+SLOW_STEPS = 400  # ~20 s on CPU: such a job only ends quickly by being cancelled
+POLL_S = 0.05
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-videos")
+    video_dir = root / "videos"
+    srv = start_server(
+        [MODEL, "--ulysses-degree", "2", "--max-steps", str(SLOW_STEPS), "--video-dir", str(video_dir)],
+        root / "server.log",
+    )
+    srv.video_dir = video_dir
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
+
+
+def create(client, **extra):
+    body = dict(FAST, seed=7)
+    body.update(extra)
+    return client.videos.create(model=MODEL, prompt=PROMPT, size=SIZE, seconds="1", extra_body=body)
+
+
+def poll_until(client, video_id, done, timeout=HTTP_TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        video = client.videos.retrieve(video_id)
+        if done(video):
+            return video
+        time.sleep(POLL_S)
+    raise AssertionError(f"video {video_id} never got there: {video}")
+
+
+def finished(video) -> bool:
+    return video.status in ("completed", "failed")
+
+
+def decode_mp4(data: bytes):
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+        return frames, stream.codec_context.name, stream.average_rate
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    return body["error"]
+
+
+def test_create_and_poll_then_download_gives_a_playable_mp4_of_the_asked_frames_and_size(server, client):
+    video = client.videos.create_and_poll(
+        model=MODEL, prompt=PROMPT, size=SIZE, seconds="1", extra_body=dict(FAST, seed=7), poll_interval_ms=50
+    )
+    assert (video.status, video.progress, video.error) == ("completed", 100, None)
+    assert (video.object, video.model, video.prompt, video.seconds, video.size) == ("video", MODEL, PROMPT, "1", SIZE)
+    extra = video.model_extra
+    assert (extra["seed"], extra["num_frames"], extra["fps"], extra["width"], extra["height"]) == (7, 9, 8, 208, 144)
+    assert extra["timings_ms"]["total"] > 0
+    assert video.created_at <= video.completed_at < video.expires_at
+
+    data = client.videos.download_content(video.id).read()
+    frames, codec, rate = decode_mp4(data)
+    assert (len(frames), frames[0].shape, codec, rate) == (9, (144, 208, 3), "h264", 8)
+    assert (server.video_dir / f"{video.id}.mp4").read_bytes() == data
+
+
+def test_a_job_answers_at_once_queued_and_reports_progress_then_delete_cancels_it(server, client):
+    start = server.log_size()
+    slow = create(client, num_inference_steps=SLOW_STEPS)
+    assert (slow.status, slow.progress, slow.completed_at, slow.seconds, slow.size) == ("queued", 0, None, "1", SIZE)
+    running = poll_until(client, slow.id, lambda v: v.status == "in_progress" and v.progress > 0)
+    assert 0 < running.progress < 100
+    early = httpx.get(f"{server.url}/v1/videos/{slow.id}/content")
+    assert early.status_code == 409 and error_of(early)["code"] == "video_not_ready"  # no content before it completes
+
+    deleted = client.videos.delete(slow.id)
+    assert (deleted.id, deleted.object, deleted.deleted) == (slow.id, "video.deleted", False)
+    ended = poll_until(client, slow.id, finished)
+    assert ended.status == "failed" and ended.error.code == "cancelled", ended
+    stopped = server.wait_for_log(rf"request {slow.id} cancelled at step (\d+)", start)
+    assert int(stopped.group(1)) < SLOW_STEPS // 2
+    # The server goes on: the next job completes.
+    following = client.videos.create_and_poll(
+        model=MODEL, prompt=PROMPT, size=SIZE, seconds="1", extra_body=FAST, poll_interval_ms=50
+    )
+    assert following.status == "completed"
+    # A second DELETE removes the cancelled job.
+    assert client.videos.delete(slow.id).deleted is True
+    with pytest.raises(NotFoundError):
+        client.videos.retrieve(slow.id)
+
+
+def test_two_jobs_submitted_together_both_complete_and_list_newest_first(server, client):
+    first, second = create(client, seed=1), create(client, seed=2)
+    for video in (first, second):
+        assert poll_until(client, video.id, finished).status == "completed"
+    page = client.videos.list(limit=1)
+    assert [v.id for v in page.data] == [second.id] and page.has_more
+    next_page = page.get_next_page()
+    assert [v.id for v in next_page.data] == [first.id]
+    newest = [v.id for v in client.videos.list(limit=100).data]
+    assert newest.index(second.id) < newest.index(first.id)
+    oldest = [v.id for v in client.videos.list(limit=100, order="asc").data]
+    assert oldest == newest[::-1]
+
+
+def test_deleting_a_finished_video_removes_it_and_its_file(server, client):
+    video = client.videos.create_and_poll(
+        model=MODEL, prompt=PROMPT, size=SIZE, seconds="1", extra_body=FAST, poll_interval_ms=50
+    )
+    path = server.video_dir / f"{video.id}.mp4"
+    assert path.is_file()
+    deleted = client.videos.delete(video.id)
+    assert (deleted.id, deleted.deleted) == (video.id, True)
+    assert not path.exists() and not (server.video_dir / f"{video.id}.json").exists()
+    for response in (
+        httpx.get(f"{server.url}/v1/videos/{video.id}"),
+        httpx.get(f"{server.url}/v1/videos/{video.id}/content"),
+        httpx.delete(f"{server.url}/v1/videos/{video.id}"),
+    ):
+        assert response.status_code == 404
+        assert error_of(response)["type"] == "not_found_error"
+    assert video.id not in [v.id for v in client.videos.list(limit=100).data]
+
+
+def test_a_json_body_works_too_with_num_frames_winning_over_seconds(server):
+    body = {"model": MODEL, "prompt": PROMPT, "size": SIZE, "seconds": 4, "num_frames": 6, **FAST}
+    response = httpx.post(f"{server.url}/v1/videos", json=body)
+    assert response.status_code == 200, response.text
+    video = response.json()
+    # 6 frames is rounded down to 5 (k * 4 + 1); the length reported is that of the frames run.
+    assert (video["status"], video["num_frames"], video["seconds"]) == ("queued", 5, "0.62")
+    assert response.headers["X-Request-Id"] == video["id"]
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"seconds": "abc"}, "seconds"),
+        ({"seconds": "-1"}, "seconds"),
+        ({"seconds": "100"}, "seconds"),  # 800 frames at 8 fps: over --max-frames
+        ({"size": "abc"}, "size"),
+        ({"size": "99999x144"}, "size"),
+        ({"num_frames": 0}, "num_frames"),
+        ({"num_frames": 100000}, "num_frames"),
+        ({"num_frames": "many"}, "num_frames"),
+        ({"num_inference_steps": 100000}, "num_inference_steps"),
+        ({"fps": 0}, "fps"),
+        ({"model": "sora-2"}, "model"),
+        ({"n": 2}, "n"),  # one job is one video
+        ({"num_stepz": 2}, "num_stepz"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(server, client, fields, param):
+    body = dict(FAST, prompt=PROMPT, model=MODEL, size=SIZE, seconds="1")
+    body.update(fields)
+    # As the openai client sends it (multipart form) ...
+    with pytest.raises(BadRequestError) as refused:
+        client.videos.create(prompt=PROMPT, extra_body={k: v for k, v in body.items() if k != "prompt"})
+    assert refused.value.body["param"] == param, refused.value.body
+    # ... and as JSON.
+    response = httpx.post(f"{server.url}/v1/videos", json=body)
+    assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+
+
+def test_an_input_reference_is_refused_by_the_text_to_video_model_naming_it(server, client):
+    png = io.BytesIO()
+    from PIL import Image
+
+    Image.new("RGB", (64, 48), "orange").save(png, format="PNG")
+    with pytest.raises(BadRequestError) as refused:
+        client.videos.create(model=MODEL, prompt=PROMPT, input_reference=("cat.png", png.getvalue(), "image/png"))
+    assert refused.value.body["param"] == "input_reference"
+    data_url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    for response in (
+        httpx.post(f"{server.url}/v1/videos", json={"prompt": PROMPT, "input_reference": {"image_url": data_url}}),
+        # The form spelling of that object (the openai client's for nested fields).
+        httpx.post(f"{server.url}/v1/videos", data={"prompt": PROMPT, "input_reference[image_url]": data_url}),
+    ):
+        assert response.status_code == 400 and error_of(response)["param"] == "input_reference"
+        assert "not accepted" in error_of(response)["message"]
+    remote = {"prompt": PROMPT, "input_reference": {"image_url": "https://example.com/cat.png"}}
+    response = httpx.post(f"{server.url}/v1/videos", json=remote)
+    assert response.status_code == 400 and "fetches nothing" in error_of(response)["message"]
+
+
+def test_an_image_request_to_the_video_model_is_a_400_naming_model(server, client):
+    with pytest.raises(BadRequestError) as refused:
+        client.images.generate(model=MODEL, prompt=PROMPT, size=SIZE)
+    assert refused.value.body["param"] == "model" and "/v1/videos" in refused.value.body["message"]
+
+
+def test_unknown_videos_and_unsupported_variants_are_answered_in_openai_shape(server, client):
+    missing = httpx.get(f"{server.url}/v1/videos/video-0000000000000000")
+    assert missing.status_code == 404 and error_of(missing)["param"] == "video_id"
+    with pytest.raises(NotFoundError):
+        client.videos.retrieve("video-0000000000000000")
+    bad_cursor = httpx.get(f"{server.url}/v1/videos", params={"after": "video-0000000000000000"})
+    assert bad_cursor.status_code == 400 and error_of(bad_cursor)["param"] == "after"
+    bad_limit = httpx.get(f"{server.url}/v1/videos", params={"limit": "0"})
+    assert bad_limit.status_code == 400 and error_of(bad_limit)["param"] == "limit"

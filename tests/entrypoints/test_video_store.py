@@ -1,0 +1,231 @@
+"""The videos API's store without HTTP or workers: jobs finished by hand, files in a test directory.
+
+Covers the MP4 and the record written when a job completes, what a restart finds (finished
+videos kept, interrupted jobs failed, leftover files of ours removed, other files untouched),
+one server per directory, deletion and cancellation, and eviction by age, count and bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+
+import av
+import numpy as np
+import pytest
+
+from vllm_omni.diffusion.data import DiffusionOutput, DiffusionRequest
+from vllm_omni.entrypoints.openai.scheduler import Job, JobError
+from vllm_omni.entrypoints.openai.video_store import (
+    VideoDirectoryInUse,
+    VideoRecord,
+    VideoStorageSettings,
+    VideoStore,
+)
+
+FRAMES = 5
+WAIT_S = 10  # a hang guard for conditions that hold within a second
+
+
+class FakeScheduler:
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+        self.forgotten: list[str] = []
+
+    def cancel(self, job_id: str, reason: str = "cancelled") -> None:
+        self.cancelled.append(job_id)
+
+    def forget(self, job_id: str) -> None:
+        self.forgotten.append(job_id)
+
+
+def new_job(number: int) -> Job:
+    video_id = f"video-{number:016x}"
+    request = DiffusionRequest(request_id=video_id, prompt="p", width=32, height=16, num_frames=FRAMES, fps=8, seed=3)
+    return Job(video_id, request)
+
+
+def complete(job: Job, shade: int = 100) -> None:
+    frames = np.full((FRAMES, 16, 32, 3), shade, dtype=np.uint8)
+    output = DiffusionOutput(job.id, [frames], 3, 16, 32, num_frames=FRAMES, fps=8, timings_ms={"total": 5.0})
+    job.status, job.result = "completed", output
+    job._done.set()
+
+
+def end(job: Job, status: str, error: JobError) -> None:
+    job.status, job.error = status, error
+    job._done.set()
+
+
+def add(store: VideoStore, job: Job) -> VideoRecord:
+    return store.add(job, model="tiny", prompt="p", seconds="0.62", size="32x16", fps=8)
+
+
+async def finished(record: VideoRecord) -> VideoRecord:
+    deadline = time.monotonic() + WAIT_S
+    while not record.finished:
+        assert time.monotonic() < deadline, f"{record.id} never finished"
+        await asyncio.sleep(0.005)
+    return record
+
+
+def opened(directory, **limits) -> VideoStore:
+    store = VideoStore(VideoStorageSettings(directory=directory, **limits), FakeScheduler())
+    store.open()
+    return store
+
+
+def test_a_completed_job_becomes_an_mp4_and_a_record_that_a_restart_keeps(tmp_path):
+    async def scenario():
+        store = opened(tmp_path)
+        job = new_job(1)
+        record = add(store, job)
+        assert record.state() == ("queued", 0)
+        assert json.loads((tmp_path / f"{job.id}.json").read_text())["status"] == "queued"
+        job.status, job.progress = "in_progress", 40
+        assert record.state() == ("in_progress", 40)
+        complete(job)
+        await finished(record)
+        assert record.state() == ("completed", 100) and store.scheduler.forgotten == [job.id]
+        assert (record.width, record.height, record.num_frames, record.size) == (32, 16, FRAMES, "32x16")
+        assert record.expires_at == record.completed_at + store.settings.max_age_s
+        data = (tmp_path / f"{job.id}.mp4").read_bytes()
+        assert len(data) == record.file_bytes
+        with av.open(io.BytesIO(data)) as container:
+            assert len(list(container.decode(video=0))) == FRAMES
+        await store.close()
+
+        again = opened(tmp_path)
+        kept = again.get(job.id)
+        assert (kept.state(), kept.file_bytes, kept.seed) == (("completed", 100), len(data), 3)
+        assert kept.timings_ms == {"total": 5.0}
+        await again.close()
+        assert (tmp_path / f"{job.id}.mp4").is_file()  # a directory given by the user stays
+
+    asyncio.run(scenario())
+
+
+def test_a_restart_fails_interrupted_jobs_and_removes_leftover_files_of_ours_only(tmp_path):
+    def record(number: int, status: str, file_bytes: int = 0) -> VideoRecord:
+        job = new_job(number)
+        created = time.time() - 10
+        return VideoRecord(job.id, "tiny", "p", "1", "32x16", 8, 3, FRAMES, created, status, file_bytes=file_bytes)
+
+    # What a server killed mid-run leaves behind.
+    left = {
+        "queued": record(1, "queued"),
+        "done": record(2, "completed", file_bytes=4),
+        "file_gone": record(3, "completed", file_bytes=4),
+    }
+    for r in left.values():
+        (tmp_path / f"{r.id}.json").write_text(json.dumps(r.to_json()))
+    (tmp_path / f"{left['done'].id}.mp4").write_bytes(b"mp4!")
+    orphan = tmp_path / f"{new_job(4).id}.mp4"  # its record was never written, or was deleted
+    orphan.write_bytes(b"half")
+    half_written = tmp_path / f".{new_job(1).id}.mp4.tmp"
+    half_written.write_bytes(b"ha")
+    (tmp_path / f"{new_job(5).id}.json").write_text("{not json")
+    foreign = [tmp_path / "notes.txt", tmp_path / "holiday.mp4"]
+    for path in foreign:
+        path.write_text("not ours")
+
+    async def scenario():
+        store = opened(tmp_path)
+        restarted = store.get(left["queued"].id)
+        assert restarted.state() == ("failed", 0) and restarted.error.code == "server_restarted"
+        assert restarted.expires_at > time.time()
+        assert json.loads((tmp_path / f"{restarted.id}.json").read_text())["status"] == "failed"
+        assert store.get(left["done"].id).state() == ("completed", 100)
+        assert store.get(left["file_gone"].id).error.code == "server_error"
+        assert not orphan.exists() and not half_written.exists()
+        assert not (tmp_path / f"{new_job(5).id}.json").exists()
+        assert all(path.read_text() == "not ours" for path in foreign)
+        assert [r.id for r in store.newest_first()] == sorted((r.id for r in left.values()), reverse=True)
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_one_server_at_a_time_per_directory_and_the_default_one_is_removed_at_close(tmp_path):
+    async def scenario():
+        store = opened(tmp_path)
+        with pytest.raises(VideoDirectoryInUse, match="in use by another server"):
+            opened(tmp_path)
+        await store.close()
+        await opened(tmp_path).close()  # free again
+
+        temporary = VideoStore(VideoStorageSettings(), FakeScheduler())
+        temporary.open()
+        job = new_job(1)
+        complete(job)
+        await finished(add(temporary, job))
+        assert (temporary.directory / f"{job.id}.mp4").is_file()
+        await temporary.close()
+        assert not temporary.directory.exists()
+
+    asyncio.run(scenario())
+
+
+def test_delete_cancels_an_unfinished_job_and_removes_a_finished_one(tmp_path):
+    async def scenario():
+        store = opened(tmp_path)
+        running, done = new_job(1), new_job(2)
+        running_record, done_record = add(store, running), add(store, done)
+        complete(done)
+        await finished(done_record)
+
+        assert store.delete(running.id) is False and store.scheduler.cancelled == [running.id]
+        end(running, "cancelled", JobError("cancelled", "cancelled: deleted by the client"))
+        await finished(running_record)
+        assert running_record.state() == ("failed", 0) and running_record.error.code == "cancelled"
+
+        assert store.delete(done.id) is True
+        assert store.get(done.id) is None and list(tmp_path.glob(f"{done.id}*")) == []
+        assert store.delete(done.id) is None
+        # A job whose frames were decoded as it was deleted is not written.
+        late = new_job(3)
+        late_record = add(store, late)
+        late.status = "in_progress"
+        assert store.delete(late.id) is False
+        complete(late)
+        await finished(late_record)
+        assert late_record.error.code == "cancelled" and not (tmp_path / f"{late.id}.mp4").exists()
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_finished_videos_expire_and_the_oldest_go_first_beyond_the_count_or_bytes(tmp_path):
+    async def finish_all(store, numbers, shade=100):
+        records = []
+        for number in numbers:
+            job = new_job(number)
+            records.append(add(store, job))
+            complete(job, shade)
+            await finished(records[-1])
+        return records
+
+    async def scenario():
+        by_count = opened(tmp_path / "count", max_videos=2)
+        first, second, third = await finish_all(by_count, [1, 2, 3])
+        assert [r.id for r in by_count.newest_first()] == [third.id, second.id]
+        assert not (tmp_path / "count" / f"{first.id}.mp4").exists()
+        second.expires_at = time.time() - 1  # its age ran out
+        assert by_count.get(second.id) is None and not (tmp_path / "count" / f"{second.id}.json").exists()
+        await by_count.close()
+
+        probe = opened(tmp_path / "probe")
+        one_video = (await finish_all(probe, [9]))[0].file_bytes
+        await probe.close()
+        by_bytes = opened(tmp_path / "bytes", max_bytes=one_video + one_video // 2)
+        first, second = await finish_all(by_bytes, [1, 2])
+        assert [r.id for r in by_bytes.newest_first()] == [second.id]
+        alone = opened(tmp_path / "alone", max_bytes=1)
+        (kept,) = await finish_all(alone, [1])
+        assert alone.get(kept.id) is not None  # the newest video stays even when it alone passes the limit
+        for store in (by_bytes, alone):
+            await store.close()
+
+    asyncio.run(scenario())

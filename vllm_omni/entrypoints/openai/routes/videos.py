@@ -1,0 +1,379 @@
+"""The videos API, as the `openai` client's `client.videos` calls it: HTTP <-> scheduler jobs and stored videos.
+
+- POST /v1/videos (multipart form, as the client sends it, or JSON): checks the request and
+  queues it on the scheduler (the same FIFO queue as images), answers the job at once.
+- GET /v1/videos/{id}: the job: queued -> in_progress (progress from the denoising steps) ->
+  completed or failed (error {code, message, param}).
+- GET /v1/videos/{id}/content: the MP4 (H.264).
+- GET /v1/videos: OpenAI's cursor page, newest first by default (`after`, `limit`, `order`).
+- DELETE /v1/videos/{id}: cancels a queued or running job, or deletes a finished one and its file.
+
+Jobs live on without any connection; their records and files are the store's
+(video_store.py, at app.state.videos). The length is `seconds` (a string, as the client sends
+it) times `fps`, rounded to the model's frame rule, unless `num_frames` is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import math
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from vllm_omni.diffusion.data import GenerationParams, RequestError
+from vllm_omni.diffusion.preprocess import check_int
+from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
+from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
+from vllm_omni.entrypoints.openai.errors import ApiError, request_error, scheduler_error, validation_error
+from vllm_omni.entrypoints.openai.protocol import (
+    Video,
+    VideoCreateRequest,
+    VideoDeleted,
+    VideoError,
+    VideoList,
+    parse_size,
+)
+from vllm_omni.entrypoints.openai.routes.bodies import read_form, read_json_object
+from vllm_omni.entrypoints.openai.routes.models import check_model
+from vllm_omni.entrypoints.openai.scheduler import InternalError, QueueFull, Scheduler, Unavailable
+from vllm_omni.entrypoints.openai.video_store import VideoRecord, VideoStore
+
+router = APIRouter()
+
+DEFAULT_SECONDS = 4.0  # OpenAI's default length, when neither the request nor the deploy gives one
+FORM_OVERHEAD_BYTES = 1024 * 1024  # text fields and multipart framing, beyond the reference image
+REFERENCE = "input_reference"
+LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX = 20, 100
+CHUNK_BYTES = 1024 * 1024
+
+
+@router.post("/v1/videos", response_model=Video)
+async def create(http: Request) -> JSONResponse:
+    scheduler: Scheduler = http.app.state.scheduler
+    try:
+        # A loading server, or a full queue, says so before an upload is read; the place held
+        # meanwhile bounds the uploads in flight by the queue's length.
+        place = scheduler.hold_place()
+    except (Unavailable, QueueFull) as exc:
+        raise scheduler_error(exc) from None
+    with place:
+        fields, reference = await _read_create_body(http)
+        try:
+            body = VideoCreateRequest.model_validate(fields)
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+        check_model(http, body.model, "video")
+        params, seconds = _params(http, body, reference)
+        try:
+            job = await scheduler.submit(params, id_prefix="video", place_held=True)
+        except RequestError as exc:
+            raise _request_error(exc, body.size) from None
+        except (Unavailable, QueueFull, InternalError) as exc:
+            raise scheduler_error(exc) from None
+    settings = http.app.state.settings
+    request = job.request
+    record = _store(http).add(
+        job,
+        model=body.model or settings.served_model_name or settings.engine.model,
+        prompt=body.prompt,
+        # As asked; or, where num_frames decided it, the length of the checked (rounded) frame count.
+        seconds=_format_seconds(seconds if seconds is not None else request.num_frames / request.fps),
+        size=f"{request.width}x{request.height}" if request.width and request.height else "auto",
+        fps=request.fps,
+    )
+    return JSONResponse(_view(record).model_dump(), headers={"X-Request-Id": record.id})
+
+
+@router.get("/v1/videos", response_model=VideoList)
+async def list_videos(http: Request) -> VideoList:
+    query = http.query_params
+    limit = _query_int(query.get("limit"), "limit", LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    records = _store(http).newest_first()
+    if order == "asc":
+        records.reverse()
+    after = query.get("after")
+    if after is not None:
+        position = next((i for i, r in enumerate(records) if r.id == after), None)
+        if position is None:
+            raise ApiError(400, f"after: no video {after!r} (deleted or expired?)", param="after")
+        records = records[position + 1 :]
+    page = records[:limit]
+    return VideoList(
+        data=[_view(r) for r in page],
+        first_id=page[0].id if page else None,
+        last_id=page[-1].id if page else None,
+        has_more=len(records) > limit,
+    )
+
+
+@router.get("/v1/videos/{video_id}", response_model=Video)
+async def retrieve(video_id: str, http: Request) -> Video:
+    return _view(_record(http, video_id))
+
+
+@router.get("/v1/videos/{video_id}/content")
+async def content(video_id: str, http: Request) -> StreamingResponse:
+    record = _record(http, video_id)
+    variant = http.query_params.get("variant", "video")
+    if variant != "video":
+        raise ApiError(400, f"variant {variant!r} is not available: only 'video' (the MP4)", param="variant")
+    status, _ = record.state()
+    if status != "completed":
+        why = f"it failed: {record.error.message}" if status == "failed" else f"it is {status}"
+        raise ApiError(409, f"video {video_id!r} has no content: {why}", code="video_not_ready")
+    try:
+        # Opened now: a delete or an eviction while it streams unlinks the name, not the open file.
+        file = open(_store(http).video_path(record), "rb")  # noqa: SIM115 - closed by the stream below
+    except FileNotFoundError:
+        raise _not_found(video_id) from None
+
+    async def chunks():
+        try:
+            while data := await asyncio.to_thread(file.read, CHUNK_BYTES):
+                yield data
+        finally:
+            file.close()
+
+    return StreamingResponse(
+        chunks(),
+        media_type="video/mp4",
+        headers={
+            "Content-Length": str(record.file_bytes),
+            "Content-Disposition": f'inline; filename="{record.id}.mp4"',
+        },
+    )
+
+
+@router.delete("/v1/videos/{video_id}", response_model=VideoDeleted)
+async def delete(video_id: str, http: Request) -> VideoDeleted:
+    deleted = _store(http).delete(video_id)
+    if deleted is None:
+        raise _not_found(video_id)
+    return VideoDeleted(id=video_id, deleted=deleted)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _store(http: Request) -> VideoStore:
+    return http.app.state.videos
+
+
+def _not_found(video_id: str) -> ApiError:
+    return ApiError(404, f"no video {video_id!r} (deleted, expired, or never made)", param="video_id", code="not_found")
+
+
+def _record(http: Request, video_id: str) -> VideoRecord:
+    record = _store(http).get(video_id)
+    if record is None:
+        raise _not_found(video_id)
+    return record
+
+
+def _view(record: VideoRecord) -> Video:
+    status, progress = record.state()
+    error = None
+    if status == "failed" and record.error is not None:
+        error = VideoError(code=record.error.code, message=record.error.message, param=_http_param(record.error.param))
+    return Video(
+        id=record.id,
+        status=status,
+        progress=progress,
+        created_at=int(record.created_at),
+        completed_at=int(record.completed_at) if status in ("completed", "failed") and record.completed_at else None,
+        expires_at=int(record.expires_at) if record.expires_at else None,
+        model=record.model,
+        prompt=record.prompt,
+        seconds=record.seconds,
+        size=record.size,
+        error=error,
+        seed=record.seed,
+        num_frames=record.num_frames,
+        fps=record.fps,
+        width=record.width,
+        height=record.height,
+        timings_ms=record.timings_ms,
+    )
+
+
+def _http_param(param: str | None) -> str | None:
+    """The engine's field names as this API spells them."""
+    if param in ("height", "width"):
+        return "size"
+    return REFERENCE if param == "image" else param
+
+
+def _request_error(exc: RequestError, size: str | None) -> ApiError:
+    if exc.param == "image":
+        message = str(exc)
+        message = REFERENCE + message[len("image") :] if message.startswith("image") else message
+        return ApiError(400, message, param=REFERENCE)
+    return request_error(exc, size)
+
+
+def _query_int(text: str | None, name: str, default: int, most: int) -> int:
+    if text is None:
+        return default
+    try:
+        return check_int(name, text, 1, most)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), param=name) from None
+
+
+def _format_seconds(seconds: float) -> str:
+    return f"{round(seconds, 2):g}"
+
+
+def _parse_seconds(value: str | float) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ApiError(400, f"seconds must be a positive number, like '4', got {value!r}", param="seconds")
+    return seconds
+
+
+def _frames_for(seconds: float, fps: int, multiple: int, max_frames: int) -> int:
+    """seconds * fps rounded to the nearest k * multiple + 1 frames (within max_frames); a 400 naming seconds."""
+    exact = seconds * fps
+    if exact > max_frames:
+        raise ApiError(
+            400,
+            f"seconds={_format_seconds(seconds)} at fps={fps} is {exact:g} frames; at most {max_frames} frames "
+            f"({_format_seconds(max_frames / fps)} s at {fps} fps)",
+            param="seconds",
+        )
+    k = max(0, round((exact - 1) / multiple))
+    return min(k, (max_frames - 1) // multiple) * multiple + 1
+
+
+def _params(http: Request, body: VideoCreateRequest, reference: bytes | None) -> tuple[GenerationParams, float | None]:
+    """The request's GenerationParams (the deploy's defaults filled in), and its length in seconds where
+    that decided the frame count (None: num_frames did)."""
+    settings = http.app.state.settings
+    limits = settings.engine.limits
+    spec = http.app.state.scheduler.engine.spec
+    # One deploy file serves text- and image-to-video: defaults for fields a pipeline does not
+    # take (the size, for image-to-video) are left out rather than refused on every request.
+    defaults = {k: v for k, v in settings.engine.default_sampling_params.items() if spec.takes(k)}
+    width = height = None
+    if body.size is not None:
+        if not spec.takes("width"):
+            raise ApiError(
+                400,
+                f"size is not accepted by {spec.diffusers_class}: the video takes the aspect ratio of the "
+                f"{REFERENCE} image",
+                param="size",
+            )
+        try:
+            width, height = parse_size(body.size, limits.max_image_size)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="size") from None
+    try:
+        fps = body.fps if body.fps is not None else defaults.get("fps", spec.default_fps)
+        fps = check_int("fps", fps, 1, limits.max_fps)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), param="fps") from None
+    seconds = None if body.seconds is None else _parse_seconds(body.seconds)  # checked even when num_frames wins
+    if body.num_frames is not None:
+        num_frames, seconds = body.num_frames, None
+    elif seconds is not None:
+        num_frames = _frames_for(seconds, fps, spec.frame_multiple, limits.max_frames)
+    elif "num_frames" in defaults:
+        num_frames = defaults["num_frames"]
+    else:
+        seconds = DEFAULT_SECONDS
+        num_frames = _frames_for(seconds, fps, spec.frame_multiple, limits.max_frames)
+    given: dict[str, Any] = {f.name: getattr(body, f.name, None) for f in SAMPLING_FIELDS if not f.in_size}
+    given.pop("n")
+    given.update(height=height, width=width, num_frames=num_frames, fps=fps)
+    values = apply_sampling_defaults(given, defaults)
+    params = GenerationParams(prompt=body.prompt, image=reference, output_type="uint8", **values)
+    return params, seconds
+
+
+async def _read_create_body(http: Request) -> tuple[dict[str, Any], bytes | None]:
+    """The request's fields (text) and the reference image's bytes, from a multipart form or JSON."""
+    limits = http.app.state.settings.engine.limits
+    content_type = http.headers.get("content-type", "")
+    # A data URL carries the image base64-encoded: 4/3 of its bytes.
+    body_cap = limits.max_upload_bytes * 4 // 3 + FORM_OVERHEAD_BYTES
+    if content_type.startswith("application/json"):
+        fields = await read_json_object(http, body_cap, REFERENCE)
+        reference = fields.pop(REFERENCE, None)
+        if reference is None:
+            return fields, None
+        if isinstance(reference, dict):
+            return fields, _reference_from_object(reference, limits.max_upload_bytes)
+        raise ApiError(
+            400,
+            f"{REFERENCE} must be an object {{'image_url': 'data:image/png;base64,...'}} in JSON (or a file "
+            "part of a multipart form)",
+            param=REFERENCE,
+        )
+    if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        raise ApiError(400, "POST /v1/videos takes multipart/form-data (as the openai client sends it) or JSON")
+    form = await read_form(http, body_cap, REFERENCE, max_files=1)
+    fields: dict[str, Any] = {}
+    reference_fields: dict[str, str] = {}
+    reference: bytes | None = None
+    try:
+        for key, value in form.multi_items():
+            if key == REFERENCE and isinstance(value, UploadFile):
+                data = await value.read(limits.max_upload_bytes + 1)
+                if len(data) > limits.max_upload_bytes:
+                    limit = limits.max_upload_bytes
+                    raise ApiError(400, f"{REFERENCE} is larger than the upload limit of {limit} bytes", REFERENCE)
+                reference = data
+            elif key.startswith(f"{REFERENCE}[") and key.endswith("]") and not isinstance(value, UploadFile):
+                reference_fields[key[len(REFERENCE) + 1 : -1]] = value  # the client's spelling of an object
+            elif isinstance(value, UploadFile):
+                raise ApiError(400, f"unexpected file field {key!r}; send the image as {REFERENCE!r}", param=key)
+            elif key in fields:
+                raise ApiError(400, f"{key} is given more than once", param=key)
+            else:
+                fields[key] = value
+    finally:
+        await form.close()
+    if reference_fields:
+        if reference is not None:
+            raise ApiError(400, f"{REFERENCE} is given twice (a file and an object)", param=REFERENCE)
+        reference = _reference_from_object(reference_fields, limits.max_upload_bytes)
+    return fields, reference
+
+
+def _reference_from_object(reference: dict[str, Any], max_bytes: int) -> bytes:
+    """{'image_url': a base64 data URL} -> the image's bytes. The server fetches nothing and has no files API."""
+    unknown = set(reference) - {"image_url", "file_id"}
+    if unknown or "file_id" in reference:
+        key = "file_id" if "file_id" in reference else sorted(unknown)[0]
+        raise ApiError(
+            400,
+            f"{REFERENCE}.{key} is not supported: upload the image as a file part, or give image_url as a data URL",
+            param=REFERENCE,
+        )
+    url = reference.get("image_url")
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise ApiError(
+            400,
+            f"{REFERENCE}.image_url must be a base64 data URL ('data:image/png;base64,...'); "
+            "the server fetches nothing from the network",
+            param=REFERENCE,
+        )
+    payload = url.split(";base64,", 1)[1]
+    if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
+        raise ApiError(400, f"{REFERENCE} is larger than the upload limit of {max_bytes} bytes", param=REFERENCE)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{REFERENCE}.image_url is not valid base64", param=REFERENCE) from None
