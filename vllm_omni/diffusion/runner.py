@@ -52,7 +52,8 @@ class PipelineRunner:
             path, subfolder="transformer", dtype=dtype, device_map=str(device)
         )
         if device.type == "cuda" and not enforce_eager:
-            compile_repeated_blocks(transformer)
+            if spec.compile_blocks:
+                compile_repeated_blocks(transformer)
             # Only the sharded part is replayed: the host-side preparation in `forward` (text
             # compaction, row splitting) decides shapes and runs eagerly before it.
             transformer.forward_sharded = CUDAGraphForward(transformer.forward_sharded)

@@ -37,6 +37,8 @@ class PipelineSpec:
     default_true_cfg_scale: float | None = None  # used when a negative prompt is given (Qwen-Image true CFG)
     default_fps: int = 24
     cfg_parallel: bool = False  # the pipeline runs CFG as two forwards per step (cfg_parallel_size=2 splits them)
+    # Compile the repeated blocks on GPUs: only where it was measured on one (benchmarks/*_sp.py --compile).
+    compile_blocks: bool = True
     # Sizes the pipeline picks by itself, restated so the engine can check them against its limits
     # before any worker runs (and then passes them explicitly). Without a size and without a source
     # image the pipeline draws `default_size` (width, height); with source images it keeps the
@@ -111,6 +113,7 @@ def _hunyuan(diffusers_class: str, fields: frozenset[str], max_input_images: int
         input_image_required=max_input_images > 0,
         frame_multiple=4,  # the VAE compresses time 4x: 4k + 1 frames
         cfg_parallel=True,
+        compile_blocks=False,  # not yet measured on a GPU
     )
 
 
