@@ -35,6 +35,7 @@ class Omni:
         attention_backend: str | None = None,
         enforce_eager: bool = False,
         warmup: bool | None = None,
+        warmup_size: tuple[int, int] | None = None,
         limits: EngineLimits | None = None,
     ) -> None:
         from vllm_omni.diffusion.engine import DiffusionEngine
@@ -54,6 +55,7 @@ class Omni:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             warmup=warmup,
+            warmup_size=warmup_size,
         )
         self.engine = DiffusionEngine(config, limits)
         try:
