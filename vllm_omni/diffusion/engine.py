@@ -150,6 +150,10 @@ class DiffusionEngine:
         """How many times the worker group was restarted."""
         return self.executor.restarts
 
+    @property
+    def last_restart_reason(self) -> str | None:
+        return self.executor.last_restart_reason
+
     def check_workers(self) -> None:
         """Respawn the group if a worker died while idle; the server's watchdog calls it."""
         self.executor.check_workers()

@@ -117,13 +117,18 @@ class Job:
 class Health:
     state: str  # loading, ok, restarting, unhealthy, failed, shutting_down
     detail: str | None = None
+    restarts: int = 0  # worker-group restarts so far
+    last_restart_reason: str | None = None
 
     @property
     def ok(self) -> bool:
         return self.state == "ok"
 
-    def to_dict(self) -> dict[str, str]:
-        return {"status": self.state} | ({"detail": self.detail} if self.detail else {})
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"status": self.state} | ({"detail": self.detail} if self.detail else {})
+        if self.restarts:  # a group that never restarted answers just {"status": "ok"}
+            body.update(restarts=self.restarts, last_restart_reason=self.last_restart_reason)
+        return body
 
 
 class Unavailable(Exception):
@@ -302,7 +307,7 @@ class Scheduler:
         if engine is None:
             return Health("loading")
         state, detail = engine.health_status()
-        return Health(state, detail)
+        return Health(state, detail, getattr(engine, "restarts", 0), getattr(engine, "last_restart_reason", None))
 
     def check_accepting(self) -> None:
         """Unavailable unless new work is taken (loaded, workers not lost, not shutting down)."""
