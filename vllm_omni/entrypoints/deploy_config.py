@@ -170,6 +170,7 @@ class EngineSettings:
     dtype: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    ray_address: str | None = None
     limits: EngineLimits = field(default_factory=EngineLimits)
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     devices: list[int] | None = None
@@ -186,6 +187,7 @@ class EngineSettings:
         dtype: str | None = None,
         attention_backend: str | None = None,
         enforce_eager: bool = False,
+        ray_address: str | None = None,
         limit_overrides: dict[str, Any] | None = None,
     ) -> EngineSettings:
         """YAML first, then every override that is not None (None means "the user did not give it")."""
@@ -205,6 +207,7 @@ class EngineSettings:
             dtype=None if dtype is None else normalize_dtype_name(dtype),
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            ray_address=ray_address,
             limits=limits,
             default_sampling_params=dict(deploy.default_sampling_params) if deploy else {},
             devices=deploy.devices if deploy else None,
@@ -246,4 +249,5 @@ class EngineSettings:
             dtype=self.dtype,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            ray_address=self.ray_address,
         )
