@@ -43,14 +43,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from vllm_omni.diffusion.data import DiffusionRequest, OmniDiffusionConfig
-from vllm_omni.diffusion.executor import WorkerGroupExecutor, WorkerStartError
-from vllm_omni.logger import init_logger
+# Read when ray is imported: Ray's native handler of fatal signals would take SIGTERM as well, and
+# a process whose SIGTERM it has seen aborts at exit. The server handles SIGTERM itself (exit 0).
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+import ray  # noqa: E402
+from ray.exceptions import GetTimeoutError, RayActorError  # noqa: E402
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
+
+from vllm_omni.diffusion.data import DiffusionRequest, OmniDiffusionConfig  # noqa: E402
+from vllm_omni.diffusion.executor import WorkerGroupExecutor, WorkerStartError  # noqa: E402
+from vllm_omni.logger import init_logger  # noqa: E402
 
 logger = init_logger(__name__)
 
@@ -233,7 +238,8 @@ class RankActor:
         except Exception as exc:  # noqa: BLE001 - reported like any load failure
             self._reports.put(("load_error", self.rank, None, f"{type(exc).__name__} on this node: {exc}"))
             return
-        run_rank(self.rank, config, model_path, init_method, self._requests, self._reports, self._cancel_token, 0)
+        gpu = _ray_gpu_index() if config.device == "cuda" else 0
+        run_rank(self.rank, config, model_path, init_method, self._requests, self._reports, self._cancel_token, gpu)
 
     def submit(self, request: DiffusionRequest) -> None:
         self._requests.put(request)
@@ -267,6 +273,13 @@ class RankActor:
 
 
 _RemoteRankActor = ray.remote(RankActor)
+
+
+def _ray_gpu_index() -> int:
+    """The CUDA index of the GPU Ray gave this actor: 0, as Ray makes it the only visible one (unless told not to)."""
+    assigned = [str(gpu) for gpu in ray.get_gpu_ids()]
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible.index(assigned[0]) if assigned and assigned[0] in visible else 0
 
 
 def rank_order(bundle_nodes: dict[int, str], world_size: int) -> list[int]:
