@@ -61,6 +61,8 @@ def test_help_documents_every_flag_and_imports_neither_torch_nor_fastapi():
         "--max-prompt-tokens",
         "--served-model-name",
         "--enforce-eager",
+        "--distributed-executor-backend",
+        "--ray-address",
     ):
         assert flag in help_text, flag
     for flag in ("--prompt", "--image", "--negative-prompt", "--size", "--steps", "--seed", "--output"):

@@ -146,3 +146,15 @@ def test_devices_count_within_an_existing_cuda_visible_devices(tmp_path, monkeyp
     too_few = settings(tmp_path, "--ulysses-degree", "3")
     with pytest.raises(ValueError, match="needs 3"):
         too_few.apply_devices()
+
+
+def test_executor_backend_comes_from_the_yaml_or_the_flag_and_the_ray_address_from_the_flag(tmp_path):
+    text = GOOD.replace("mask_sp_padding: true}", "mask_sp_padding: true, distributed_executor_backend: ray}")
+    yaml_only = EngineSettings.resolve("tiny/qwen-image", deploy_config=str(write(tmp_path, text)))
+    assert yaml_only.parallel_config.distributed_executor_backend == "ray"
+    assert settings(tmp_path).parallel_config.distributed_executor_backend == "mp"  # the default
+    resolved = settings(tmp_path, "--distributed-executor-backend", "ray", "--ray-address", "10.0.0.1:6379")
+    config = resolved.engine_config()
+    assert config.parallel_config.distributed_executor_backend == "ray" and config.ray_address == "10.0.0.1:6379"
+    with pytest.raises(DeployConfigError, match="distributed_executor_backend must be one of mp, ray"):
+        load_deploy_config(write(tmp_path, text.replace("backend: ray", "backend: slurm")))

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 PaddingMode = Literal["mask", "trim", "none"]
+ExecutorBackend = Literal["mp", "ray"]
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -50,6 +52,8 @@ class DiffusionParallelConfig:
     sequence the degree does not divide, the padding is masked (`mask_sp_padding=True`,
     exact, masked kernel), trimmed after the all-to-all (default, exact, dense kernel), or
     left in unmasked (`trim_sp_padding=False`, dense kernel, approximate, warns once).
+    `distributed_executor_backend` says who starts the ranks: "mp", one process each on this
+    machine, or "ray", one Ray actor each, on this machine or across a Ray cluster.
     """
 
     ulysses_degree: int = 1
@@ -58,6 +62,7 @@ class DiffusionParallelConfig:
     sequence_parallel_size: int | None = None
     mask_sp_padding: bool = False
     trim_sp_padding: bool = True
+    distributed_executor_backend: ExecutorBackend = "mp"
 
     def __post_init__(self) -> None:
         _check_positive_int("ulysses_degree", self.ulysses_degree)
@@ -77,6 +82,11 @@ class DiffusionParallelConfig:
                 )
         _check_bool("mask_sp_padding", self.mask_sp_padding)
         _check_bool("trim_sp_padding", self.trim_sp_padding)
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -142,6 +152,9 @@ class OmniDiffusionConfig:
     # first user request (DiffusionEngine.wait_until_ready). None: on CUDA unless enforce_eager.
     warmup: bool | None = None
     warmup_size: tuple[int, int] | None = None  # (width, height); None: the pipeline's default size
+    # The Ray cluster the "ray" backend joins ("auto": the one `ray start` runs on this machine, or
+    # "HEAD_IP:6379"); None: a private Ray instance on this machine, whatever RAY_ADDRESS says.
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -152,6 +165,10 @@ class OmniDiffusionConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype is not None:
             self.dtype = normalize_dtype_name(self.dtype)
+        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
+            raise ValueError(
+                f"ray_address must be a non-empty address such as 'auto' or 'HEAD_IP:6379', got {self.ray_address!r}"
+            )
 
 
 def normalize_dtype_name(dtype: Any) -> str:

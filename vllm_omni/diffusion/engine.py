@@ -28,7 +28,7 @@ from vllm_omni.diffusion.data import (
     OmniDiffusionConfig,
     RequestCancelled,
 )
-from vllm_omni.diffusion.executor import MultiprocExecutor
+from vllm_omni.diffusion.executor import MultiprocExecutor, WorkerGroupExecutor
 from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.preprocess import RequestPreprocessor
 from vllm_omni.logger import init_logger
@@ -60,6 +60,19 @@ def _gray_png(width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
+def _join_ray(config: OmniDiffusionConfig):
+    """Ray for the "ray" executor backend (ray_executor.RaySession); a clear error when it is not installed."""
+    try:
+        from vllm_omni.diffusion.ray_executor import RaySession
+    except ImportError as exc:
+        if exc.name is None or not exc.name.startswith("ray"):
+            raise
+        raise ImportError(
+            "distributed_executor_backend='ray' needs Ray on every node: pip install 'vllm_omni[ray]'"
+        ) from exc
+    return RaySession.join(config.ray_address, config.parallel_config.world_size)
+
+
 class DiffusionEngine:
     def __init__(self, config: OmniDiffusionConfig, limits: EngineLimits | None = None) -> None:
         parallel = config.parallel_config
@@ -74,13 +87,13 @@ class DiffusionEngine:
                 f"cfg_parallel_size={parallel.cfg_parallel_size}: {self.spec.diffusers_class} runs no classifier-free "
                 "guidance branches to split (one forward per step); use cfg_parallel_size=1"
             )
-        gpus = _cuda_device_count()
-        if config.device is None:
-            config.device = "cuda" if gpus >= parallel.world_size else "cpu"
-        elif config.device == "cuda" and gpus < parallel.world_size:
-            raise ValueError(f"device='cuda' needs {parallel.world_size} GPU(s) for this parallel config, found {gpus}")
-        if config.dtype is None:
-            config.dtype = "bfloat16" if config.device == "cuda" else "float32"
+        ray_session = _join_ray(config) if parallel.distributed_executor_backend == "ray" else None
+        try:
+            self._configure_device(config, ray_session)
+        except BaseException:
+            if ray_session is not None:
+                ray_session.release()
+            raise
         self.config = config
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
@@ -90,7 +103,8 @@ class DiffusionEngine:
         self._stopping = False
         self.warmup_s: float | None = None  # how long the warm-up request took, once it ran
         logger.info(
-            "Starting %d worker(s) for %s (%s) on %s, %s, ulysses_degree=%d, cfg_parallel_size=%d, padding=%s",
+            "Starting %d worker(s) for %s (%s) on %s, %s, ulysses_degree=%d, cfg_parallel_size=%d, padding=%s, "
+            "executor=%s",
             parallel.world_size,
             config.model,
             self.spec.diffusers_class,
@@ -99,8 +113,28 @@ class DiffusionEngine:
             parallel.ulysses_degree,
             parallel.cfg_parallel_size,
             parallel.padding_mode,
+            parallel.distributed_executor_backend,
         )
-        self.executor = MultiprocExecutor(config, str(self.model_path))
+        self.executor: WorkerGroupExecutor
+        if ray_session is not None:
+            from vllm_omni.diffusion.ray_executor import RayExecutor
+
+            self.executor = RayExecutor(config, str(self.model_path), ray_session)  # releases it if it fails
+        else:
+            self.executor = MultiprocExecutor(config, str(self.model_path))
+
+    @staticmethod
+    def _configure_device(config: OmniDiffusionConfig, ray_session) -> None:
+        """Pick the device (CUDA when the machine, or the Ray cluster, has a GPU per rank) and the dtype."""
+        world_size = config.parallel_config.world_size
+        gpus = ray_session.gpu_count() if ray_session is not None else _cuda_device_count()
+        where = " in the Ray cluster" if ray_session is not None else ""
+        if config.device is None:
+            config.device = "cuda" if gpus >= world_size else "cpu"
+        elif config.device == "cuda" and gpus < world_size:
+            raise ValueError(f"device='cuda' needs {world_size} GPU(s) for this parallel config, found {gpus}{where}")
+        if config.dtype is None:
+            config.dtype = "bfloat16" if config.device == "cuda" else "float32"
 
     # ---- lifecycle --------------------------------------------------------------------------
 

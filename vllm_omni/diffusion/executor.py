@@ -1,4 +1,10 @@
-"""Starts one worker process per rank, sends each request to all of them, collects the result.
+"""Runs each request on every rank of a worker group and collects the result: the group's lifecycle.
+
+`WorkerGroupExecutor` holds what does not depend on how ranks are started; `MultiprocExecutor`
+starts one worker process per rank on this machine, and `RayExecutor` (ray_executor.py,
+`--distributed-executor-backend ray`) one Ray actor per rank, on one machine or several. Both
+run the same rank body (worker.run_rank) and speak the same reports ("ready", "progress",
+"done", "error", "cancelled").
 
 One request runs at a time (the engine queues them). Every wait on the workers has a deadline
 (OmniDiffusionConfig): every rank must load within `load_timeout_s`, and a request fails when no
@@ -7,8 +13,8 @@ A missed deadline, a dead worker, or ranks still busy after another rank failed 
 in flight and restart the whole group (its process group is broken); the new group loads in the
 background and the next request waits for it. A group that cannot load marks the executor failed;
 the server then exits non-zero. Once `shutdown()` begins, nothing is executed, collected or
-respawned. Workers never outlive this process: they are spawned from one long-lived thread and
-bind their lives to ours (worker.bind_lifetime_to_parent).
+respawned. Workers never outlive this process: MultiprocExecutor spawns them from one
+long-lived thread and they bind their lives to ours (worker.bind_lifetime_to_parent).
 
 The server's /health reads `status()`; `execute(request, on_progress)` reports denoising progress.
 """
@@ -84,25 +90,22 @@ class ExecutorStatus:
         return body
 
 
-class MultiprocExecutor:
-    """One worker process per rank; requests go to all of them, rank 0's result comes back."""
+class WorkerGroupExecutor:
+    """A group of ranks; requests go to all of them, rank 0's result comes back.
+
+    Subclasses say how ranks start and end, and carry the messages: `_start_group` (start every
+    rank; they load in the background), `_kill_group`, `_dead_worker`, `_next_report`,
+    `_send_request`, `_stop_idle_group`, `cancel` and `_release`.
+    """
 
     def __init__(self, config: OmniDiffusionConfig, model_path: str) -> None:
         self.config = config
         self.model_path = model_path
         self.world_size = config.parallel_config.world_size
-        self._ctx = mp.get_context("spawn")
-        self._cancel_token = self._ctx.Value("q", -1)
         self._lock = threading.Lock()  # one request, restart or readiness check at a time
         self._group_lock = threading.Lock()  # starting or killing the group, against shutdown
         self._stopping = threading.Event()  # begin_shutdown(): nothing starts or restarts any more
         self._closing = threading.Event()  # shutdown(): whatever waits on the workers stops now
-        # PR_SET_PDEATHSIG fires when the *thread* that spawned a worker ends: spawn from one that
-        # lives as long as the executor, never from a request's or a thread pool's passing thread.
-        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-spawner")
-        self._procs: list[mp.process.BaseProcess] = []
-        self._request_queues: list[Any] = []
-        self._results: Any = None
         self._ready_ranks: set[int] = set()
         self._ready = threading.Event()
         self._load_deadline = math.inf
@@ -110,8 +113,38 @@ class MultiprocExecutor:
         self.failed: str | None = None  # why the workers cannot be brought back
         self.restarts = 0
         self.last_restart_reason: str | None = None
-        with self._group_lock:
-            self._spawn_locked()
+
+    # ---- what a kind of group supplies -------------------------------------------------------
+
+    def _start_group(self) -> None:
+        """Start every rank (needs self._group_lock); they load in the background and report "ready"."""
+        raise NotImplementedError
+
+    def _kill_group(self) -> None:
+        """Kill every rank at once and drop their channels (needs self._group_lock)."""
+        raise NotImplementedError
+
+    def _dead_worker(self) -> tuple[int, str] | None:
+        """A rank that is gone, and how ("exited with code -9"), or None. Never waits."""
+        raise NotImplementedError
+
+    def _next_report(self, timeout: float) -> tuple[str, int, str | None, Any]:
+        """The next report of any rank, (kind, rank, request_id, payload); queue.Empty after `timeout`."""
+        raise NotImplementedError
+
+    def _send_request(self, request: DiffusionRequest) -> None:
+        raise NotImplementedError
+
+    def _stop_idle_group(self, deadline: float) -> None:
+        """Ask idle ranks to leave their loop (closing their process groups); wait for them until `deadline`."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """After shutdown killed the group: free what the executor holds besides its ranks."""
+
+    def cancel(self, cancel_token: int) -> None:
+        """Flag the request with this cancel token on every rank; they stop together at the next step."""
+        raise NotImplementedError
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -121,30 +154,8 @@ class MultiprocExecutor:
         self._ready.clear()
         self._ready_ranks = set()
         self._group_idle = True
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self._request_queues = [self._ctx.Queue() for _ in range(self.world_size)]
-        self._results = self._ctx.Queue()
-        self._procs = [
-            self._ctx.Process(
-                target=worker_main,
-                name=f"omni-worker-{rank}",
-                args=(
-                    rank,
-                    self.config,
-                    self.model_path,
-                    init_method,
-                    os.getpid(),
-                    self._request_queues[rank],
-                    self._results,
-                    self._cancel_token,
-                ),
-                daemon=True,
-            )
-            for rank in range(self.world_size)
-        ]
         self._load_deadline = time.monotonic() + self.config.load_timeout_s
-        procs = self._procs
-        self._spawner.submit(lambda: [proc.start() for proc in procs]).result()
+        self._start_group()
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
         """Block until every worker has loaded the model; raise WorkerStartError if one cannot.
@@ -177,11 +188,11 @@ class MultiprocExecutor:
                 )
             try:
                 wait_s = max(0.0, min(POLL_S, until - now, self._load_deadline - now))
-                kind, rank, _, detail = self._results.get(timeout=wait_s)
+                kind, rank, _, detail = self._next_report(wait_s)
             except queue.Empty:
                 dead = self._dead_worker()
                 if dead is not None:
-                    self._fail_start(f"worker rank {dead[0]} exited with code {dead[1]} while loading")
+                    self._fail_start(f"worker rank {dead[0]} {dead[1]} while loading")
                 if time.monotonic() >= until:
                     return False
                 continue
@@ -224,15 +235,9 @@ class MultiprocExecutor:
             return ExecutorStatus("loading", **history)
         dead = self._dead_worker()
         if dead is not None:
-            detail = f"worker rank {dead[0]} exited with code {dead[1]}; the group is respawned when idle"
+            detail = f"worker rank {dead[0]} {dead[1]}; the group is respawned when idle"
             return ExecutorStatus("unhealthy", detail, **history)
         return ExecutorStatus("ok", **history)
-
-    def _dead_worker(self) -> tuple[int, int | None] | None:
-        for rank, proc in enumerate(self._procs):
-            if not proc.is_alive():
-                return rank, proc.exitcode
-        return None
 
     def _restart_locked(self, reason: str) -> None:
         """Kill every worker and start a fresh group, without waiting for it (needs self._lock)."""
@@ -260,7 +265,7 @@ class MultiprocExecutor:
             if self._ready.is_set():
                 dead = self._dead_worker()
                 if dead is not None:
-                    self._restart_locked(f"worker rank {dead[0]} exited with code {dead[1]}")
+                    self._restart_locked(f"worker rank {dead[0]} {dead[1]}")
             self._await_ready(until=time.monotonic())
         except _ShutDown:
             pass
@@ -287,34 +292,19 @@ class MultiprocExecutor:
         if self._lock.acquire(timeout=5 * POLL_S):
             try:
                 if self._group_idle and self._ready.is_set() and self._dead_worker() is None:
-                    for q in self._request_queues:
-                        q.put(None)
-                    deadline = time.monotonic() + IDLE_EXIT_S
-                    for proc in self._procs:
-                        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+                    self._stop_idle_group(time.monotonic() + IDLE_EXIT_S)
             finally:
                 self._lock.release()
         with self._group_lock:
             self._kill_locked()
-        self._spawner.shutdown(wait=False)
+        self._release()
 
     def _kill_locked(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self._procs:
-            proc.join(timeout=10)
+        self._kill_group()
         self._ready.clear()
         self._ready_ranks = set()
-        for q in [*self._request_queues, self._results]:
-            if q is not None:
-                q.close()
-                q.cancel_join_thread()  # the readers are gone: do not wait to flush
 
     # ---- requests ----------------------------------------------------------------------------
-
-    def cancel(self, cancel_token: int) -> None:
-        self._cancel_token.value = cancel_token
 
     def execute(self, request: DiffusionRequest, on_progress: ProgressCallback | None = None) -> Any:
         """Run `request` on every rank and return rank 0's images.
@@ -332,11 +322,10 @@ class MultiprocExecutor:
             try:
                 dead = self._dead_worker()
                 if dead is not None and self._ready.is_set():
-                    self._restart_locked(f"worker rank {dead[0]} exited with code {dead[1]}")
+                    self._restart_locked(f"worker rank {dead[0]} {dead[1]}")
                 self._await_ready(math.inf)
                 self._group_idle = False
-                for q in self._request_queues:
-                    q.put(request)
+                self._send_request(request)
                 return self._collect(request, on_progress)
             except _ShutDown:
                 raise RequestCancelled(f"request {request.request_id} stopped: the engine is shutting down") from None
@@ -363,15 +352,14 @@ class MultiprocExecutor:
                 )
                 self._fail_hung(request, f"made no progress for {stall_s:g} s (stall_timeout_s): {where}")
             try:
-                kind, rank, request_id, payload = self._results.get(timeout=POLL_S)
+                kind, rank, request_id, payload = self._next_report(POLL_S)
             except queue.Empty:
                 dead = self._dead_worker()
                 if dead is not None:
-                    rank, code = dead
-                    self._restart_locked(f"worker rank {rank} exited with code {code} during {request.request_id}")
+                    rank, how = dead
+                    self._restart_locked(f"worker rank {rank} {how} during {request.request_id}")
                     raise RequestFailed(
-                        f"a worker died while running the request (rank {rank}, exit code {code}); "
-                        "the workers are restarting"
+                        f"a worker died while running the request (rank {rank} {how}); the workers are restarting"
                     ) from None
                 continue
             if request_id != request.request_id:
@@ -401,6 +389,84 @@ class MultiprocExecutor:
         """The group is stuck in this request: restart it, and fail the request saying why."""
         self._restart_locked(f"request {request.request_id} {why}")
         raise RequestFailed(f"request {request.request_id} {why}; the workers are restarting")
+
+
+class MultiprocExecutor(WorkerGroupExecutor):
+    """One worker process per rank on this machine, started with the spawn method."""
+
+    def __init__(self, config: OmniDiffusionConfig, model_path: str) -> None:
+        super().__init__(config, model_path)
+        self._ctx = mp.get_context("spawn")
+        self._cancel_token = self._ctx.Value("q", -1)
+        # PR_SET_PDEATHSIG fires when the *thread* that spawned a worker ends: spawn from one that
+        # lives as long as the executor, never from a request's or a thread pool's passing thread.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-spawner")
+        self._procs: list[mp.process.BaseProcess] = []
+        self._request_queues: list[Any] = []
+        self._results: Any = None
+        with self._group_lock:
+            self._spawn_locked()
+
+    def _start_group(self) -> None:
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._request_queues = [self._ctx.Queue() for _ in range(self.world_size)]
+        self._results = self._ctx.Queue()
+        self._procs = [
+            self._ctx.Process(
+                target=worker_main,
+                name=f"omni-worker-{rank}",
+                args=(
+                    rank,
+                    self.config,
+                    self.model_path,
+                    init_method,
+                    os.getpid(),
+                    self._request_queues[rank],
+                    self._results,
+                    self._cancel_token,
+                ),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        procs = self._procs
+        self._spawner.submit(lambda: [proc.start() for proc in procs]).result()
+
+    def _dead_worker(self) -> tuple[int, str] | None:
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                return rank, f"exited with code {proc.exitcode}"
+        return None
+
+    def _next_report(self, timeout: float) -> tuple[str, int, str | None, Any]:
+        return self._results.get(timeout=timeout)
+
+    def _send_request(self, request: DiffusionRequest) -> None:
+        for q in self._request_queues:
+            q.put(request)
+
+    def _stop_idle_group(self, deadline: float) -> None:
+        for q in self._request_queues:
+            q.put(None)
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _kill_group(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=10)
+        for q in [*self._request_queues, self._results]:
+            if q is not None:
+                q.close()
+                q.cancel_join_thread()  # the readers are gone: do not wait to flush
+
+    def _release(self) -> None:
+        self._spawner.shutdown(wait=False)
+
+    def cancel(self, cancel_token: int) -> None:
+        self._cancel_token.value = cancel_token
 
 
 def _step_text(step: tuple[int, int] | None) -> str:

@@ -1,12 +1,14 @@
-"""One worker process per rank: join the process groups, load the pipeline, serve requests.
+"""One rank of the worker group: join the process groups, load the pipeline, serve requests (`run_rank`).
 
-Started by the executor (executor.py) with the spawn method. Every rank runs the whole
-pipeline on the same request and seed; the transformer splits its work over the SP group.
+MultiprocExecutor (executor.py) runs it in a process per rank, started with the spawn method
+(`worker_main`); RayExecutor (ray_executor.py) in a thread of a Ray actor per rank. Every rank
+runs the whole pipeline on the same request and seed; the transformer splits its work over the SP group.
 Rank 0 sends the images back; every rank reports its start, each finished denoising step
 (the executor's stall deadline and the progress callback read them) and done / cancelled /
 error, so the executor can tell a request that failed everywhere (bad input: the engine goes
 on) from one that left ranks stuck in a collective (the executor restarts the workers).
-A worker never outlives the executor's process (`bind_lifetime_to_parent`).
+A worker process never outlives the executor's process (`bind_lifetime_to_parent`); Ray ties
+an actor's life to the process that created it.
 """
 
 from __future__ import annotations
@@ -112,19 +114,41 @@ def worker_main(
     result_queue: Any,
     cancel_token: Any,
 ) -> None:
+    """A worker process of MultiprocExecutor: bound to its parent, then the rank's whole life."""
     bind_lifetime_to_parent(parent_pid)
     # Ctrl-C reaches the terminal's whole process group; the parent decides how its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_rank(rank, config, model_path, init_method, request_queue, result_queue, cancel_token, cuda_index=rank)
+
+
+def run_rank(
+    rank: int,
+    config: OmniDiffusionConfig,
+    model_path: str,
+    init_method: str,
+    requests: Any,
+    reports: Any,
+    cancel_token: Any,
+    cuda_index: int,
+) -> None:
+    """One rank from start to end: join the groups, load, report "ready", serve until a None request.
+
+    Both executors run it: MultiprocExecutor in a process per rank, RayExecutor in a thread of an
+    actor per rank. `requests.get()` gives the next DiffusionRequest (None: leave), `reports.put(
+    (kind, rank, request_id, payload))` reaches the executor, `cancel_token.value` is the cancel
+    token the executor last set. `cuda_index` is the GPU to use on CUDA (a Ray actor sees only the
+    one Ray gave it, as device 0). A load failure is reported ("load_error"), not raised.
+    """
     try:
-        runner, _ = _load(rank, config, model_path, init_method)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        result_queue.put(("load_error", rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        runner, _ = _load(rank, config, model_path, init_method, cuda_index)
+    except BaseException as exc:  # noqa: BLE001 - reported to the executor, which raises it
+        reports.put(("load_error", rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
-    result_queue.put(("ready", rank, None, None))
-    _serve(rank, runner, request_queue, result_queue, cancel_token)
+    reports.put(("ready", rank, None, None))
+    _serve(rank, runner, requests, reports, cancel_token)
 
 
-def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: str):
+def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: str, cuda_index: int):
     import torch
 
     from vllm_omni.diffusion.attention.backends import configure_attention_backend
@@ -135,8 +159,8 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     start = time.perf_counter()
     parallel = config.parallel_config
     if config.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+        torch.cuda.set_device(cuda_index)
+        device = torch.device("cuda", cuda_index)
     else:
         torch.set_num_threads(_cpu_threads(parallel.world_size))
         device = torch.device("cpu")
@@ -166,16 +190,16 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     return runner, device
 
 
-def _serve(rank, runner, request_queue, result_queue, cancel_token) -> None:
+def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: Any) -> None:
     from vllm_omni.diffusion.distributed.parallel_state import any_rank, destroy_parallel_state
 
     faults = InjectedFault.from_env()
     while True:
-        request: DiffusionRequest | None = request_queue.get()
+        request: DiffusionRequest | None = requests.get()
         if request is None:
             break
         total = request.num_inference_steps
-        result_queue.put(("progress", rank, request.request_id, (0, total)))
+        reports.put(("progress", rank, request.request_id, (0, total)))
 
         def on_step_end(step: int, request: DiffusionRequest = request, total: int = total) -> None:
             for fault in faults:
@@ -183,18 +207,18 @@ def _serve(rank, runner, request_queue, result_queue, cancel_token) -> None:
             # All ranks must stop at the same step, or the others would wait in a collective forever.
             if any_rank(cancel_token.value == request.cancel_token):
                 raise RequestCancelled(f"request {request.request_id} cancelled at step {step + 1}")
-            result_queue.put(("progress", rank, request.request_id, (min(step + 1, total), total)))
+            reports.put(("progress", rank, request.request_id, (min(step + 1, total), total)))
 
         start = time.perf_counter()
         try:
             images = runner.run(request, on_step_end)
         except RequestCancelled as exc:
             logger.info("%s", exc)
-            result_queue.put(("cancelled", rank, request.request_id, str(exc)))
+            reports.put(("cancelled", rank, request.request_id, str(exc)))
             continue
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
             logger.warning("Request %s failed on rank %d: %s: %s", request.request_id, rank, type(exc).__name__, exc)
-            result_queue.put(("error", rank, request.request_id, f"{type(exc).__name__}: {exc}"))
+            reports.put(("error", rank, request.request_id, f"{type(exc).__name__}: {exc}"))
             continue
         if rank == 0:
             logger.info(
@@ -203,5 +227,5 @@ def _serve(rank, runner, request_queue, result_queue, cancel_token) -> None:
                 request.num_inference_steps,
                 time.perf_counter() - start,
             )
-        result_queue.put(("done", rank, request.request_id, images if rank == 0 else None))
+        reports.put(("done", rank, request.request_id, images if rank == 0 else None))
     destroy_parallel_state()

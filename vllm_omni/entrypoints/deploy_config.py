@@ -183,6 +183,7 @@ class EngineSettings:
     dtype: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    ray_address: str | None = None
     limits: EngineLimits = field(default_factory=EngineLimits)
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     devices: list[int] | None = None
@@ -200,6 +201,7 @@ class EngineSettings:
         dtype: str | None = None,
         attention_backend: str | None = None,
         enforce_eager: bool = False,
+        ray_address: str | None = None,
         limit_overrides: dict[str, Any] | None = None,
         warmup: bool | None = None,
     ) -> EngineSettings:
@@ -221,6 +223,7 @@ class EngineSettings:
             dtype=None if dtype is None else normalize_dtype_name(dtype),
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            ray_address=ray_address,
             limits=limits,
             default_sampling_params=dict(deploy.default_sampling_params) if deploy else {},
             devices=deploy.devices if deploy else None,
@@ -265,6 +268,7 @@ class EngineSettings:
             enforce_eager=self.enforce_eager,
             warmup=self.warmup,
             warmup_size=self._warmup_size(),
+            ray_address=self.ray_address,
         )
 
     def _warmup_size(self) -> tuple[int, int] | None:

@@ -19,7 +19,12 @@ from vllm_omni.diffusion.request_fields import FIELDS_BY_NAME
 
 
 class Omni:
-    """Starts one worker per rank (CUDA + NCCL when there are enough GPUs, else CPU + gloo)."""
+    """Starts one worker per rank (CUDA + NCCL when there are enough GPUs, else CPU + gloo).
+
+    `distributed_executor_backend="ray"` runs the ranks as Ray actors: this process's Ray
+    connection if it has one, else the cluster at `ray_address` ("auto" or "HEAD_IP:6379"), else
+    a private Ray instance on this machine (docs/multinode.md).
+    """
 
     def __init__(
         self,
@@ -36,6 +41,8 @@ class Omni:
         enforce_eager: bool = False,
         warmup: bool | None = None,
         warmup_size: tuple[int, int] | None = None,
+        distributed_executor_backend: str = "mp",
+        ray_address: str | None = None,
         limits: EngineLimits | None = None,
     ) -> None:
         from vllm_omni.diffusion.engine import DiffusionEngine
@@ -46,6 +53,7 @@ class Omni:
             cfg_parallel_size=cfg_parallel_size,
             mask_sp_padding=mask_sp_padding,
             trim_sp_padding=trim_sp_padding,
+            distributed_executor_backend=distributed_executor_backend,
         )
         config = OmniDiffusionConfig(
             model=model,
@@ -56,6 +64,7 @@ class Omni:
             enforce_eager=enforce_eager,
             warmup=warmup,
             warmup_size=warmup_size,
+            ray_address=ray_address,
         )
         self.engine = DiffusionEngine(config, limits)
         try:

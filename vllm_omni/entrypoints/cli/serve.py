@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import DTYPES, EngineLimits
+from vllm_omni.diffusion.data import DTYPES, EXECUTOR_BACKENDS, EngineLimits
 from vllm_omni.diffusion.models.registry import TINY_MODELS
 from vllm_omni.entrypoints.openai.video_store import VideoStorageSettings
 
@@ -98,6 +98,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with the mask off, slice the SP padding off after the all-to-all (exact, dense kernel); "
         "--no-trim-sp-padding leaves it in unmasked (dense, approximate, warns once) (default: on)",
+    )
+    par.add_argument(
+        "--distributed-executor-backend",
+        choices=EXECUTOR_BACKENDS,
+        default=None,
+        help="who starts the ranks: mp, one process each on this machine; ray, one Ray actor each, across the "
+        "machines of a Ray cluster (pip install 'vllm_omni[ray]'; docs/multinode.md) (default: mp)",
+    )
+    par.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="with --distributed-executor-backend ray: the cluster to join, 'auto' (the one `ray start` runs on "
+        "this machine) or HEAD_IP:6379 (default: a private Ray instance on this machine; RAY_ADDRESS is not read)",
     )
 
     eng = parser.add_argument_group("engine")
@@ -219,11 +233,13 @@ def engine_settings_from_args(args: argparse.Namespace) -> Any:
             "cfg_parallel_size": args.cfg_parallel_size,
             "mask_sp_padding": args.mask_sp_padding,
             "trim_sp_padding": args.trim_sp_padding,
+            "distributed_executor_backend": args.distributed_executor_backend,
         },
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        ray_address=args.ray_address,
         limit_overrides=limit_overrides,
         warmup=args.warmup,
     )
