@@ -39,10 +39,12 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES})
+    # Both simulated nodes on the loopback address: test traffic stays on this machine.
+    node = {"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES, "node_ip_address": "127.0.0.1"}
+    cluster = Cluster(initialize_head=True, head_node_args=node)
     try:
-        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES)
-        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.add_node(**node)
+        ray.init(address=cluster.address, log_to_driver=False, _node_ip_address="127.0.0.1")
         yield cluster
     finally:
         ray.shutdown()

@@ -42,7 +42,8 @@ MODEL = "tiny/qwen-image"
 SIZE = "272x208"  # 17x13 = 221 tokens, padded to 222 at Ulysses 2
 LONG_STEPS = 4000  # such a request only ends by being cancelled or failing
 RAY_START_TIMEOUT_S = 120.0
-NODE_FLAGS = ["--num-cpus=1", "--disable-usage-stats"]  # one CPU per node: Ulysses 2 puts a rank on each
+# One CPU per node (Ulysses 2 puts a rank on each), on the loopback address (test traffic stays here).
+NODE_FLAGS = ["--num-cpus=1", "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
 RANK_LINE = r"Rank (\d): Ray actor on node (\w+) \(([\d.:a-f]+)\), bundle (\d), pid (\d+)"
 
 

@@ -122,8 +122,12 @@ class RaySession:
                 if address is None:
                     # "local" starts a new instance whatever RAY_ADDRESS or an earlier `ray start` says.
                     # CPU bundles are logical: let a small machine hold a CPU world larger than its cores.
+                    # A private instance serves this machine only: it listens on the loopback address.
                     options.update(
-                        address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, world_size)
+                        address="local",
+                        include_dashboard=False,
+                        num_cpus=max(os.cpu_count() or 1, world_size),
+                        _node_ip_address="127.0.0.1",
                     )
                 else:
                     options.update(address=address)
