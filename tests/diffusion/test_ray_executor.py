@@ -39,12 +39,10 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    # Both simulated nodes on the loopback address: test traffic stays on this machine.
-    node = {"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES, "node_ip_address": "127.0.0.1"}
-    cluster = Cluster(initialize_head=True, head_node_args=node)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES})
     try:
-        cluster.add_node(**node)
-        ray.init(address=cluster.address, log_to_driver=False, _node_ip_address="127.0.0.1")
+        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES)
+        ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
     finally:
         ray.shutdown()
