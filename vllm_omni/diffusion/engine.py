@@ -31,6 +31,7 @@ from vllm_omni.diffusion.data import (
 from vllm_omni.diffusion.executor import MultiprocExecutor, WorkerGroupExecutor
 from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.preprocess import RequestPreprocessor
+from vllm_omni.diffusion.weight_prefetch import WeightPrefetch
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -115,13 +116,19 @@ class DiffusionEngine:
             parallel.padding_mode,
             parallel.distributed_executor_backend,
         )
+        # The weights come off the disk while the workers start (weight_prefetch.py).
+        self._prefetch = WeightPrefetch.start(self.model_path)
         self.executor: WorkerGroupExecutor
-        if ray_session is not None:
-            from vllm_omni.diffusion.ray_executor import RayExecutor
+        try:
+            if ray_session is not None:
+                from vllm_omni.diffusion.ray_executor import RayExecutor
 
-            self.executor = RayExecutor(config, str(self.model_path), ray_session)  # releases it if it fails
-        else:
-            self.executor = MultiprocExecutor(config, str(self.model_path))
+                self.executor = RayExecutor(config, str(self.model_path), ray_session)  # releases it if it fails
+            else:
+                self.executor = MultiprocExecutor(config, str(self.model_path))
+        except BaseException:
+            self._stop_prefetch()
+            raise
 
     @staticmethod
     def _configure_device(config: OmniDiffusionConfig, ray_session) -> None:
@@ -140,7 +147,10 @@ class DiffusionEngine:
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
         """Block until every worker has loaded, then run the warm-up request (once)."""
-        self.executor.wait_until_ready(timeout)
+        try:
+            self.executor.wait_until_ready(timeout)
+        finally:
+            self._stop_prefetch()  # every rank has loaded (or failed): the page cache has done its part
         warmup = self.config.warmup
         if warmup is None:
             warmup = self.config.device == "cuda" and not self.config.enforce_eager
@@ -201,7 +211,12 @@ class DiffusionEngine:
         self.executor.begin_shutdown()
 
     def close(self) -> None:
+        self._stop_prefetch()
         self.executor.shutdown()
+
+    def _stop_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.stop()
 
     # ---- requests ---------------------------------------------------------------------------
 
