@@ -23,6 +23,8 @@ simulated rank computes with its own values only, so it reports timings alone.
     torchrun --nproc_per_node 8 benchmarks/hunyuan_video_sp.py      # U8
     python benchmarks/hunyuan_video_sp.py --simulate --degree 8     # one GPU: rank 0 of a simulated U8
     python benchmarks/hunyuan_video_sp.py --simulate --layers 2     # smoke run
+    torchrun --nproc_per_node 1 benchmarks/hunyuan_video_sp.py --compile --sizes 848x480
+                                   # one GPU: ours and diffusers, eager and with compiled blocks
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
 from benchmarks.forward_timing import agreement, init_parallel, time_variants, with_padding_mode  # noqa: E402
+from benchmarks.sp_forward import CompiledBlocks, switched_on  # noqa: E402
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel  # noqa: E402
 
 REAL_CONFIG = dict(
@@ -113,12 +116,17 @@ def make_inputs(height: int, width: int, device: torch.device) -> dict:
     )
 
 
-def variants(models: dict, state, degree: int) -> dict:
+def variants(models: dict, state, degree: int, compiled: bool = False) -> dict:
     """name -> (callable taking the forward's keyword arguments, parallel state for our model or None)."""
     out = {"ours U1": (models["ours"], None)}
-    for mode, flags in MODES.items():
+    if compiled:  # as the engine would compile them; no CUDA graphs (the text plan is an object: eager by rule)
+        out["ours U1 compiled"] = (switched_on(CompiledBlocks(models["ours"], ours=True), models["ours"]), None)
+    for mode, flags in MODES.items() if degree > 1 else ():
         out[f"ours U{degree} {mode}"] = (models["ours"], with_padding_mode(state, **flags))
     out["diffusers U1"] = (models["diffusers"], None)
+    if compiled:
+        blocks = CompiledBlocks(models["diffusers"], ours=False)
+        out["diffusers U1 compiled"] = (switched_on(blocks, models["diffusers"]), None)
     return out
 
 
@@ -166,6 +174,8 @@ def write_docs(rows: list[dict], path: Path, setup: str, degree: int, simulated:
         (f"ours U{degree} trim", f"ours U{degree} none"),
         (f"ours U{degree} mask", f"ours U{degree} none"),
         ("ours U1", "diffusers U1"),
+        ("ours U1 compiled", "ours U1"),
+        ("ours U1 compiled", "diffusers U1 compiled"),
     ]:
         lines.append(f"| {a} / {b} | " + " | ".join(ratio(a, b, size) for size in sizes) + " |")
     key = f"hunyuan_video_sp_{'simulated' if simulated else 'nccl'}_u{degree}"
@@ -180,6 +190,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--layers", type=int, default=REAL_CONFIG["num_layers"], help="fewer layers for a smoke run")
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--compile", action="store_true", help="add compiled-block variants (ours, diffusers' own)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--docs", type=Path, default=ROOT / "docs/benchmarks.md")
     args = parser.parse_args()
@@ -193,7 +204,7 @@ def main() -> None:
     for size in args.sizes:
         height, width = SIZES[size]
         result, outputs = time_variants(
-            variants(models, parallel.state, degree),
+            variants(models, parallel.state, degree, args.compile),
             make_inputs(height, width, device),
             args.iters,
             args.warmup,

@@ -44,15 +44,17 @@ def test_bfloat16_on_one_gpu_runs_and_is_finite():
     assert images.shape == (1, HEIGHT, WIDTH, 3) and np.isfinite(images).all()
 
 
-def test_cuda_graphs_replay_what_eager_computes():
+def test_compiled_blocks_and_cuda_graphs_compute_what_eager_computes():
     from vllm_omni import Omni
 
     with Omni("tiny/qwen-image", dtype="float32", enforce_eager=True) as omni:
         eager = _generate(omni, negative_prompt=" ")
-    with Omni("tiny/qwen-image", dtype="float32") as omni:
+    with Omni("tiny/qwen-image", dtype="float32") as omni:  # the default: compiled blocks, CUDA graphs
         graphed = _generate(omni, negative_prompt=" ")
         again = _generate(omni, negative_prompt=" ")  # replays the captured graphs
-    np.testing.assert_allclose(graphed, eager, rtol=0, atol=1e-4)
+    # Inductor's fused norms round float32 differently (seen on an H200: at most 6e-4 after 3 steps
+    # and the VAE); a graph replaying wrong or stale inputs is off by far more.
+    np.testing.assert_allclose(graphed, eager, rtol=0, atol=2e-3)
     np.testing.assert_array_equal(again, graphed)
 
 
