@@ -113,7 +113,6 @@ def _hunyuan(diffusers_class: str, fields: frozenset[str], max_input_images: int
         input_image_required=max_input_images > 0,
         frame_multiple=4,  # the VAE compresses time 4x: 4k + 1 frames
         cfg_parallel=True,
-        compile_blocks=False,  # not yet measured on a GPU
     )
 
 
