@@ -79,6 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
 from benchmarks.qwen_image_sp import REAL_CONFIG as REAL_TRANSFORMER  # noqa: E402
+from vllm_omni.diffusion.models.qwen_image.tiny import SCHEDULER_CONFIG  # noqa: E402
 
 KEY = "qwen_image_e2e"
 DEFAULT_OUT = ROOT / f"benchmarks/results/{KEY}.json"
@@ -149,23 +150,6 @@ REAL_VAE = dict(
     attn_scales=[],
     temperal_downsample=[False, True, True],
     dropout=0.0,
-)
-# Qwen-Image's scheduler/scheduler_config.json: the resolution-dependent exponential shift.
-SCHEDULER = dict(
-    num_train_timesteps=1000,
-    shift=1.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=0.9,
-    base_image_seq_len=256,
-    max_image_seq_len=8192,
-    invert_sigmas=False,
-    shift_terminal=0.02,
-    use_karras_sigmas=False,
-    use_exponential_sigmas=False,
-    use_beta_sigmas=False,
-    time_shift_type="exponential",
-    stochastic_sampling=False,
 )
 # --tiny: the geometry of the real model (8x VAE, 2x2 patches, 16 latent channels), small widths.
 TINY_TRANSFORMER = dict(REAL_TRANSFORMER, num_layers=2, attention_head_dim=16, num_attention_heads=6)
@@ -502,7 +486,7 @@ def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any
     print(f"build: {params} parameters made in {init_s:.1f} s on {device}; writing {partial}", flush=True)
 
     pipe = diffusers.QwenImagePipeline(
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**SCHEDULER), tokenizer=tokenizer, **components
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), tokenizer=tokenizer, **components
     )
     start = time.perf_counter()
     pipe.save_pretrained(partial, safe_serialization=True)

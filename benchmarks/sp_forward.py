@@ -253,7 +253,7 @@ def _agreement_cell(row: dict | None) -> str:
 
 def write_docs(bench: ForwardBenchmark, rows: list[dict], path: Path, setup: str) -> None:
     device = rows[0]["device"]
-    sizes = list(bench.sizes)
+    sizes = [size for size in bench.sizes if any(row["size"] == size for row in rows)]  # the sizes run
     table: dict[str, dict[str, object]] = {}
     accuracy: dict[str, dict[str, dict]] = {}
     for row in rows:

@@ -4,7 +4,8 @@ One server for the module, with a 1 MB upload limit so an oversized upload is ch
 and a largest side of 1248 (a 3:2 source's `size=auto`, 1248x832, fits; a 2:1 one's, 1440x736, does not).
 Covers the openai client (one file as `image`, a list as `image[]`), CONTEXT.md's curl form,
 `size=auto`, and input that must be refused: unreadable, oversized, a decompression bomb, very
-thin sources, prompts beyond the token limit, an automatic size beyond the largest side.
+thin sources, prompts beyond the token limit, an automatic size beyond the largest side, and
+image data that only the workers find damaged (a 400, the workers keep serving).
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def bomb_png() -> bytes:
     return bytes(data)
 
 
+def cut_jpeg() -> bytes:
+    """A JPEG cut in half: its header reads well (so it is queued), its data does not decode (in the workers)."""
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(source_png())).save(buffer, format="JPEG")
+    return buffer.getvalue()[: len(buffer.getvalue()) // 2]
+
+
 def edit(server, files, **fields) -> httpx.Response:
     data = {"model": MODEL, "prompt": PROMPT, "size": "272x208", "num_inference_steps": "2", "seed": "5"}
     data.update({k: str(v) for k, v in fields.items()})
@@ -89,6 +97,7 @@ def edit(server, files, **fields) -> httpx.Response:
         ({"image": ("a.png", source_png(8000, 1), "image/png")}, {}, "image", "100:1"),
         ({"image": ("a.png", source_png(), "image/png")}, {"prompt": " the" * 1025}, "prompt", "the limit is 1024"),
         ({"image": ("a.png", source_png(400, 200), "image/png")}, {"size": "auto"}, "size", "1440x736"),
+        ({"image": ("a.jpg", cut_jpeg(), "image/jpeg")}, {}, "image", "cannot be decoded"),
     ],
     ids=[
         "unreadable",
@@ -106,6 +115,7 @@ def edit(server, files, **fields) -> httpx.Response:
         "thin-source-8000x1",
         "prompt-beyond-the-token-limit",
         "auto-size-beyond-the-largest-side",
+        "damaged-data-found-in-the-workers",
     ],
 )
 def test_bad_upload_or_field_is_400_naming_it(server, files, fields, param, words):

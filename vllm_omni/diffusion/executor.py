@@ -33,7 +33,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from vllm_omni.diffusion.data import DiffusionRequest, OmniDiffusionConfig, RequestCancelled, RequestFailed
+from vllm_omni.diffusion.data import (
+    DiffusionRequest,
+    OmniDiffusionConfig,
+    RequestCancelled,
+    RequestError,
+    RequestFailed,
+)
 from vllm_omni.diffusion.worker import worker_main
 from vllm_omni.logger import init_logger
 
@@ -382,7 +388,10 @@ class WorkerGroupExecutor:
         if kinds == {"done"}:
             return replies[0][1]
         if "error" in kinds:
-            raise RequestFailed(next(payload for kind, payload in replies.values() if kind == "error"))
+            error = next(payload for kind, payload in replies.values() if kind == "error")
+            if isinstance(error, RequestError):  # the client's mistake, found in a worker (a damaged image)
+                raise error
+            raise RequestFailed(error)
         raise RequestCancelled(replies[0][1] if replies[0][0] == "cancelled" else "cancelled")
 
     def _fail_hung(self, request: DiffusionRequest, why: str) -> None:

@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import DiffusionRequest, OmniDiffusionConfig, RequestCancelled
+from vllm_omni.diffusion.data import DiffusionRequest, OmniDiffusionConfig, RequestCancelled, RequestError
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -215,6 +215,10 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
         except RequestCancelled as exc:
             logger.info("%s", exc)
             reports.put(("cancelled", rank, request.request_id, str(exc)))
+            continue
+        except RequestError as exc:  # bad input only the worker could see (a source image's data): a 400
+            logger.info("Request %s refused on rank %d: %s", request.request_id, rank, exc)
+            reports.put(("error", rank, request.request_id, RequestError(str(exc), exc.param)))
             continue
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
             logger.warning("Request %s failed on rank %d: %s: %s", request.request_id, rank, type(exc).__name__, exc)

@@ -144,26 +144,29 @@ def _build_vae():
     ).eval()
 
 
+# The released Qwen-Image checkpoints' scheduler/scheduler_config.json: the resolution-dependent shift.
+SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    invert_sigmas=False,
+    shift_terminal=0.02,
+    use_karras_sigmas=False,
+    use_exponential_sigmas=False,
+    use_beta_sigmas=False,
+    time_shift_type="exponential",
+    stochastic_sampling=False,
+)
+
+
 def _build_scheduler():
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    # The resolution-dependent shift schedule of the released Qwen-Image checkpoints.
-    return FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=1.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=0.9,
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-        invert_sigmas=False,
-        shift_terminal=0.02,
-        use_karras_sigmas=False,
-        use_exponential_sigmas=False,
-        use_beta_sigmas=False,
-        time_shift_type="exponential",
-        stochastic_sampling=False,
-    )
+    return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
 def _build_processor(tokenizer):
