@@ -106,6 +106,21 @@ def test_limit_flags_set_engine_limits(tmp_path):
     assert resolved.limits.max_n == 4  # untouched default
 
 
+def test_deadline_flags_reach_the_engine_config_and_default_to_the_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_OMNI_STALL_TIMEOUT_S", "42")
+    config = settings(tmp_path, "--load-timeout", "1200", "--no-warmup").engine_config()
+    assert (config.load_timeout_s, config.stall_timeout_s) == (1200.0, 42.0)
+    config = settings(tmp_path, "--stall-timeout", "7.5").engine_config()
+    assert config.stall_timeout_s == 7.5
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon", "inf"])
+def test_a_deadline_flag_must_be_a_positive_number_of_seconds(tmp_path, value, capsys):
+    with pytest.raises(SystemExit):
+        settings(tmp_path, "--load-timeout", value)
+    assert "positive number of seconds" in capsys.readouterr().err
+
+
 def test_yaml_limits_apply_and_limit_flags_override_them(tmp_path):
     args = build_parser().parse_args(
         [

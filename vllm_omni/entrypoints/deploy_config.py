@@ -189,6 +189,9 @@ class EngineSettings:
     devices: list[int] | None = None
     deploy_config: Path | None = None
     warmup: bool | None = None  # None: on CUDA unless enforce_eager
+    # Deadlines on the workers (OmniDiffusionConfig); None: its defaults (env var, else 600 / 300 s).
+    load_timeout_s: float | None = None
+    stall_timeout_s: float | None = None
 
     @classmethod
     def resolve(
@@ -204,6 +207,8 @@ class EngineSettings:
         ray_address: str | None = None,
         limit_overrides: dict[str, Any] | None = None,
         warmup: bool | None = None,
+        load_timeout_s: float | None = None,
+        stall_timeout_s: float | None = None,
     ) -> EngineSettings:
         """YAML first, then every override that is not None (None means "the user did not give it")."""
         deploy = load_deploy_config(deploy_config) if deploy_config else None
@@ -229,6 +234,8 @@ class EngineSettings:
             devices=deploy.devices if deploy else None,
             deploy_config=deploy.path if deploy else None,
             warmup=warmup,
+            load_timeout_s=load_timeout_s,
+            stall_timeout_s=stall_timeout_s,
         )
 
     def apply_devices(self) -> None:
@@ -259,7 +266,9 @@ class EngineSettings:
         """The `OmniDiffusionConfig` for `DiffusionEngine`."""
         from vllm_omni.diffusion.data import OmniDiffusionConfig
 
+        deadlines = {k: v for k, v in self.deadlines().items() if v is not None}
         return OmniDiffusionConfig(
+            **deadlines,
             model=self.model,
             parallel_config=self.parallel_config,
             device=self.device,
@@ -270,6 +279,10 @@ class EngineSettings:
             warmup_size=self._warmup_size(),
             ray_address=self.ray_address,
         )
+
+    def deadlines(self) -> dict[str, float | None]:
+        """The worker deadlines given (None: the engine's default)."""
+        return {"load_timeout_s": self.load_timeout_s, "stall_timeout_s": self.stall_timeout_s}
 
     def _warmup_size(self) -> tuple[int, int] | None:
         """The deploy's default size, which most requests use: warm up at it."""

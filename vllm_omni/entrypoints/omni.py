@@ -44,6 +44,8 @@ class Omni:
         distributed_executor_backend: str = "mp",
         ray_address: str | None = None,
         limits: EngineLimits | None = None,
+        load_timeout_s: float | None = None,
+        stall_timeout_s: float | None = None,
     ) -> None:
         from vllm_omni.diffusion.engine import DiffusionEngine
 
@@ -55,7 +57,10 @@ class Omni:
             trim_sp_padding=trim_sp_padding,
             distributed_executor_backend=distributed_executor_backend,
         )
+        # None: OmniDiffusionConfig's defaults (VLLM_OMNI_LOAD_TIMEOUT_S / _STALL_TIMEOUT_S, else 600 / 300 s).
+        deadlines = {"load_timeout_s": load_timeout_s, "stall_timeout_s": stall_timeout_s}
         config = OmniDiffusionConfig(
+            **{k: v for k, v in deadlines.items() if v is not None},
             model=model,
             parallel_config=parallel,
             device=device,

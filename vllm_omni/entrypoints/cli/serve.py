@@ -9,6 +9,7 @@ builds the parser from here; this module stays free of torch and FastAPI so `--h
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
     return value
 
 
@@ -147,6 +158,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="run the transformer eagerly: no CUDA graphs (CUDA only; CPU always runs eagerly)",
     )
 
+    eng.add_argument(
+        "--load-timeout",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="every worker must have loaded the model within this, or the start fails "
+        "(default: env VLLM_OMNI_LOAD_TIMEOUT_S, else 600)",
+    )
+    eng.add_argument(
+        "--stall-timeout",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="a request in which no worker reports progress (a finished step) for this long fails and the "
+        "workers restart (default: env VLLM_OMNI_STALL_TIMEOUT_S, else 300)",
+    )
+
     lim = parser.add_argument_group("limits (requests beyond them are refused with 400 naming the field)")
     for flag, (name, text) in LIMIT_FLAGS.items():
         lim.add_argument(
@@ -242,6 +270,8 @@ def engine_settings_from_args(args: argparse.Namespace) -> Any:
         ray_address=args.ray_address,
         limit_overrides=limit_overrides,
         warmup=args.warmup,
+        load_timeout_s=args.load_timeout,
+        stall_timeout_s=args.stall_timeout,
     )
 
 
