@@ -4,6 +4,8 @@ The servers themselves are module fixtures in each test_serve_*.py."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 
@@ -36,5 +38,6 @@ def omni_engines():
         return started[key]
 
     yield get
-    for omni in started.values():
-        omni.close()
+    # Each close waits for its workers to leave; together they wait once.
+    with ThreadPoolExecutor(max_workers=max(len(started), 1)) as pool:
+        list(pool.map(lambda omni: omni.close(), started.values()))
