@@ -718,7 +718,8 @@ def run_ours(settings: Settings, variant: Variant, probe_root: Path, cold: bool)
             ready_s = time.perf_counter() - start
             try:
                 engine_warmup_s = omni.engine.warmup_s or 0.0
-                warmup_records = probe_records(probe_dir, "warm-up")  # the engine's own warm-up request
+                # The engine's own warm-up requests (engine.warmup_requests: one, or two with compiled blocks).
+                warmup_records = [probe_records(probe_dir, id_).get(0, {}) for id_ in ("warm-up", "warm-up-2")]
                 for label, prompt, seed, steps in settings.requests():
                     start = time.perf_counter()
                     omni.generate(prompt, seed=seed, **settings.call_kwargs(steps))
@@ -738,14 +739,19 @@ def run_ours(settings: Settings, variant: Variant, probe_root: Path, cold: bool)
                 omni.close()
     finally:
         del os.environ[PROBE_ENV]
-    engine_warmup = warmup_records.get(0, {})
+
+    def warmup_total(key: str) -> float | int | None:
+        values = [record[key] for record in warmup_records if key in record]
+        return sum(values) if values else None
+
     extra = {
         "device": worker.get("device_name"),
         "start_to_ready_s": round(ready_s, 2),
         "engine_warmup_s": round(engine_warmup_s, 2),
         "load_s": round(ready_s - engine_warmup_s, 2),
-        "engine_warmup_compile_s": engine_warmup.get("compile_s"),
-        "engine_warmup_captures": engine_warmup.get("captures"),
+        "engine_warmup_requests": sum(1 for record in warmup_records if record),
+        "engine_warmup_compile_s": warmup_total("compile_s"),
+        "engine_warmup_captures": warmup_total("captures"),
         "page_cache_before_start": None if cached is None else round(cached, 3),
         "inductor_cache_files_before": cache_files,
         "ranks_reporting": ranks_reporting,

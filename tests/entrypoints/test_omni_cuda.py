@@ -68,3 +68,18 @@ def test_cfg_parallel_on_two_gpus_equals_one_gpu():
     with Omni("tiny/qwen-image", cfg_parallel_size=2, device="cuda", dtype="float32") as omni:
         actual = _generate(omni, **cfg)
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-3)
+
+
+def test_after_the_warm_up_no_size_or_prompt_length_recompiles(capfd, monkeypatch):
+    """The second warm-up request (engine.warmup_requests) makes the compiled blocks dynamic at start-up."""
+    from vllm_omni import Omni
+
+    monkeypatch.setenv("TORCH_LOGS", "recompiles")  # the workers log each recompile, with its cause
+    with Omni("tiny/qwen-image") as omni:
+        start = capfd.readouterr().err
+        assert "Warm-up done in" in start and "(2 request(s):" in start
+        assert "Recompiling function" in start  # the second warm-up request recompiled: the log works
+        omni.generate("a red fox in the snow, " * 30, height=208, width=272, num_inference_steps=2, seed=1)
+        omni.generate("a cat", height=400, width=336, num_inference_steps=2, seed=1, negative_prompt=" ")
+        after = capfd.readouterr().err
+    assert "Recompiling function" not in after, after[-3000:]

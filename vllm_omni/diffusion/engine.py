@@ -30,6 +30,7 @@ from vllm_omni.diffusion.data import (
 )
 from vllm_omni.diffusion.executor import MultiprocExecutor, WorkerGroupExecutor
 from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.models.registry import PipelineSpec
 from vllm_omni.diffusion.preprocess import RequestPreprocessor
 from vllm_omni.diffusion.weight_prefetch import WeightPrefetch
 from vllm_omni.logger import init_logger
@@ -51,6 +52,47 @@ def _cuda_device_count() -> int:
 
 
 ProgressCallback = Callable[[int, int], None]  # (denoising steps done, total steps)
+
+
+WARMUP_PROMPT = "a warm-up request"
+# Longer than the text bucket (64 tokens), so the second warm-up request has another text length too.
+LONG_WARMUP_PROMPT = ", ".join([WARMUP_PROMPT] * 24)
+
+
+def warmup_requests(spec: PipelineSpec, size: tuple[int, int] | None, dynamic: bool) -> list[GenerationParams]:
+    """Two-step requests the engine runs before it reports ready.
+
+    The first runs at `size` (the deploy's default; None: the family's). torch.compile specialises
+    the compiled blocks to the first shapes it sees and recompiles once, with the sequence lengths
+    dynamic, at the first other shape; from then on no size or prompt length recompiles. With
+    compiled blocks (`dynamic`) a second request at another size (3/4 of the first; a video also
+    with the fewest frames) and with a prompt longer than the text bucket pays that recompile here
+    rather than in the first user request of another shape.
+    """
+    size = size or spec.default_size  # None: the pipeline picks its own
+    shapes: list[tuple[tuple[int, int] | None, str, int | None]] = [(size, WARMUP_PROMPT, None)]
+    if dynamic:
+        width, height = size or (1024, 1024)
+        step = spec.size_multiple
+        other = (max(step, width * 3 // 4 // step * step), max(step, height * 3 // 4 // step * step))
+        shapes.append((other, LONG_WARMUP_PROMPT, spec.frame_multiple + 1 if spec.takes("num_frames") else None))
+    requests = []
+    for i, (shape, prompt, frames) in enumerate(shapes):
+        values: dict[str, Any] = {"num_inference_steps": max(spec.min_steps, 2)}
+        values["request_id"] = "warm-up" if i == 0 else f"warm-up-{i + 1}"
+        if shape is not None and spec.takes("height"):
+            values.update(width=shape[0], height=shape[1])
+        if spec.input_image_required:
+            values["image"] = _gray_png(*(shape or (1024, 1024)))
+        if frames is not None:
+            values["num_frames"] = frames
+        requests.append(GenerationParams(prompt=prompt, output_type="uint8", **values))
+    return requests
+
+
+def _size_text(params: GenerationParams) -> str:
+    size = f"{params.width}x{params.height}" if params.width else "default size"
+    return size + (f"x{params.num_frames}" if params.num_frames else "")
 
 
 def _gray_png(width: int, height: int) -> bytes:
@@ -158,24 +200,21 @@ class DiffusionEngine:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Two steps at the default size: the blocks compile and the graphs are captured now, not
-        during the first user request. A failure is logged, never fatal: requests then pay it."""
-        spec = self.spec
-        size = self.config.warmup_size or spec.default_size  # None: the pipeline picks its own
-        values: dict[str, Any] = {"num_inference_steps": max(spec.min_steps, 2), "request_id": "warm-up"}
-        if size is not None and spec.takes("height"):
-            values.update(width=size[0], height=size[1])
-        if spec.input_image_required:
-            values["image"] = _gray_png(*(size or (1024, 1024)))
+        """The warm-up requests (`warmup_requests`): the blocks compile and the graphs are captured
+        now, not during the first user requests. A failure is logged, never fatal: requests then pay it."""
+        compiled = self.config.device == "cuda" and not self.config.enforce_eager and self.spec.compile_blocks
+        requests = warmup_requests(self.spec, self.config.warmup_size, dynamic=compiled)
         start = time.perf_counter()
         try:
-            self.step(GenerationParams(prompt="a warm-up request", output_type="uint8", **values))
+            for params in requests:
+                self.step(params)
         except Exception as exc:  # noqa: BLE001 - the engine serves anyway, only slower at first
             logger.error("Warm-up request failed (%s: %s); serving without it", type(exc).__name__, exc)
             self.warmup_s = 0.0
             return
         self.warmup_s = time.perf_counter() - start
-        logger.info("Warm-up request done in %.1f s (%s)", self.warmup_s, "x".join(map(str, size or ["default size"])))
+        sizes = ", then ".join(_size_text(params) for params in requests)
+        logger.info("Warm-up done in %.1f s (%d request(s): %s)", self.warmup_s, len(requests), sizes)
 
     @property
     def is_ready(self) -> bool:
