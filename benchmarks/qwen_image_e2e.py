@@ -20,16 +20,14 @@ and for ours the time from `Omni(folder)` to ready. Variants, by phase:
 
 Each phase merges its rows into the JSON (keyed by variant) and rewrites the docs section from
 every row there, so phases can run in separate calls; `--phase docs` only rewrites the docs from
-the JSON (no GPU). Run every phase on the nvidia-h200-x2 kind: the folder needs ~54 GiB of free
-disk (the one-GPU kind's 64 GiB disk may not have it; the script checks before writing), one host
-keeps the ratios side by side, and the one-GPU variants use GPU 0. Four calls of at most ~7
-minutes each (estimates; ~2 more when the machine came back bare and the folder is rebuilt):
+the JSON (no GPU). The folder takes 57.7 GB of disk (the script checks before writing); it fit
+the one-GPU kind's 64 GiB disk, where one call of about 8 minutes ran the one-GPU variants
+(build 75 s, each variant 1 to 2 minutes with --runs 1). The two-GPU variants need the
+nvidia-h200-x2 kind; for side-by-side ratios run diffusers-eager there too:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --phase build diffusers
-    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --phase build ours --variants ours-default
-    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --phase build ours ours2 --no-cold-start --variants ours-eager ours-u2
-    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --phase build ours2 --variants ours-cfg2
+    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --phase build diffusers ours
+    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --phase build diffusers ours2 --variants diffusers-eager ours-u2 ours-cfg2
 
 (the first line starts every call, `.whl` carried). `build` is a no-op when --folder (default
 /tmp/qwen-image-e2e) already holds the checkpoint, so every call names it: a machine given back
