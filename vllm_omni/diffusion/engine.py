@@ -65,9 +65,10 @@ def warmup_requests(spec: PipelineSpec, size: tuple[int, int] | None, dynamic: b
     The first runs at `size` (the deploy's default; None: the family's). torch.compile specialises
     the compiled blocks to the first shapes it sees and recompiles once, with the sequence lengths
     dynamic, at the first other shape; from then on no size or prompt length recompiles. With
-    compiled blocks (`dynamic`) a second request at another size (3/4 of the first; a video also
-    with the fewest frames) and with a prompt longer than the text bucket pays that recompile here
-    rather than in the first user request of another shape.
+    compiled blocks (`dynamic`) a second request at another size (3/4 of the first, 768x768 where
+    the pipeline picks the first; a video also with the fewest frames) and with a prompt longer
+    than the text bucket pays that recompile here rather than in the first user request of
+    another shape.
     """
     size = size or spec.default_size  # None: the pipeline picks its own
     shapes: list[tuple[tuple[int, int] | None, str, int | None]] = [(size, WARMUP_PROMPT, None)]
@@ -188,7 +189,7 @@ class DiffusionEngine:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
-        """Block until every worker has loaded, then run the warm-up request (once)."""
+        """Block until every worker has loaded, then run the warm-up requests (once)."""
         try:
             self.executor.wait_until_ready(timeout)
         finally:
