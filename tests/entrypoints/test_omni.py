@@ -22,7 +22,6 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.data import DiffusionRequest, GenerationParams, RequestCancelled, RequestFailed  # noqa: E402
-from vllm_omni.diffusion.executor import WorkerStartError  # noqa: E402
 from vllm_omni.diffusion.loader import ModelNotFoundError  # noqa: E402
 
 # 208x272 -> 13x17 = 221 image tokens: padded at Ulysses 2 (by 1) and 3 (by 1).
@@ -265,9 +264,17 @@ def test_cfg_parallel_cancels_at_the_next_step(engines):
     assert omni.generate(PROMPT, negative_prompt=" ", height=32, width=32, num_inference_steps=2, seed=0)
 
 
-def test_ulysses_degree_must_divide_the_head_count():
+def test_ulysses_degree_must_divide_the_head_count_checked_before_any_worker_starts(monkeypatch):
+    from vllm_omni.diffusion import engine
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("workers started for a degree the config already rules out")
+
+    monkeypatch.setattr(engine, "MultiprocExecutor", no_workers)
     # The tiny transformer has 6 heads.
-    with pytest.raises(WorkerStartError, match="ulysses_degree=4 does not divide the model's 6 attention heads"):
+    with pytest.raises(
+        ValueError, match=r"ulysses_degree=4 does not divide the model's 6 attention heads; use one of \[1, 2, 3, 6\]"
+    ):
         Omni("tiny/qwen-image", ulysses_degree=4)
 
 

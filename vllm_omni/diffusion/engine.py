@@ -29,7 +29,7 @@ from vllm_omni.diffusion.data import (
     RequestCancelled,
 )
 from vllm_omni.diffusion.executor import MultiprocExecutor, WorkerGroupExecutor
-from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.loader import check_ulysses_degree, read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.models.registry import PipelineSpec
 from vllm_omni.diffusion.preprocess import RequestPreprocessor
 from vllm_omni.diffusion.weight_prefetch import WeightPrefetch
@@ -126,6 +126,7 @@ class DiffusionEngine:
         self.limits = limits or EngineLimits()
         self.model_path = resolve_model_path(config.model)
         self.spec = read_pipeline_spec(self.model_path)
+        check_ulysses_degree(self.model_path, parallel.ulysses_degree)  # before any GPU loads a weight
         if parallel.cfg_parallel_size > 1 and not self.spec.cfg_parallel:
             raise ValueError(
                 f"cfg_parallel_size={parallel.cfg_parallel_size}: {self.spec.diffusers_class} runs no classifier-free "

@@ -52,3 +52,20 @@ def read_pipeline_spec(path: Path) -> PipelineSpec:
     except (OSError, ValueError, KeyError) as exc:
         raise ModelNotFoundError(f"cannot read the pipeline class from {path / 'model_index.json'}: {exc}") from exc
     return spec_for(class_name)
+
+
+def check_ulysses_degree(path: Path, ulysses_degree: int) -> None:
+    """ValueError when `ulysses_degree` does not divide the transformer's attention heads (read from
+    transformer/config.json, before any worker loads; the workers check the loaded model again)."""
+    try:
+        heads = json.loads((path / "transformer" / "config.json").read_text())["num_attention_heads"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no readable config here: the workers' check still applies
+    if not isinstance(heads, int) or heads < 1 or heads % ulysses_degree == 0:
+        return
+    raise ValueError(ulysses_degree_error(ulysses_degree, heads))
+
+
+def ulysses_degree_error(ulysses_degree: int, heads: int) -> str:
+    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    return f"ulysses_degree={ulysses_degree} does not divide the model's {heads} attention heads; use one of {divisors}"

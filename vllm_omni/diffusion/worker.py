@@ -153,7 +153,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
 
     from vllm_omni.diffusion.attention.backends import configure_attention_backend
     from vllm_omni.diffusion.distributed.parallel_state import initialize_parallel_state
-    from vllm_omni.diffusion.loader import read_pipeline_spec
+    from vllm_omni.diffusion.loader import read_pipeline_spec, ulysses_degree_error
     from vllm_omni.diffusion.runner import PipelineRunner
 
     start = time.perf_counter()
@@ -173,12 +173,8 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     dtype = getattr(torch, config.dtype)
     runner = PipelineRunner(model_path, spec, device, dtype, rank, enforce_eager=config.enforce_eager)
     heads = runner.num_attention_heads
-    if heads % parallel.ulysses_degree:
-        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise ValueError(
-            f"ulysses_degree={parallel.ulysses_degree} does not divide the model's {heads} attention heads; "
-            f"use one of {divisors}"
-        )
+    if heads % parallel.ulysses_degree:  # the engine checked the config; this is the loaded model
+        raise ValueError(ulysses_degree_error(parallel.ulysses_degree, heads))
     logger.info(
         "Worker rank %d loaded %s (%s, %s) in %.1f s",
         rank,
