@@ -142,12 +142,13 @@ class OmniDiffusionConfig:
     dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
     attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode
     enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)
-    # Deadlines on the workers (executor.py). Loading: every rank must report ready within this.
-    load_timeout_s: float = field(default_factory=lambda: _seconds_from_env("VLLM_OMNI_LOAD_TIMEOUT_S", 600.0))
+    # Deadlines on the workers (executor.py); None: env VLLM_OMNI_LOAD_TIMEOUT_S / _STALL_TIMEOUT_S,
+    # else 600 / 300 s. Loading: every rank must report ready within this.
+    load_timeout_s: float | None = None
     # A request in which no rank reports a finished denoising step (or its start, or its end) for
     # this long has hung: it fails and the workers restart. Covers the slowest single phase (first
     # step with graph capture / compilation, a long video's VAE decode), hence generous.
-    stall_timeout_s: float = field(default_factory=lambda: _seconds_from_env("VLLM_OMNI_STALL_TIMEOUT_S", 300.0))
+    stall_timeout_s: float | None = None
     # One short request once the workers are up, so compilation and graph capture happen before the
     # first user request (DiffusionEngine.wait_until_ready). None: on CUDA unless enforce_eager.
     warmup: bool | None = None
@@ -159,6 +160,10 @@ class OmniDiffusionConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model must be a non-empty model id or path")
+        if self.load_timeout_s is None:
+            self.load_timeout_s = _seconds_from_env("VLLM_OMNI_LOAD_TIMEOUT_S", 600.0)
+        if self.stall_timeout_s is None:
+            self.stall_timeout_s = _seconds_from_env("VLLM_OMNI_STALL_TIMEOUT_S", 300.0)
         _check_seconds("load_timeout_s", self.load_timeout_s)
         _check_seconds("stall_timeout_s", self.stall_timeout_s)
         if self.device not in (None, "cpu", "cuda"):

@@ -214,7 +214,7 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
             continue
         except RequestError as exc:  # bad input only the worker could see (a source image's data): a 400
             logger.info("Request %s refused on rank %d: %s", request.request_id, rank, exc)
-            reports.put(("error", rank, request.request_id, RequestError(str(exc), exc.param)))
+            reports.put(("error", rank, request.request_id, exc))  # pickles with its param
             continue
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
             logger.warning("Request %s failed on rank %d: %s: %s", request.request_id, rank, type(exc).__name__, exc)

@@ -266,9 +266,7 @@ class EngineSettings:
         """The `OmniDiffusionConfig` for `DiffusionEngine`."""
         from vllm_omni.diffusion.data import OmniDiffusionConfig
 
-        deadlines = {k: v for k, v in self.deadlines().items() if v is not None}
         return OmniDiffusionConfig(
-            **deadlines,
             model=self.model,
             parallel_config=self.parallel_config,
             device=self.device,
@@ -278,11 +276,9 @@ class EngineSettings:
             warmup=self.warmup,
             warmup_size=self._warmup_size(),
             ray_address=self.ray_address,
+            load_timeout_s=self.load_timeout_s,
+            stall_timeout_s=self.stall_timeout_s,
         )
-
-    def deadlines(self) -> dict[str, float | None]:
-        """The worker deadlines given (None: the engine's default)."""
-        return {"load_timeout_s": self.load_timeout_s, "stall_timeout_s": self.stall_timeout_s}
 
     def _warmup_size(self) -> tuple[int, int] | None:
         """The deploy's default size, which most requests use: warm up at it."""

@@ -57,10 +57,7 @@ class Omni:
             trim_sp_padding=trim_sp_padding,
             distributed_executor_backend=distributed_executor_backend,
         )
-        # None: OmniDiffusionConfig's defaults (VLLM_OMNI_LOAD_TIMEOUT_S / _STALL_TIMEOUT_S, else 600 / 300 s).
-        deadlines = {"load_timeout_s": load_timeout_s, "stall_timeout_s": stall_timeout_s}
         config = OmniDiffusionConfig(
-            **{k: v for k, v in deadlines.items() if v is not None},
             model=model,
             parallel_config=parallel,
             device=device,
@@ -70,6 +67,8 @@ class Omni:
             warmup=warmup,
             warmup_size=warmup_size,
             ray_address=ray_address,
+            load_timeout_s=load_timeout_s,  # None: the env var, else the default
+            stall_timeout_s=stall_timeout_s,
         )
         self.engine = DiffusionEngine(config, limits)
         try:

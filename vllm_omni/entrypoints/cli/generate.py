@@ -94,7 +94,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         enforce_eager=settings.enforce_eager,
         warmup=False,  # one request: warming up first would only double the work
         limits=settings.limits,
-        **settings.deadlines(),
+        load_timeout_s=settings.load_timeout_s,
+        stall_timeout_s=settings.stall_timeout_s,
     ) as omni:
         print(f"Engine ready in {time.perf_counter() - start:.1f} s", flush=True)
         video = omni.engine.spec.modality == "video"
