@@ -1,14 +1,16 @@
 """Decisions that change what a rank executes are taken by the whole group, over the CPU control group.
 
-Runs in the 2- and 3-rank gloo pools (sp_pool): the agreement primitives, and the CUDA-graph
-fallback, whose host-side decision is driven here with a capture that fails on one rank.
+Runs in the 2- and 3-rank gloo pools (sp_pool, one SP group): the agreement primitives, and the
+CUDA-graph fallback through the simulated graphs (VLLM_OMNI_TEST_CUDA_GRAPHS' code path), with a
+capture that fails on one rank. The CFG-parallel case, two SP groups that must not meet in the
+capture decision, runs through whole engines in tests/entrypoints/test_omni_graph_decisions.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, _Graph
+from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, SimulatedGraphs
 from vllm_omni.diffusion.distributed.parallel_state import any_rank, every_rank, get_parallel_state
 
 
@@ -26,41 +28,33 @@ def test_any_rank_and_every_rank_give_every_rank_the_same_answer(sp_pool):
         assert [(a, e) for a, e, _ in results] == [(any(flags), all(flags))] * n, flags
 
 
-class _RecordedGraph:
-    def __init__(self, calls: list[str]) -> None:
-        self.calls = calls
-
-    def replay(self) -> None:
-        self.calls.append("replay")
-
-
-def run_graphed_forward_twice(failing_rank: int | None) -> tuple[bool, list[str]]:
-    """Two calls of a CUDAGraphForward whose capture fails on `failing_rank` (None: on no rank)."""
-    rank = get_parallel_state().rank
+def run_graphed_forward_twice(failing_rank: int | None) -> tuple[bool, int, list[str], list[bool]]:
+    """Two calls of a simulated-graph CUDAGraphForward whose first capture fails on `failing_rank`."""
     calls: list[str] = []
+    failures: list[str] = []
 
-    def forward(**kwargs):
-        calls.append("eager")
-        return kwargs["hidden_states"] + 1
+    def forward(*, hidden_states):
+        calls.append("run")
+        return hidden_states + 1
 
-    def capture(kwargs):
-        if rank == failing_rank:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        return _Graph(_RecordedGraph(calls), {}, torch.zeros(2))
-
-    graphed = CUDAGraphForward(forward)
-    graphed._key = lambda kwargs: ("one shape",)  # CPU tensors stand in for CUDA ones
-    graphed._capture = capture
-    for _ in range(2):
-        graphed(hidden_states=torch.ones(2))
-    return graphed.disabled, calls
+    graphed = CUDAGraphForward(forward, on_failure=failures.append, simulated=SimulatedGraphs(failing_rank))
+    outputs = [graphed(hidden_states=torch.full((2,), float(i))) for i in range(2)]
+    correct = [torch.equal(out, torch.full((2,), i + 1.0)) for i, out in enumerate(outputs)]
+    return graphed.disabled, len(failures), calls, correct
 
 
-def test_a_capture_failure_on_one_rank_sends_every_rank_eager(sp_pool):
+def test_a_capture_failure_on_one_rank_sends_every_rank_of_the_sp_group_eager(sp_pool):
     last = sp_pool.world_size - 1
-    # Ranks whose own capture worked run eagerly too, now and at the next call (no new capture).
-    assert sp_pool.run(run_graphed_forward_twice, last) == [(True, ["eager", "eager"])] * sp_pool.world_size
+    results = sp_pool.run(run_graphed_forward_twice, last)
+    # The failing rank reports its reason once; every rank runs eagerly now and at the next call.
+    assert [failures for _, failures, _, _ in results] == [0] * last + [1]
+    assert all(disabled and correct == [True, True] for disabled, _, _, correct in results)
+    # Every rank ran the capture (1; the failure comes at its end, as on a GPU), then eagerly (2),
+    # and the second call eagerly (3): no new capture.
+    assert [len(calls) for _, _, calls, _ in results] == [3] * sp_pool.world_size
 
 
 def test_graphs_replay_when_every_rank_captured(sp_pool):
-    assert sp_pool.run(run_graphed_forward_twice, None) == [(False, ["replay", "replay"])] * sp_pool.world_size
+    for disabled, failures, calls, correct in sp_pool.run(run_graphed_forward_twice, None):
+        # A capture (1 run) and a replay of it per call (2 runs): the replay reads the new input.
+        assert (disabled, failures, len(calls), correct) == (False, 0, 3, [True, True])

@@ -135,6 +135,56 @@ def test_nothing_is_taken_until_the_engine_has_loaded_then_health_is_ok():
     asyncio.run(scenario())
 
 
+class WarmingEngine(FakeEngine):
+    """Loads, then warms up until `warmed` (health: warming_up), then reports ok a moment before
+    `wait_until_ready` returns (until `returned`): the window where /health once said 200 while
+    requests were refused as loading."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.warmed = threading.Event()
+        self.returned = threading.Event()
+
+    def wait_until_ready(self) -> None:
+        assert self.loaded.wait(WAIT_S) and self.warmed.wait(WAIT_S) and self.returned.wait(WAIT_S)
+
+    def health_status(self):
+        if not self.loaded.is_set():
+            return ("loading", None)
+        return ("ok", None) if self.warmed.is_set() else ("warming_up", "running the warm-up requests")
+
+
+def test_health_is_ok_only_once_a_request_would_be_taken_warm_up_included():
+    async def scenario():
+        engine = WarmingEngine()
+        scheduler = scheduler_for(engine)
+        await scheduler.start()
+
+        async def refused_as(state: str) -> None:
+            assert scheduler.health().state == state and not scheduler.health().ok
+            with pytest.raises(Unavailable) as refused:
+                await scheduler.submit(params())
+            assert refused.value.state == state
+
+        while scheduler.engine is None:  # created in a thread of its own at once
+            await asyncio.sleep(0.001)
+        await refused_as("loading")
+        engine.loaded.set()
+        await refused_as("warming_up")
+        engine.warmed.set()  # the engine says ok, its wait has not returned yet
+        await refused_as("warming_up")
+        engine.returned.set()
+        while not scheduler.ready:
+            await asyncio.sleep(0.001)
+        assert scheduler.health().ok
+        job = await scheduler.submit(params())
+        engine.finish(job.id)
+        assert (await job.wait()).status == "completed"
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
 def test_jobs_run_one_at_a_time_in_the_order_they_came():
     async def scenario():
         engine = FakeEngine()

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 from process_tree import children_of, still_alive_after
-from server_process import HTTP_TIMEOUT_S, start_server
+from server_process import HTTP_TIMEOUT_S, START_TIMEOUT_S, ServerProcess, omni_command, server_env, start_server
 
 MODEL = "tiny/qwen-image"
 RAISE_PROMPT = "rank 1 raises at step 1"
@@ -42,6 +42,28 @@ def test_sigkill_of_the_server_leaves_no_worker_alive(tmp_path):
         assert still_alive_after(children, 5) == []
     finally:
         server.kill()  # its process group: whatever a failure above left behind
+        server.close()
+
+
+def test_health_is_503_warming_up_until_requests_are_taken_and_never_200_before(tmp_path):
+    """The warm-up forced on the CPU (on GPUs it is the default): every /health 200 is followed by
+    a request that is taken, and the warm-up itself answers 503 "warming_up"."""
+    server = ServerProcess(omni_command("serve", MODEL, "--warmup"), tmp_path / "server.log", server_env())
+    try:
+        states: list[str] = []
+        deadline = time.monotonic() + START_TIMEOUT_S  # a hang guard
+        while time.monotonic() < deadline:
+            health = server.first_health()
+            states.append(health.json()["status"])
+            if health.status_code == 200:
+                response = generate(server, "a cat")
+                assert response.status_code == 200, (states, response.text)
+                break
+            assert health.status_code == 503 and states[-1] in ("loading", "warming_up"), health.text
+        assert states[-1] == "ok" and "warming_up" in states, states
+        assert states.index("warming_up") > 0 and "loading" not in states[states.index("warming_up") :], states
+        server.wait_for_log(r"Warm-up done in")
+    finally:
         server.close()
 
 

@@ -217,3 +217,42 @@ def test_text_beyond_the_rotary_table_under_sp_matches_single_process(sp_pool, m
         expected = ours(**make_inputs(CASES["generate"][0], 1, LONG_TEXT))[0]
     for out in sp_pool.run(sp_forward, checkpoints[False], "generate", "trim", 1, LONG_TEXT):
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+# ---- layered checkpoints (Qwen-Image-Layered: use_layer3d_rope) ------------------------------------
+
+LAYERED = ([(1, 5, 7), (1, 5, 7), (1, 5, 7)], 2)  # two layers and the condition image; batch 2
+
+
+def _layered_models(folder) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(2)
+    ref = ReferenceTransformer(**CONFIG, use_layer3d_rope=True, use_additional_t_cond=True).eval()
+    ref.save_pretrained(folder)
+    return ref, QwenImageTransformer2DModel.from_pretrained(folder).eval()
+
+
+def test_a_layered_checkpoint_keeps_its_3d_rope_and_matches_the_reference_with_a_text_mask(tmp_path):
+    ref, ours = _layered_models(tmp_path)
+    assert type(ours.pos_embed) is type(ref.pos_embed)  # QwenEmbedLayer3DRope, as the config says
+    img_shapes, batch = LAYERED
+    inputs = make_inputs(img_shapes, batch, text_len=11)
+    mask = torch.ones(batch, 11, dtype=torch.bool)
+    mask[1, 7:] = False  # the second prompt is shorter
+    inputs.update(encoder_hidden_states_mask=mask, additional_t_cond=torch.tensor([0, 1]))
+    with torch.no_grad():
+        expected = ref(**inputs)[0]
+        actual = ours(**inputs)[0]
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_a_layered_checkpoint_extends_its_rotary_table_for_long_text_too(tmp_path):
+    ref, ours = _layered_models(tmp_path)
+    img_shapes, _ = LAYERED
+    inputs = make_inputs(img_shapes, 1, LONG_TEXT) | dict(additional_t_cond=torch.tensor([1]))
+    rope = ref.pos_embed
+    index = torch.arange(2 * 4096)
+    rope.pos_freqs = torch.cat([rope.rope_params(index, dim, rope.theta) for dim in rope.axes_dim], dim=1)
+    with torch.no_grad():
+        expected = ref(**inputs)[0]
+        actual = ours(**inputs)[0]
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)

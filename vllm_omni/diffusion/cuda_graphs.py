@@ -10,8 +10,21 @@ The runner wraps each transformer's `forward_sharded` (the per-step work on a ra
 keyword arguments only, one tensor out); the model's `forward` does the host-side preparation
 (text-mask compaction, say) before it. The wrapped function must not synchronise with the
 host or copy from host memory; calls it cannot replay (CPU tensors, tensors inside lists such
-as ControlNet residuals) run eagerly. Whether graphs are used at all is decided by the whole
-group: a failed capture on any rank makes every rank eager.
+as ControlNet residuals) run eagerly. Whether graphs are used at all is decided by the ranks that
+share the graph, the SP group (`every_sp_rank`): a failed capture on any of them makes all of
+them eager for the life of the group (logged with its reason and reported, see `on_failure`);
+a restarted group captures again.
+
+A captured graph owns every tensor it reads: tensors are either arguments (copied into the
+graph's static inputs) or built inside the capture, in its memory pool. So the warm-up run and
+the capture each open a fresh SP context (the padding mask is built within the capture, not
+cached from the warm-up), and a model computes tables that live in an evicting cache (rotary
+tables) before the graphed function and passes them in.
+
+Test-only: `VLLM_OMNI_TEST_CUDA_GRAPHS=simulate` in the workers' environment runs the same keys,
+cache and agreement on CPU ranks, with a "graph" that re-runs the forward on its static inputs
+at each replay; `simulate:fail-rank=N` makes the first capture on rank N fail. CI uses it
+(tests/entrypoints/test_omni_graph_decisions.py) for what only multi-GPU runs reach.
 """
 
 from __future__ import annotations
@@ -19,15 +32,19 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.distributed.parallel_state import every_rank, get_parallel_state
+from vllm_omni.diffusion.distributed.parallel_state import every_sp_rank, get_parallel_state
+from vllm_omni.diffusion.distributed.sequence_parallel import fresh_sp_context
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
+
+TEST_GRAPHS_ENV = "VLLM_OMNI_TEST_CUDA_GRAPHS"
 
 
 def compile_repeated_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
@@ -55,12 +72,40 @@ def compile_repeated_blocks(model: torch.nn.Module, backend: str = "inductor") -
 
 
 class _Graph:
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict[str, torch.Tensor], output: torch.Tensor):
+    def __init__(self, graph: Any, inputs: dict[str, torch.Tensor], output: torch.Tensor):
         self.graph, self.inputs, self.output = graph, inputs, output
 
 
 class _NotReplayable(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class SimulatedGraphs:
+    """Test-only stand-in for CUDA graphs on CPU ranks (env VLLM_OMNI_TEST_CUDA_GRAPHS, see the module doc)."""
+
+    fail_rank: int | None = None  # the first capture on this rank raises
+
+    @classmethod
+    def from_env(cls) -> SimulatedGraphs | None:
+        text = os.environ.get(TEST_GRAPHS_ENV, "")
+        if not text:
+            return None
+        mode, _, option = text.partition(":")
+        if mode != "simulate" or (option and not option.startswith("fail-rank=")):
+            raise ValueError(f"{TEST_GRAPHS_ENV} must be 'simulate' or 'simulate:fail-rank=N', got {text!r}")
+        return cls(int(option.removeprefix("fail-rank=")) if option else None)
+
+
+class _SimulatedGraph:
+    """Replays by running the forward again on the captured call's static inputs, into its output."""
+
+    def __init__(self, forward: Callable[..., torch.Tensor], call: dict[str, Any], output: torch.Tensor) -> None:
+        self.forward, self.call, self.output = forward, call, output
+
+    def replay(self) -> None:
+        with fresh_sp_context():
+            self.output.copy_(self.forward(**self.call))
 
 
 def _static_value(value: Any) -> Hashable:
@@ -84,20 +129,30 @@ class CUDAGraphForward:
     Every tensor argument, whatever its name, becomes a static input of the graph, copied in
     before each replay; every other argument is part of the graph's key. A call the graph
     cannot replay (a CPU tensor, tensors inside a container, an object) runs eagerly.
+    `on_failure(reason)` is called on the rank whose own capture failed.
     """
 
-    def __init__(self, forward: Callable[..., torch.Tensor], max_graphs: int = 8) -> None:
+    def __init__(
+        self,
+        forward: Callable[..., torch.Tensor],
+        max_graphs: int = 8,
+        on_failure: Callable[[str], None] | None = None,
+        simulated: SimulatedGraphs | None = None,
+    ) -> None:
         self.forward = forward
         self.max_graphs = max_graphs
+        self.on_failure = on_failure
+        self.simulated = simulated
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.pool = None
         self.disabled = False
+        self.captures = 0
 
     def __call__(self, **kwargs: Any) -> torch.Tensor:
         if self.disabled:
             return self.forward(**kwargs)
         try:
-            key = self._key(kwargs)
+            key = self._key(kwargs, allow_cpu=self.simulated is not None)
         except _NotReplayable:
             return self.forward(**kwargs)
         entry = self.graphs.get(key)
@@ -105,11 +160,18 @@ class CUDAGraphForward:
             try:
                 entry = self._capture(kwargs)
             except Exception as exc:  # noqa: BLE001 - fall back to eager rather than fail the request
-                logger.warning("CUDA graph capture failed on this rank (%s: %s)", type(exc).__name__, exc)
-            # Every rank captures; one failure sends every rank eager for good. A rank alone on the eager
-            # path would run collectives its peers only replay, and the group would deadlock.
-            if not every_rank(entry is not None):
-                logger.warning("CUDA graph capture failed on a rank: every rank runs the transformer eagerly")
+                reason = f"{type(exc).__name__}: {exc}"
+                logger.warning("CUDA graph capture failed on this rank (%s)", reason)
+                if self.on_failure is not None:
+                    self.on_failure(reason)
+            # The SP group's ranks capture together, since a graph holds their all-to-alls; one failure
+            # sends all of them eager for the group's life. A rank alone on the eager path would run
+            # collectives its peers only replay, and the group would deadlock.
+            if not every_sp_rank(entry is not None):
+                logger.warning(
+                    "CUDA graph capture failed on a rank of this SP group: its ranks run the transformer "
+                    "eagerly until the worker group restarts"
+                )
                 self.disabled = True
                 self.graphs.clear()
                 return self.forward(**kwargs)
@@ -124,7 +186,7 @@ class CUDAGraphForward:
         return entry.output.clone()
 
     @staticmethod
-    def _key(kwargs: dict[str, Any]) -> tuple:
+    def _key(kwargs: dict[str, Any], allow_cpu: bool = False) -> tuple:
         """Shapes and dtypes of the tensor arguments, the other arguments' values, the SP layout.
 
         Raises _NotReplayable for a call that must run eagerly.
@@ -132,7 +194,7 @@ class CUDAGraphForward:
         tensors, values = [], []
         for name, value in sorted(kwargs.items()):
             if isinstance(value, torch.Tensor):
-                if not value.is_cuda:
+                if not (value.is_cuda or allow_cpu):
                     raise _NotReplayable(f"{name} is on {value.device}")
                 tensors.append((name, tuple(value.shape), value.dtype, value.device.index))
             else:
@@ -144,16 +206,32 @@ class CUDAGraphForward:
     def _capture(self, kwargs: dict[str, Any]) -> _Graph:
         inputs = {name: value.clone() for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
         call = dict(kwargs, **inputs)
-        # Warm up on a side stream (lazy inits, caches, NCCL communicators), then capture.
+        self.captures += 1
+        if self.simulated is not None:
+            return self._simulate_capture(call, inputs)
+        # Warm up on a side stream (lazy inits, caches, NCCL communicators), then capture. Each run
+        # opens its own SP context, so what the capture reads of it (the padding mask) is built in
+        # the graph's pool rather than kept from the warm-up's allocations.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), fresh_sp_context():
             self.forward(**call)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: share memory
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), fresh_sp_context():
             output = self.forward(**call)
         logger.debug("Captured a CUDA graph for the transformer: %s", self._key(kwargs)[0])
         return _Graph(graph, inputs, output)
+
+    def _simulate_capture(self, call: dict[str, Any], inputs: dict[str, torch.Tensor]) -> _Graph:
+        state = get_parallel_state()
+        rank = state.rank if state is not None else 0
+        with fresh_sp_context():
+            output = self.forward(**call)
+        # It fails after the forward, as a real capture does: its peers went through the collectives too.
+        if self.simulated.fail_rank == rank and self.captures == 1:
+            raise RuntimeError(f"simulated capture failure on rank {rank} ({TEST_GRAPHS_ENV})")
+        logger.info("Rank %d: simulated CUDA graph capture %d (%s)", rank, self.captures, self._key(call, True)[0])
+        return _Graph(_SimulatedGraph(self.forward, call, output), inputs, output)

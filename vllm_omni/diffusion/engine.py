@@ -37,9 +37,10 @@ from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
-# loading: the first load; ok: serving; restarting: a new group loads after a restart;
+# loading: the first load; warming_up: a loaded group runs its warm-up requests; ok: serving;
+# restarting: a new group loads after a restart;
 # unhealthy: a worker died while idle (respawned before the next request); failed: lost for good.
-HealthState = Literal["loading", "ok", "restarting", "unhealthy", "failed", "shut_down"]
+HealthState = Literal["loading", "warming_up", "ok", "restarting", "unhealthy", "failed", "shut_down"]
 
 
 def _cuda_device_count() -> int:
@@ -89,11 +90,6 @@ def warmup_requests(spec: PipelineSpec, size: tuple[int, int] | None, dynamic: b
             values["num_frames"] = frames
         requests.append(GenerationParams(prompt=prompt, output_type="uint8", **values))
     return requests
-
-
-def _size_text(params: GenerationParams) -> str:
-    size = f"{params.width}x{params.height}" if params.width else "default size"
-    return size + (f"x{params.num_frames}" if params.num_frames else "")
 
 
 def _gray_png(width: int, height: int) -> bytes:
@@ -146,7 +142,6 @@ class DiffusionEngine:
         self._cancelled_early: dict[str, None] = {}  # ids cancelled before they ran (insertion-ordered)
         self._preprocessor = RequestPreprocessor(self.spec, self.limits, self.model_path)
         self._stopping = False
-        self.warmup_s: float | None = None  # how long the warm-up request took, once it ran
         logger.info(
             "Starting %d worker(s) for %s (%s) on %s, %s, ulysses_degree=%d, cfg_parallel_size=%d, padding=%s, "
             "executor=%s",
@@ -173,6 +168,7 @@ class DiffusionEngine:
         except BaseException:
             self._stop_prefetch()
             raise
+        self.executor.warmup_requests = self._warmup_requests()
 
     @staticmethod
     def _configure_device(config: OmniDiffusionConfig, ray_session) -> None:
@@ -190,33 +186,32 @@ class DiffusionEngine:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
-        """Block until every worker has loaded, then run the warm-up requests (once)."""
+        """Block until every worker has loaded and the group has run its warm-up requests."""
         try:
             self.executor.wait_until_ready(timeout)
         finally:
             self._stop_prefetch()  # every rank has loaded (or failed): the page cache has done its part
+
+    def _warmup_requests(self) -> list[DiffusionRequest]:
+        """The checked warm-up requests (`warmup_requests`) that every worker group runs once it has
+        loaded (the first and each restarted one), so the blocks compile and the graphs are captured
+        then, not during user requests. None unless `config.warmup` (default: on CUDA, not eager)."""
         warmup = self.config.warmup
         if warmup is None:
             warmup = self.config.device == "cuda" and not self.config.enforce_eager
-        if warmup and self.warmup_s is None:
-            self._warm_up()
-
-    def _warm_up(self) -> None:
-        """The warm-up requests (`warmup_requests`): the blocks compile and the graphs are captured
-        now, not during the first user requests. A failure is logged, never fatal: requests then pay it."""
+        if not warmup:
+            return []
         compiled = self.config.device == "cuda" and not self.config.enforce_eager and self.spec.compile_blocks
-        requests = warmup_requests(self.spec, self.config.warmup_size, dynamic=compiled)
-        start = time.perf_counter()
         try:
-            for params in requests:
-                self.step(params)
+            return [self.preprocess(params) for params in warmup_requests(self.spec, self.config.warmup_size, compiled)]
         except Exception as exc:  # noqa: BLE001 - the engine serves anyway, only slower at first
-            logger.error("Warm-up request failed (%s: %s); serving without it", type(exc).__name__, exc)
-            self.warmup_s = 0.0
-            return
-        self.warmup_s = time.perf_counter() - start
-        sizes = ", then ".join(_size_text(params) for params in requests)
-        logger.info("Warm-up done in %.1f s (%d request(s): %s)", self.warmup_s, len(requests), sizes)
+            logger.error("Warm-up requests refused (%s: %s); serving without a warm-up", type(exc).__name__, exc)
+            return []
+
+    @property
+    def warmup_s(self) -> float | None:
+        """How long the last warm-up took (0.0: it failed; None: none ran)."""
+        return self.executor.warmup_s
 
     @property
     def is_ready(self) -> bool:
@@ -238,6 +233,15 @@ class DiffusionEngine:
     @property
     def last_restart_reason(self) -> str | None:
         return self.executor.last_restart_reason
+
+    @property
+    def graph_capture_failures(self) -> int:
+        """CUDA graph captures that failed on a rank (each sent its SP group eager until a restart)."""
+        return self.executor.graph_capture_failures
+
+    @property
+    def last_graph_capture_failure(self) -> str | None:
+        return self.executor.last_graph_capture_failure
 
     def check_workers(self) -> None:
         """Respawn the group if a worker died while idle; the server's watchdog calls it."""

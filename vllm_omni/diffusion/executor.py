@@ -11,12 +11,16 @@ One request runs at a time (the engine queues them). Every wait on the workers h
 rank has reported progress (its start, a finished denoising step, its end) for `stall_timeout_s`.
 A missed deadline, a dead worker, or ranks still busy after another rank failed fail the request
 in flight and restart the whole group (its process group is broken); the new group loads in the
-background and the next request waits for it. A group that cannot load marks the executor failed;
+background and the next request waits for it. Every group, the first and each restarted one, runs
+the warm-up requests (`warmup_requests`, set by the engine) as soon as it has loaded and before it
+takes a request, so its blocks compile and its CUDA graphs are captured then ("warming_up").
+A group that cannot load marks the executor failed;
 the server then exits non-zero. Once `shutdown()` begins, nothing is executed, collected or
 respawned. Workers never outlive this process: MultiprocExecutor spawns them from one
 long-lived thread and they bind their lives to ours (worker.bind_lifetime_to_parent).
 
-The server's /health reads `status()`; `execute(request, on_progress)` reports denoising progress.
+The server's /health reads `status()` (with the CUDA graph captures that failed, as the ranks
+report them); `execute(request, on_progress)` reports denoising progress.
 """
 
 from __future__ import annotations
@@ -70,16 +74,20 @@ class _ShutDown(Exception):
 class ExecutorStatus:
     """The worker group as /health reports it (`MultiprocExecutor.status()`).
 
-    state: "loading" (first load), "ok" (serving), "restarting" (a new group is loading after
-    `last_restart_reason`), "unhealthy" (a worker died while idle; the group is respawned at the
-    next `check_workers` or request), "failed" (it cannot be brought back; `detail` says why),
-    "shut_down". `restarts` counts the group restarts so far.
+    state: "loading" (first load), "warming_up" (loaded, running the warm-up requests), "ok"
+    (serving), "restarting" (a new group is loading after `last_restart_reason`), "unhealthy" (a
+    worker died while idle; the group is respawned at the next `check_workers` or request),
+    "failed" (it cannot be brought back; `detail` says why), "shut_down". `restarts` counts the
+    group restarts so far; `graph_capture_failures` the CUDA graph captures that failed on a rank
+    (each sent that rank's SP group eager until the next restart), the last one's reason with it.
     """
 
-    state: Literal["loading", "ok", "restarting", "unhealthy", "failed", "shut_down"]
+    state: Literal["loading", "warming_up", "ok", "restarting", "unhealthy", "failed", "shut_down"]
     detail: str | None = None
     restarts: int = 0
     last_restart_reason: str | None = None
+    graph_capture_failures: int = 0
+    last_graph_capture_failure: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -93,6 +101,9 @@ class ExecutorStatus:
         if self.restarts:
             body["restarts"] = self.restarts
             body["last_restart_reason"] = self.last_restart_reason
+        if self.graph_capture_failures:
+            body["graph_capture_failures"] = self.graph_capture_failures
+            body["last_graph_capture_failure"] = self.last_graph_capture_failure
         return body
 
 
@@ -119,6 +130,12 @@ class WorkerGroupExecutor:
         self.failed: str | None = None  # why the workers cannot be brought back
         self.restarts = 0
         self.last_restart_reason: str | None = None
+        self.warmup_requests: list[DiffusionRequest] = []  # run by every group before its first request
+        self.warmup_s: float | None = None  # the last warm-up's duration, once one ran
+        self._warm = False  # this group ran its warm-up (or has none to run)
+        self._last_warmup_failed = False
+        self.graph_capture_failures = 0
+        self.last_graph_capture_failure: str | None = None
 
     # ---- what a kind of group supplies -------------------------------------------------------
 
@@ -160,6 +177,7 @@ class WorkerGroupExecutor:
         self._ready.clear()
         self._ready_ranks = set()
         self._group_idle = True
+        self._warm = False
         self._load_deadline = time.monotonic() + self.config.load_timeout_s
         self._start_group()
 
@@ -179,9 +197,16 @@ class WorkerGroupExecutor:
     def _await_ready(self, until: float) -> bool:
         """Read load reports until every rank is ready (True) or `until` passes (False); needs self._lock.
 
-        Raises WorkerStartError (and marks the executor failed) when a rank cannot load, dies while
-        loading, or misses the load deadline.
+        A group that has just loaded runs its warm-up first. Raises WorkerStartError (and marks the
+        executor failed) when a rank cannot load, dies while loading, or misses the load deadline.
         """
+        while not self._warm:
+            if not self._load_group(until):
+                return False
+            self._warm_up_locked()  # a warm-up that fails restarts the group: load the new one
+        return self._load_group(until)
+
+    def _load_group(self, until: float) -> bool:
         while not self._ready.is_set():
             if self._closing.is_set():
                 raise _ShutDown()
@@ -212,6 +237,35 @@ class WorkerGroupExecutor:
                         logger.info("Workers restarted (%d restart(s) so far)", self.restarts)
         return True
 
+    def _warm_up_locked(self) -> None:
+        """Run the warm-up requests on the group that has just loaded (needs self._lock).
+
+        A failure is logged, never fatal: requests then pay the compiles and captures. A warm-up that
+        left the group restarting is not repeated by the next group (no restart loop); the one after
+        tries again.
+        """
+        self._warm = True
+        if not self.warmup_requests:
+            return
+        if self._last_warmup_failed:
+            self._last_warmup_failed = False
+            logger.warning("Skipping the warm-up of this worker group: the last one failed")
+            return
+        start = time.perf_counter()
+        self._group_idle = False
+        try:
+            for request in self.warmup_requests:
+                self._send_request(request)
+                self._collect(request, None)
+        except (RequestFailed, RequestCancelled, RequestError) as exc:
+            logger.error("Warm-up request failed (%s: %s); serving without it", type(exc).__name__, exc)
+            self._last_warmup_failed = not self._warm  # it restarted the group
+            self.warmup_s = 0.0
+            return
+        self.warmup_s = time.perf_counter() - start
+        sizes = ", then ".join(_request_shape(request) for request in self.warmup_requests)
+        logger.info("Warm-up done in %.1f s (%d request(s): %s)", self.warmup_s, len(self.warmup_requests), sizes)
+
     def _fail_start(self, message: str) -> None:
         with self._group_lock:
             if self._stopping.is_set():
@@ -229,7 +283,12 @@ class WorkerGroupExecutor:
 
     def status(self) -> ExecutorStatus:
         """The group's state for /health, with the reason of the last restart (a missed deadline, a death)."""
-        history = dict(restarts=self.restarts, last_restart_reason=self.last_restart_reason)
+        history = dict(
+            restarts=self.restarts,
+            last_restart_reason=self.last_restart_reason,
+            graph_capture_failures=self.graph_capture_failures,
+            last_graph_capture_failure=self.last_graph_capture_failure,
+        )
         if self._closing.is_set():
             return ExecutorStatus("shut_down", **history)
         if self.failed:
@@ -243,6 +302,9 @@ class WorkerGroupExecutor:
         if dead is not None:
             detail = f"worker rank {dead[0]} {dead[1]}; the group is respawned when idle"
             return ExecutorStatus("unhealthy", detail, **history)
+        if not self._warm:
+            detail = "running the warm-up requests (compiles, CUDA graph captures)"
+            return ExecutorStatus("warming_up", detail, **history)
         return ExecutorStatus("ok", **history)
 
     def _restart_locked(self, reason: str) -> None:
@@ -371,6 +433,11 @@ class WorkerGroupExecutor:
             if request_id != request.request_id:
                 continue  # a late message about an earlier request
             last_progress = time.monotonic()
+            if kind == "graph_capture_failed":
+                self.graph_capture_failures += 1
+                self.last_graph_capture_failure = f"rank {rank}: {payload}"
+                logger.warning("CUDA graph capture failed on rank %d during %s: %s", rank, request_id, payload)
+                continue
             if kind == "progress":
                 steps[rank] = payload
                 if rank == 0 and on_progress is not None:
@@ -476,6 +543,11 @@ class MultiprocExecutor(WorkerGroupExecutor):
 
     def cancel(self, cancel_token: int) -> None:
         self._cancel_token.value = cancel_token
+
+
+def _request_shape(request: DiffusionRequest) -> str:
+    size = f"{request.width}x{request.height}" if request.width else "default size"
+    return size + (f"x{request.num_frames}" if request.num_frames else "")
 
 
 def _step_text(step: tuple[int, int] | None) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from vllm_omni.diffusion.cfg_parallel import CFGParallelForward, swap_prompts
-from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, compile_repeated_blocks
+from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, SimulatedGraphs, compile_repeated_blocks
 from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.images import decode_image
@@ -51,12 +51,16 @@ class PipelineRunner:
         transformer = self.family.TRANSFORMER_CLASS.from_pretrained(
             path, subfolder="transformer", dtype=dtype, device_map=str(device)
         )
-        if device.type == "cuda" and not enforce_eager:
-            if spec.compile_blocks:
+        self.graph_capture_failures: list[str] = []  # this rank's, since the worker last reported them
+        simulated = SimulatedGraphs.from_env()  # test-only: the graph decisions on CPU ranks
+        if (device.type == "cuda" or simulated is not None) and not enforce_eager:
+            if spec.compile_blocks and device.type == "cuda":
                 compile_repeated_blocks(transformer)
             # Only the sharded part is replayed: the host-side preparation in `forward` (text
-            # compaction, row splitting) decides shapes and runs eagerly before it.
-            transformer.forward_sharded = CUDAGraphForward(transformer.forward_sharded)
+            # compaction, row splitting, rotary tables) decides shapes and runs eagerly before it.
+            transformer.forward_sharded = CUDAGraphForward(
+                transformer.forward_sharded, on_failure=self.graph_capture_failures.append, simulated=simulated
+            )
         state = get_parallel_state()
         self.cfg: CFGParallelForward | None = None
         self.cfg_rank = 0

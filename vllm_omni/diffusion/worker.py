@@ -4,9 +4,10 @@ MultiprocExecutor (executor.py) runs it in a process per rank, started with the 
 (`worker_main`); RayExecutor (ray_executor.py) in a thread of a Ray actor per rank. Every rank
 runs the whole pipeline on the same request and seed; the transformer splits its work over the SP group.
 Rank 0 sends the images back; every rank reports its start, each finished denoising step
-(the executor's stall deadline and the progress callback read them) and done / cancelled /
-error, so the executor can tell a request that failed everywhere (bad input: the engine goes
-on) from one that left ranks stuck in a collective (the executor restarts the workers).
+(the executor's stall deadline and the progress callback read them), a CUDA graph capture
+that failed on it ("graph_capture_failed", with the reason) and done / cancelled / error, so
+the executor can tell a request that failed everywhere (bad input: the engine goes on) from one that
+left ranks stuck in a collective (the executor restarts the workers).
 A worker process never outlives the executor's process (`bind_lifetime_to_parent`); Ray ties
 an actor's life to the process that created it.
 """
@@ -207,7 +208,13 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
 
         start = time.perf_counter()
         try:
-            images = runner.run(request, on_step_end)
+            try:
+                images = runner.run(request, on_step_end)
+            finally:
+                # Before the request's last report: the executor stops reading once every rank answered.
+                while runner.graph_capture_failures:
+                    reason = runner.graph_capture_failures.pop(0)
+                    reports.put(("graph_capture_failed", rank, request.request_id, reason))
         except RequestCancelled as exc:
             logger.info("%s", exc)
             reports.put(("cancelled", rank, request.request_id, str(exc)))

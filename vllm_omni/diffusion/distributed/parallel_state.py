@@ -5,10 +5,14 @@ attention layer read the groups through `get_parallel_state()`. Ranks are laid o
 cfg-major: rank = cfg_rank * sequence_parallel_size + sp_rank, so an SP group is a
 run of consecutive ranks (consecutive GPUs, the fastest links).
 
-A decision that changes what a rank executes next (stop at this step, replay a CUDA graph
-or run eagerly) is taken by the whole group with `any_rank` / `every_rank`, over the
-control group: gloo on the CPU, so it never waits behind queued GPU work (on CPU runs the
-world group already is gloo and serves as the control group).
+A decision that changes what a rank executes next is agreed by exactly the ranks it concerns,
+over a CPU (gloo) control group, so it never waits behind queued GPU work (on CPU runs the
+world and SP groups already are gloo and serve as their own control groups):
+- `any_rank` / `every_rank` over the world: stop at this step (the cancel check, which every
+  rank reaches at the end of every denoising step).
+- `every_sp_rank` over the rank's SP group: replay a CUDA graph or run eagerly. A graph holds
+  its SP group's all-to-alls, so only that group must agree; the CFG groups run different
+  prompts, miss their graph caches at different requests, and must not meet in this decision.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class ParallelState:
     sp_group: dist.ProcessGroup | SimulatedGroup | None  # None when this process is alone in its SP group
     cfg_group: dist.ProcessGroup | None
     control_group: dist.ProcessGroup | None = None  # gloo, every rank; None when alone (or simulated)
+    sp_control_group: dist.ProcessGroup | None = None  # gloo, this rank's SP group; None when alone in it
 
     @property
     def sp_world_size(self) -> int:
@@ -72,7 +77,7 @@ def initialize_parallel_state(
     world_size = config.world_size
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    sp_group = cfg_group = control_group = None
+    sp_group = cfg_group = control_group = sp_control_group = None
     if world_size > 1:
         if init_method is None:
             raise ValueError("init_method is required for a world of more than one rank")
@@ -82,18 +87,20 @@ def initialize_parallel_state(
                 backend=default_backend(device), init_method=init_method, rank=rank, world_size=world_size, **bounded
             )
         sp = config.sequence_parallel_size
+        gloo = dist.get_backend() == "gloo"
         # Every rank must create every group, in the same order.
         for cfg_index in range(config.cfg_parallel_size):
             ranks = list(range(cfg_index * sp, (cfg_index + 1) * sp))
             group = dist.new_group(ranks, **bounded) if sp > 1 else None
+            control = group if gloo or sp == 1 else dist.new_group(ranks, backend="gloo", **bounded)
             if rank in ranks:
-                sp_group = group
+                sp_group, sp_control_group = group, control
         for sp_index in range(sp):
             ranks = [cfg_index * sp + sp_index for cfg_index in range(config.cfg_parallel_size)]
             group = dist.new_group(ranks, **bounded) if len(ranks) > 1 else None
             if rank in ranks:
                 cfg_group = group
-        if dist.get_backend() == "gloo":
+        if gloo:
             control_group = dist.group.WORLD
         else:
             control_group = dist.new_group(list(range(world_size)), backend="gloo", **bounded)
@@ -104,6 +111,7 @@ def initialize_parallel_state(
         sp_group=sp_group,
         cfg_group=cfg_group,
         control_group=control_group,
+        sp_control_group=sp_control_group,
     )
     return _STATE
 
@@ -139,8 +147,7 @@ def get_control_group() -> dist.ProcessGroup | None:
     return None if _STATE is None else _STATE.control_group
 
 
-def _agree(flag: bool, op: dist.ReduceOp) -> bool:
-    group = get_control_group()
+def _agree(flag: bool, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> bool:
     if group is None:
         return bool(flag)
     value = torch.tensor([int(bool(flag))], dtype=torch.int32)
@@ -153,7 +160,7 @@ def any_rank(flag: bool) -> bool:
 
     A collective over the control group: every rank of the world must call it at the same point.
     """
-    return _agree(flag, dist.ReduceOp.MAX)
+    return _agree(flag, dist.ReduceOp.MAX, get_control_group())
 
 
 def every_rank(flag: bool) -> bool:
@@ -161,7 +168,16 @@ def every_rank(flag: bool) -> bool:
 
     A collective over the control group: every rank of the world must call it at the same point.
     """
-    return _agree(flag, dist.ReduceOp.MIN)
+    return _agree(flag, dist.ReduceOp.MIN, get_control_group())
+
+
+def every_sp_rank(flag: bool) -> bool:
+    """True on every rank of this rank's SP group only when `flag` is True on all of them.
+
+    A collective over the SP group's control group (e.g. "every rank of my SP group captured its
+    graph"): every rank of the SP group, and no other, must call it at the same point.
+    """
+    return _agree(flag, dist.ReduceOp.MIN, None if _STATE is None else _STATE.sp_control_group)
 
 
 def destroy_parallel_state() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -232,6 +233,22 @@ def sequence_parallel_context(
         )
     with use_sp_context(ctx):
         yield ctx
+
+
+@contextlib.contextmanager
+def fresh_sp_context() -> Iterator[SequenceParallelContext | None]:
+    """Run as a copy of the current context with nothing recorded yet (same group and policy).
+
+    A CUDA graph's capture runs in one, so the layouts and the mask it reads are built inside
+    the capture, in the graph's memory, not reused from an earlier run's context. Outside any
+    context it does nothing.
+    """
+    ctx = get_sp_context()
+    if ctx is None:
+        yield None
+        return
+    with use_sp_context(dataclasses.replace(ctx, streams={}, _layouts={})) as fresh:
+        yield fresh
 
 
 def _pad_tail(x: torch.Tensor, dim: int, pad_size: int) -> torch.Tensor:

@@ -3,8 +3,10 @@
 No HTTP here: the routes (routes/) translate between requests and jobs, and tests drive the
 scheduler with a fake engine (tests/entrypoints/test_scheduler.py).
 
-- The engine is created and loads in the background (`start`); until every worker has loaded,
-  `submit` raises `Unavailable` and `health()` says "loading".
+- The engine is created and loads in the background (`start`); until every worker has loaded
+  and run the warm-up, `submit` raises `Unavailable` and `health()` says "loading", then
+  "warming_up". Both answers come from one state (`health()`): /health is 200 only when a
+  request would be taken.
 - `submit(params)` checks the queue's capacity before the engine's checks (which read the
   uploads' headers and count prompt tokens) and holds a place meanwhile, so concurrent submits
   cannot overfill it; a route that must read a large upload first holds one (`hold_place`)
@@ -115,10 +117,12 @@ class Job:
 
 @dataclass(frozen=True)
 class Health:
-    state: str  # loading, ok, restarting, unhealthy, failed, shutting_down
+    state: str  # loading, warming_up, ok, restarting, unhealthy, failed, shutting_down
     detail: str | None = None
     restarts: int = 0  # worker-group restarts so far
     last_restart_reason: str | None = None
+    graph_capture_failures: int = 0  # CUDA graph captures that failed on a rank (that SP group ran eagerly)
+    last_graph_capture_failure: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -128,6 +132,11 @@ class Health:
         body: dict[str, Any] = {"status": self.state} | ({"detail": self.detail} if self.detail else {})
         if self.restarts:  # a group that never restarted answers just {"status": "ok"}
             body.update(restarts=self.restarts, last_restart_reason=self.last_restart_reason)
+        if self.graph_capture_failures:
+            body.update(
+                graph_capture_failures=self.graph_capture_failures,
+                last_graph_capture_failure=self.last_graph_capture_failure,
+            )
         return body
 
 
@@ -298,7 +307,7 @@ class Scheduler:
     # ---- state --------------------------------------------------------------------------------
 
     def health(self) -> Health:
-        """ok only while every worker is up; the state otherwise says why not."""
+        """The server's state: ok only while every worker is up, warm, and work is taken; else why not."""
         if self._shutting_down:
             return Health("shutting_down")
         if self._load_error:
@@ -307,22 +316,32 @@ class Scheduler:
         if engine is None:
             return Health("loading")
         state, detail = engine.health_status()
-        return Health(state, detail, getattr(engine, "restarts", 0), getattr(engine, "last_restart_reason", None))
+        if state == "ok" and not self._loaded:  # the warm-up has just ended; `_loaded` flips next
+            state, detail = "warming_up", None
+        return Health(
+            state,
+            detail,
+            getattr(engine, "restarts", 0),
+            getattr(engine, "last_restart_reason", None),
+            getattr(engine, "graph_capture_failures", 0),
+            getattr(engine, "last_graph_capture_failure", None),
+        )
 
     def check_accepting(self) -> None:
-        """Unavailable unless new work is taken (loaded, workers not lost, not shutting down)."""
-        if self._shutting_down:
+        """Unavailable unless new work is taken (loaded and warm, workers not lost, not shutting down).
+
+        Reads `health()`, so /health never says ok while a request would be refused.
+        """
+        health = self.health()
+        if health.state == "shutting_down":
             raise Unavailable("shutting_down", "the server is shutting down")
-        if self._load_error:
-            raise Unavailable("failed", f"the model could not be loaded: {self._load_error}")
-        engine = self._engine
-        if engine is not None:
-            state, detail = engine.health_status()
-            if state == "failed":
-                raise Unavailable("failed", f"the workers are down: {detail}")
-        if engine is None or not self._loaded:
-            raise Unavailable("loading", "the model is still loading; poll GET /health until it answers 200")
-        # While a dead worker's group is respawned, requests still queue: the engine waits for it.
+        if health.state == "failed":
+            cause = "the model could not be loaded" if self._load_error else "the workers are down"
+            raise Unavailable("failed", f"{cause}: {health.detail}")
+        if not self._loaded:
+            what = "warming up (compiling, capturing CUDA graphs)" if health.state == "warming_up" else "loading"
+            raise Unavailable(health.state, f"the model is still {what}; poll GET /health until it answers 200")
+        # While a dead worker's group is respawned (and warms up), requests still queue: the engine waits for it.
 
     def check_capacity(self) -> None:
         """QueueFull when `max_queue` requests already wait (or are being checked) behind the running one."""

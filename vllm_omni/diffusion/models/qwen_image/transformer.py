@@ -75,27 +75,29 @@ class QwenImageSPAttnProcessor:
         return img_out, attn.to_add_out(txt_out.flatten(2, 3))
 
 
-class QwenEmbedRopeForLongText(reference.QwenEmbedRope):
-    """diffusers' rotary table, with text rows past its fixed 4096 positions computed as needed.
+def rotary_tables(
+    pos_embed: torch.nn.Module, img_shapes: list, text_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint's rotary tables (`QwenEmbedRope`, or `QwenEmbedLayer3DRope` for layered
+    checkpoints), with text rows past their fixed 4096 positions computed as needed.
 
     The reference precomputes 4096 positions and slices the text's rows from just after the
     image's largest index: a longer text gets fewer rotary rows than it has tokens, silently,
     and fails later (an edit prompt of about 4000 tokens at 1024x1024). The missing rows use the
-    reference's own formula, computed on the forward's device (no host copy: CUDA graphs capture it).
+    reference's own formula, on the forward's device (no host copy).
     """
-
-    def forward(self, video_fhw, device=None, max_txt_seq_len=None):
-        vid_freqs, txt_freqs = super().forward(video_fhw, device, max_txt_seq_len)
-        missing = int(max_txt_seq_len) - txt_freqs.shape[0]
-        if missing > 0:
-            if txt_freqs.shape[0] == 0:
-                raise ValueError(f"image grid {video_fhw} is beyond the rotary table's {self.pos_freqs.shape[0]} rows")
-            start = self.pos_freqs.shape[0]  # the text's rows were cut at the table's end
-            with torch.device(txt_freqs.device):
-                index = torch.arange(start, start + missing)
-                extra = torch.cat([self.rope_params(index, dim, self.theta) for dim in self.axes_dim], dim=1)
-            txt_freqs = torch.cat([txt_freqs, extra])
-        return vid_freqs, txt_freqs
+    img_freqs, txt_freqs = pos_embed(img_shapes, max_txt_seq_len=text_len, device=device)
+    missing = text_len - txt_freqs.shape[0]
+    if missing > 0:
+        if txt_freqs.shape[0] == 0:
+            rows = pos_embed.pos_freqs.shape[0]
+            raise ValueError(f"image grid {img_shapes} is beyond the rotary table's {rows} rows")
+        start = pos_embed.pos_freqs.shape[0]  # the text's rows were cut at the table's end
+        with torch.device(txt_freqs.device):
+            index = torch.arange(start, start + missing)
+            extra = torch.cat([pos_embed.rope_params(index, dim, pos_embed.theta) for dim in pos_embed.axes_dim], dim=1)
+        txt_freqs = torch.cat([txt_freqs, extra])
+    return img_freqs, txt_freqs
 
 
 def _call_processor(attn, **kwargs: Any):
@@ -108,7 +110,6 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
     @functools.wraps(reference.QwenImageTransformer2DModel.__init__)  # keeps the config signature for from_pretrained
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.pos_embed.__class__ = QwenEmbedRopeForLongText  # same state; only long texts differ
         for block in self.transformer_blocks:
             block.attn.set_processor(QwenImageSPAttnProcessor())
             # Call the processor directly: diffusers' Attention.forward inspects the processor's
@@ -140,15 +141,23 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
         for i, row_compaction in enumerate(rows):
             # Rows with different text padding cannot share one compaction: they run one by one.
             row = slice(None) if batched else slice(i, i + 1)
+            row_shapes = img_shapes[row] if img_shapes is not None else None
+            # Computed here, not in the graphed forward_sharded: diffusers keeps these tables in an
+            # evicting cache, and a CUDA graph must own what it reads (as arguments, it copies them).
+            img_freqs, txt_freqs = rotary_tables(
+                self.pos_embed, row_shapes, encoder_hidden_states.shape[1], hidden_states.device
+            )
             with sequence_parallel_context():
                 outputs.append(
                     self.forward_sharded(
                         hidden_states=hidden_states[row],
                         encoder_hidden_states=encoder_hidden_states[row],
+                        img_freqs=img_freqs,
+                        txt_freqs=txt_freqs,
                         text_index=None if row_compaction is None else row_compaction.index,
                         text_valid_len=None if row_compaction is None else row_compaction.valid_len,
                         timestep=timestep[row] if timestep.dim() else timestep,
-                        img_shapes=img_shapes[row] if img_shapes is not None else None,
+                        img_shapes=row_shapes,
                         guidance=guidance[row] if guidance is not None and guidance.dim() else guidance,
                         attention_kwargs=attention_kwargs,
                         controlnet_block_samples=[s[row] for s in controlnet_block_samples]
@@ -165,6 +174,8 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
         *,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
+        img_freqs: torch.Tensor,  # rotary rows of the image tokens (`rotary_tables`)
+        txt_freqs: torch.Tensor,  # and of the text tokens, before compaction
         text_index: torch.Tensor | None,  # the compacted text's positions (valid first, then bucket filler)
         text_valid_len: int | None,  # None: keep every text token
         timestep: torch.Tensor,
@@ -176,8 +187,6 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
     ) -> torch.Tensor:
         """The per-step work on this rank's shards, with every tensor an argument (the runner may
         replay it as a CUDA graph); `forward` resolves the text mask into `text_index` first."""
-        text_seq_len = encoder_hidden_states.shape[1]
-        img_freqs, txt_freqs = self.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden_states.device)
         if text_index is not None:
             encoder_hidden_states = encoder_hidden_states.index_select(1, text_index)
             txt_freqs = txt_freqs.index_select(0, text_index)
