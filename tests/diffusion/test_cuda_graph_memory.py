@@ -8,6 +8,8 @@ captures, frees and overwrites as much memory as it can (NaN everywhere), and re
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -45,12 +47,17 @@ def _inputs(grid: tuple[int, int, int], text_len: int = 11, seed: int = 1) -> di
 
 
 def _churn() -> None:
-    """Free every cached block, then take and poison as much memory as the allocator hands out."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    poisoned = [torch.full((n,), float("nan"), device="cuda") for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22) * 8]
-    del poisoned
-    torch.cuda.synchronize()
+    """Hand out every freed block again and fill it with NaN: from the allocator's cache on the
+    current stream and on side streams (a capture's warm-up runs on one, and the blocks it frees
+    go back to that stream's pool), then, after `empty_cache`, from the driver."""
+    for _ in range(2):
+        torch.cuda.synchronize()
+        for stream, count in [(torch.cuda.current_stream(), 8)] + [(torch.cuda.Stream(), 2) for _ in range(40)]:
+            with torch.cuda.stream(stream):
+                poisoned = [torch.full((1 << k,), float("nan"), device="cuda") for k in range(23) for _ in range(count)]
+                del poisoned
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture
@@ -61,6 +68,14 @@ def model():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     yield model
+    # The model and its CUDAGraphForward refer to each other: free the graphs now, not whenever the
+    # garbage collector runs (during the next test's capture, say).
+    model.__dict__.pop("forward_sharded", None)
+    del model
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    configure_attention_backend(None, False)
 
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])
