@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from vllm_omni.entrypoints.deploy_config import EngineSettings
+from vllm_omni.entrypoints.openai.body_limits import BodyLimits
 from vllm_omni.entrypoints.openai.errors import ApiError, install_error_handlers
 from vllm_omni.entrypoints.openai.routes import images, models, videos
 from vllm_omni.entrypoints.openai.scheduler import Scheduler
@@ -42,6 +43,7 @@ class ServerSettings:
     watchdog_interval_s: float = 2.0
     graceful_shutdown_s: float = 30.0
     videos: VideoStorageSettings = field(default_factory=VideoStorageSettings)
+    bodies: BodyLimits = field(default_factory=BodyLimits)  # request bodies: deadline, text field size
 
     @property
     def model_names(self) -> set[str]:

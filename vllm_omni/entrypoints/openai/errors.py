@@ -1,10 +1,11 @@
 """Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, for every answer that is not a 2xx.
 
-`ApiError` is what the routes raise; `install_error_handlers` makes the app answer everything
-else in the same shape too: the scheduler's refusals (503, 429 with Retry-After), bad input
-found by the engine (`RequestError`, 400 with its `param`), pydantic's validation errors,
-Starlette's own 404 / 405 / unparsable bodies, and unexpected exceptions (500, one line; the
-traceback goes to the log). `job_error` maps a failed or cancelled job to its answer.
+`ApiError` is what the routes raise (routes/bodies.py for bodies that are late, cut short, too
+large or unparsable); `install_error_handlers` makes the app answer everything else in the same
+shape too: the scheduler's refusals (503, 429 with Retry-After), bad input found by the engine
+(`RequestError`, 400 with its `param`), pydantic's validation errors, Starlette's own 404 / 405,
+a client gone mid-body (one log line), and unexpected exceptions (500, one line; the traceback
+goes to the log). `job_error` maps a failed or cancelled job to its answer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from vllm_omni.diffusion.data import RequestError
 from vllm_omni.diffusion.request_fields import FIELDS_BY_NAME
@@ -28,6 +30,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
@@ -89,17 +92,10 @@ def job_error(error: JobError, size: str | None = None) -> ApiError:
 
 
 def validation_error(errors: list[dict]) -> ApiError:
-    """pydantic errors -> one 400 naming the first bad field."""
+    """pydantic errors -> one 400 naming the first bad field (the top-level one: not a union member's tag)."""
     first = errors[0]
-    if first.get("type") == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "")
-        return ApiError(400, f"the request body is not valid JSON: {detail}".rstrip(": "))
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    name = ".".join(loc) or "body"
-    if name == "body":
-        return ApiError(
-            400, "the request body must be a JSON object of request fields (Content-Type: application/json)"
-        )
+    name = loc[0] if loc else "body"
     if first.get("type") == "extra_forbidden":
         return ApiError(400, f"unknown field {name!r}", param=name)
     if first.get("type") == "missing":
@@ -116,14 +112,6 @@ def _http_exception(request: Request, exc: StarletteHTTPException) -> ApiError:
         allowed = (exc.headers or {}).get("Allow", "")
         hint = f"; use {allowed}" if allowed else ""
         return ApiError(405, f"{request.method} is not allowed on {request.url.path}{hint}", headers=exc.headers)
-    if exc.status_code == 400 and exc.__cause__ is not None:
-        # FastAPI could not read the JSON body: not UTF-8 (UnicodeDecodeError), nested too deep (RecursionError).
-        cause = exc.__cause__
-        if isinstance(cause, UnicodeDecodeError):
-            return ApiError(400, "the request body is not valid JSON: it is not UTF-8 text")
-        if isinstance(cause, RecursionError):
-            return ApiError(400, "the request body is not valid JSON: it is nested too deeply")
-        return ApiError(400, f"the request body is not valid JSON: {one_line(cause)}")
     return ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
 
 
@@ -143,6 +131,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _http_exception(request, exc).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # Where the routes' body reader did not see it first: a client gone is not a server error.
+        logger.info("%s %s: the client disconnected", request.method, request.url.path)
+        return ApiError(CLIENT_CLOSED, "the client disconnected", code="cancelled").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

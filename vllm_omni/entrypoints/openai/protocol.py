@@ -125,6 +125,18 @@ class _VideoRequestBase(_StrictBody):
     )
     size: str | None = Field(None, description="'WIDTHxHEIGHT'")
 
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _seconds_is_text_or_a_number(cls, value: Any) -> Any:
+        # Else pydantic answers for a union member ("seconds.str"), and floats a 400-digit integer to inf.
+        if value is None or isinstance(value, (str, float)):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value.bit_length() > 64:
+                raise ValueError("expected a number of seconds like '4', got an integer far too large")
+            return value
+        raise ValueError(f"expected a number of seconds like '4' (a string or a number), got {type(value).__name__}")
+
 
 # One job is one video: `n` is not part of the videos API.
 _VideoSamplingFields = _with_sampling_fields("_VideoSamplingFields", _VideoRequestBase, True, frozenset({"n"}))

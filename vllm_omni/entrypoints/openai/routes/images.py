@@ -3,8 +3,9 @@
 A request becomes `GenerationParams` (the deploy's defaults filled in, `size` split into width
 and height), is submitted to the scheduler (app.state.scheduler), and the answer waits for the
 job while watching the connection: a client that goes away has its job cancelled (dropped from
-the queue, or stopped at its next denoising step). An edit's upload is read only once the
-queue has a place for it (held while it is read and checked), and is passed on as compressed bytes.
+the queue, or stopped at its next denoising step). Bodies are read by routes/bodies.py (a deadline,
+a limit per field). An edit's upload is read only once the queue has a place for it (held while
+it is read and checked), and is passed on as compressed bytes.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-from starlette.datastructures import UploadFile
 
 from vllm_omni.diffusion.data import GenerationParams, RequestError
 from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
-from vllm_omni.entrypoints.openai.errors import ApiError, job_error, request_error, scheduler_error, validation_error
+from vllm_omni.entrypoints.openai.errors import ApiError, job_error, request_error, scheduler_error
 from vllm_omni.entrypoints.openai.media import encode_images_b64
 from vllm_omni.entrypoints.openai.protocol import (
     ImageData,
@@ -29,18 +28,34 @@ from vllm_omni.entrypoints.openai.protocol import (
     ImageResponse,
     parse_size,
 )
-from vllm_omni.entrypoints.openai.routes.bodies import read_form
+from vllm_omni.entrypoints.openai.routes.bodies import (
+    FORM_TYPES,
+    FilePart,
+    body_spec,
+    field_param,
+    media_type,
+    parse_fields,
+    read_form,
+    read_json_object,
+)
 from vllm_omni.entrypoints.openai.routes.models import check_model
 from vllm_omni.entrypoints.openai.scheduler import InternalError, Job, QueueFull, Scheduler, Unavailable
 
 router = APIRouter()
 
-EDIT_IMAGE_KEYS = ("image", "image[]")  # plus image[0], image[1], ...: the openai client's list forms
-FORM_OVERHEAD_BYTES = 1024 * 1024  # text fields and multipart framing, beyond the image files
+IMAGE = "image"  # also image[], image[0], image[1], ...: the openai client's list forms
+# The body is read by routes/bodies.py (a deadline, per-field limits); the schema is still documented.
+_GENERATION_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": ImageGenerationRequest.model_json_schema()}},
+    }
+}
 
 
-@router.post("/v1/images/generations", response_model=ImageResponse)
-async def generations(body: ImageGenerationRequest, http: Request) -> JSONResponse:
+@router.post("/v1/images/generations", response_model=ImageResponse, openapi_extra=_GENERATION_BODY)
+async def generations(http: Request) -> JSONResponse:
+    body = parse_fields(ImageGenerationRequest, await read_json_object(http, body_spec(http)))
     params = _params(http, body, None)
     return await _answer(http, body, await _submit(http, body, params, place_held=False))
 
@@ -149,43 +164,26 @@ async def _disconnected(http: Request) -> None:
 
 
 async def _read_edit_form(http: Request) -> tuple[ImageEditRequest, list[bytes]]:
-    limits = http.app.state.settings.engine.limits
-    content_type = http.headers.get("content-type", "")
     # A form without files arrives url-encoded; it is answered "image is required" below.
-    if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        raise ApiError(400, "the edits endpoint takes multipart/form-data (image files and form fields)", param="image")
-    body_cap = limits.max_input_images * limits.max_upload_bytes + FORM_OVERHEAD_BYTES
-    form = await read_form(http, body_cap, "image", max_files=limits.max_input_images + 1)
+    if media_type(http) not in FORM_TYPES:
+        raise ApiError(400, "the edits endpoint takes multipart/form-data (image files and form fields)", param=IMAGE)
+    spec = body_spec(http, IMAGE, max_files=http.app.state.settings.engine.limits.max_input_images)
     images: list[bytes] = []
     fields: dict[str, str] = {}
-    try:
-        for key, value in form.multi_items():
-            if key in EDIT_IMAGE_KEYS or (key.startswith("image[") and key.endswith("]")):
-                if not isinstance(value, UploadFile):
-                    raise ApiError(400, f"{key} must be an uploaded file, not a text field", param="image")
-                data = await value.read(limits.max_upload_bytes + 1)
-                if len(data) > limits.max_upload_bytes:
-                    raise ApiError(
-                        400,
-                        f"image {value.filename or ''!s} is larger than the upload limit of "
-                        f"{limits.max_upload_bytes} bytes",
-                        param="image",
-                    )
-                images.append(data)
-            elif key == "mask":
-                raise ApiError(400, "mask is not supported: these models edit the whole image", param="mask")
-            elif isinstance(value, UploadFile):
-                raise ApiError(400, f"unexpected file field {key!r}; send images as 'image' or 'image[]'", param=key)
-            elif key in fields:
-                raise ApiError(400, f"{key} is given more than once", param=key)
-            else:
-                fields[key] = value
-    finally:
-        await form.close()
-    try:
-        body = ImageEditRequest.model_validate(fields)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
+    for key, value in await read_form(http, spec):
+        if field_param(key) == IMAGE:
+            if not isinstance(value, FilePart):
+                raise ApiError(400, f"{key} must be an uploaded file, not a text field", param=IMAGE)
+            images.append(value.data)
+        elif key == "mask":
+            raise ApiError(400, "mask is not supported: these models edit the whole image", param="mask")
+        elif isinstance(value, FilePart):
+            raise ApiError(400, f"unexpected file field {key!r}; send images as 'image' or 'image[]'", param=key)
+        elif key in fields:
+            raise ApiError(400, f"{key} is given more than once", param=key)
+        else:
+            fields[key] = value
+    body = parse_fields(ImageEditRequest, fields)
     if not images:
         raise ApiError(400, "image is required: upload one or more files as 'image' (or 'image[]')", param="image")
     return body, images
