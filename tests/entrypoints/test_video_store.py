@@ -1,22 +1,29 @@
 """The videos API's store without HTTP or workers: jobs finished by hand, files in a test directory.
 
 Covers the MP4 and the record written when a job completes, what a restart finds (finished
-videos kept, interrupted jobs failed, leftover files of ours removed, other files untouched),
-one server per directory, deletion and cancellation, and eviction by age, count and bytes.
+videos kept, interrupted jobs failed with their own times, leftover files of ours removed,
+unreadable records, other files and entries of the wrong kind untouched), one server per
+directory, deletion and cancellation (also while the MP4 is written), a full disk failing one
+video only, and eviction by age, count and bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import json
+import os
+import threading
 import time
+from pathlib import Path
 
 import av
 import numpy as np
 import pytest
 
 from vllm_omni.diffusion.data import DiffusionOutput, DiffusionRequest
+from vllm_omni.entrypoints.openai import media
 from vllm_omni.entrypoints.openai.scheduler import Job, JobError
 from vllm_omni.entrypoints.openai.video_store import (
     VideoDirectoryInUse,
@@ -107,11 +114,24 @@ def test_a_completed_job_becomes_an_mp4_and_a_record_that_a_restart_keeps(tmp_pa
     asyncio.run(scenario())
 
 
-def test_a_restart_fails_interrupted_jobs_and_removes_leftover_files_of_ours_only(tmp_path):
-    def record(number: int, status: str, file_bytes: int = 0) -> VideoRecord:
-        job = new_job(number)
-        created = time.time() - 10
-        return VideoRecord(job.id, "tiny", "p", "1", "32x16", 8, 3, FRAMES, created, status, file_bytes=file_bytes)
+def left_record(number: int, status: str, age_s: float = 10, file_bytes: int = 0) -> VideoRecord:
+    """A record as a previous server wrote it, created `age_s` ago (completed ones finished a second later)."""
+    created = time.time() - age_s
+    done = created + 1 if status == "completed" else None
+    return VideoRecord(
+        new_job(number).id, "tiny", "p", "1", "32x16", 8, 3, FRAMES, created, status, done, file_bytes=file_bytes
+    )
+
+
+def leave(directory: Path, *records: VideoRecord) -> None:
+    for r in records:
+        (directory / f"{r.id}.json").write_text(json.dumps(r.to_json()))
+        if r.status == "completed":
+            (directory / f"{r.id}.mp4").write_bytes(b"m" * r.file_bytes)
+
+
+def test_a_restart_fails_interrupted_jobs_and_removes_leftover_files_of_ours_only(tmp_path, capsys):
+    record = left_record
 
     # What a server killed mid-run leaves behind.
     left = {
@@ -119,30 +139,70 @@ def test_a_restart_fails_interrupted_jobs_and_removes_leftover_files_of_ours_onl
         "done": record(2, "completed", file_bytes=4),
         "file_gone": record(3, "completed", file_bytes=4),
     }
-    for r in left.values():
-        (tmp_path / f"{r.id}.json").write_text(json.dumps(r.to_json()))
-    (tmp_path / f"{left['done'].id}.mp4").write_bytes(b"mp4!")
+    leave(tmp_path, *left.values())
+    (tmp_path / f"{left['file_gone'].id}.mp4").unlink()
     orphan = tmp_path / f"{new_job(4).id}.mp4"  # its record was never written, or was deleted
     orphan.write_bytes(b"half")
     half_written = tmp_path / f".{new_job(1).id}.mp4.tmp"
     half_written.write_bytes(b"ha")
-    (tmp_path / f"{new_job(5).id}.json").write_text("{not json")
-    foreign = [tmp_path / "notes.txt", tmp_path / "holiday.mp4"]
+    # Records of ours it cannot read (damaged, or from a newer server) stay, with their MP4.
+    unreadable = [tmp_path / f"{new_job(5).id}.json", tmp_path / f"{new_job(6).id}.json"]
+    unreadable[0].write_text("{not json")
+    unreadable[1].write_text(json.dumps({**left_record(6, "completed").to_json(), "version": 99}))
+    unreadable.append(tmp_path / f"{new_job(6).id}.mp4")
+    unreadable[2].write_bytes(b"mp4?")
+    foreign = [tmp_path / "notes.txt", tmp_path / "holiday.mp4", tmp_path / "video-notes.json"]
     for path in foreign:
         path.write_text("not ours")
+    # Entries under our names that the store never makes: skipped, not fatal.
+    odd = [
+        tmp_path / f"{new_job(7).id}.mp4",
+        tmp_path / f"{new_job(8).id}.json",
+        tmp_path / f".{new_job(9).id}.mp4.tmp",
+    ]
+    for path in odd:
+        path.mkdir()
+    linked = tmp_path / f"{new_job(10).id}.mp4"
+    linked.symlink_to(tmp_path / "notes.txt")
 
     async def scenario():
         store = opened(tmp_path)
         restarted = store.get(left["queued"].id)
         assert restarted.state() == ("failed", 0) and restarted.error.code == "server_restarted"
-        assert restarted.expires_at > time.time()
+        # It keeps its own times: when it stopped is not known, and it expires counting from its creation.
+        assert restarted.completed_at is None
+        assert restarted.expires_at == left["queued"].created_at + store.settings.max_age_s
         assert json.loads((tmp_path / f"{restarted.id}.json").read_text())["status"] == "failed"
         assert store.get(left["done"].id).state() == ("completed", 100)
-        assert store.get(left["file_gone"].id).error.code == "server_error"
+        gone = store.get(left["file_gone"].id)
+        assert gone.error.code == "server_error" and gone.completed_at == left["file_gone"].completed_at
         assert not orphan.exists() and not half_written.exists()
-        assert not (tmp_path / f"{new_job(5).id}.json").exists()
+        assert [path.read_bytes()[:4] for path in unreadable] == [b"{not", b'{"ve', b"mp4?"]
         assert all(path.read_text() == "not ours" for path in foreign)
+        assert all(path.is_dir() for path in odd) and linked.is_symlink()
         assert [r.id for r in store.newest_first()] == sorted((r.id for r in left.values()), reverse=True)
+        await store.close()
+        log = capsys.readouterr().err
+        assert all(f"unreadable video record {path}" in log for path in unreadable[:2]), log
+        assert all(f"Skipping {path} in the video directory: not a regular file" in log for path in [*odd, linked])
+
+    asyncio.run(scenario())
+
+
+def test_after_a_restart_interrupted_jobs_are_evicted_by_their_own_age_not_the_restart_time(tmp_path):
+    oldest_interrupted = left_record(1, "in_progress", age_s=400)
+    completed = [left_record(2, "completed", age_s=300, file_bytes=4), left_record(3, "completed", 100, 4)]
+    newest_interrupted = left_record(4, "queued", age_s=50)
+    leave(tmp_path, oldest_interrupted, *completed, newest_interrupted)
+
+    async def scenario():
+        store = opened(tmp_path, max_videos=3)
+        # Four finished, three kept: the interrupted job created first is the oldest and goes; both
+        # completed videos stay (dated by the restart, the interrupted jobs would have evicted the older one).
+        kept = [newest_interrupted.id, completed[1].id, completed[0].id]
+        assert [r.id for r in store.newest_first()] == kept
+        assert not (tmp_path / f"{oldest_interrupted.id}.json").exists()
+        assert all((tmp_path / f"{r.id}.mp4").is_file() for r in completed)
         await store.close()
 
     asyncio.run(scenario())
@@ -192,6 +252,73 @@ def test_delete_cancels_an_unfinished_job_and_removes_a_finished_one(tmp_path):
         complete(late)
         await finished(late_record)
         assert late_record.error.code == "cancelled" and not (tmp_path / f"{late.id}.mp4").exists()
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_delete_while_the_mp4_is_written_deletes_the_video_and_its_file_once_written(tmp_path, monkeypatch):
+    encoding, release = threading.Event(), threading.Event()
+    real_encode = media.encode_mp4
+
+    def held_encode(frames, fps):
+        encoding.set()
+        assert release.wait(WAIT_S), "never released"
+        return real_encode(frames, fps)
+
+    monkeypatch.setattr(media, "encode_mp4", held_encode)
+
+    async def scenario():
+        store = opened(tmp_path)
+        job = new_job(1)
+        record = add(store, job)
+        complete(job)
+        assert await asyncio.to_thread(encoding.wait, WAIT_S)
+        assert record.state() == ("in_progress", 99)  # the frames are in, the MP4 is being written
+
+        assert store.delete(job.id) is True
+        assert store.get(job.id) is None and store.newest_first() == []
+        assert store.delete(job.id) is None
+        release.set()
+        await finished(record)
+        assert list(tmp_path.glob(f"*{job.id}*")) == [] and store.scheduler.forgotten == [job.id]
+        await store.close()
+        again = opened(tmp_path)
+        assert again.newest_first() == []
+        await again.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_full_disk_fails_that_video_leaving_no_partial_file_and_the_next_video_completes(tmp_path, monkeypatch):
+    real_write = Path.write_bytes
+
+    def write_until_the_disk_is_full(path, data):
+        real_write(path, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    async def scenario():
+        store = opened(tmp_path)
+        job = new_job(1)
+        record = add(store, job)
+        with monkeypatch.context() as disk:
+            disk.setattr(Path, "write_bytes", write_until_the_disk_is_full)  # the MP4 and the record's write
+            complete(job)
+            await finished(record)
+        assert record.state() == ("failed", 0) and record.file_bytes == 0
+        assert (record.error.code, record.error.message) == (
+            "server_error",
+            "could not store the MP4 on the server: No space left on device",
+        )
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", f"{job.id}.json"]  # no partial file
+
+        # Space again: the next video completes, with no restart.
+        following = new_job(2)
+        following_record = add(store, following)
+        complete(following)
+        await finished(following_record)
+        assert following_record.state() == ("completed", 100)
+        assert (tmp_path / f"{following.id}.mp4").stat().st_size == following_record.file_bytes > 0
         await store.close()
 
     asyncio.run(scenario())

@@ -8,18 +8,24 @@ video is deleted or evicted.
 
 Storage, one directory (`--video-dir`; default a fresh temporary one per server, removed when
 it stops): `<id>.mp4` and `<id>.json` (the record) per video, both written to a temporary name
-and renamed, so a crash never leaves a half file under a video's name. The directory is locked
-(flock) while a server uses it. Opening a directory a previous server left:
+(`.<id>.mp4.tmp`) and renamed, so a crash never leaves a half file under a video's name, and a
+failed write (a full disk) removes its temporary at once. The directory is locked (flock) while
+a server uses it. Files of ours are exactly those names (`video-` and 16 hex digits); the store
+never deletes anything else. Opening a directory a previous server left:
 - completed videos whose file is there stay listed and downloadable until they expire;
 - jobs that were queued or running end `failed` with code `server_restarted` (never
-  `in_progress` forever);
-- files of ours (`video-*.mp4`, temporaries) with no completed record are deleted: a
-  leftover file is never served under another video's id. Other files are left alone.
+  `in_progress` forever), keeping their own times: no `completed_at` (when they stopped is not
+  known), expiring `max_age_s` after they were created;
+- regular files of ours with no completed record (MP4s, temporaries) are deleted: a leftover
+  file is never served under another video's id. A record of ours that cannot be read is left
+  alone with its MP4, and an entry of ours that is not a regular file (a directory, a link) is
+  skipped, each with a warning.
 
 Eviction, checked whenever the store is used: a finished video (completed or failed) expires
 `max_age_s` after it finished (file and record go); beyond `max_videos` finished videos, or
-`max_bytes` of files, the oldest finished ones go first (the newest video is kept even when
-it alone passes `max_bytes`).
+`max_bytes` of files, the oldest finished ones go first (by when they finished, or were created
+where that is not known; the newest video is kept even when it alone passes `max_bytes`).
+Deleting a video whose MP4 is being written removes it at once; the finisher discards the file.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -45,8 +52,11 @@ logger = init_logger(__name__)
 
 VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
 VIDEO_ID = re.compile(r"^video-[0-9a-f]{16}$")  # the scheduler's ids with prefix "video"
-_OURS = re.compile(r"^\.?video-[0-9a-f]{16}(\.mp4|\.json)(\.tmp)?$")  # files this store may delete
+# The names this store writes, and the only ones it reads or deletes: <id>.mp4, <id>.json, and
+# their temporaries .<id>.mp4.tmp and .<id>.json.tmp.
+_OURS = re.compile(r"^(?P<temporary>\.)?(?P<id>video-[0-9a-f]{16})\.(?P<kind>mp4|json)(?(temporary)\.tmp)$")
 _RECORD_VERSION = 1
+_NOT_PERSISTED = ("job", "cancelled_by_client", "deleted")
 ENCODING_PROGRESS = 99  # the denoising is done, the MP4 is being written
 
 
@@ -87,10 +97,16 @@ class VideoRecord:
     file_bytes: int = 0
     job: Job | None = field(default=None, repr=False)  # the scheduler's job until the record is final
     cancelled_by_client: bool = field(default=False, repr=False)
+    deleted: bool = field(default=False, repr=False)  # gone from the store; its finisher discards what it writes
 
     @property
     def finished(self) -> bool:
         return self.job is None
+
+    @property
+    def ended_at(self) -> float:
+        """When it finished, for eviction; a job a restart interrupted has only its creation time."""
+        return self.completed_at if self.completed_at is not None else self.created_at
 
     def state(self) -> tuple[VideoStatus, int]:
         """(status, progress 0-100) now."""
@@ -104,8 +120,7 @@ class VideoRecord:
         return "in_progress", ENCODING_PROGRESS  # the job ended; the record is being finished
 
     def to_json(self) -> dict[str, Any]:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("job",)}
-        values.pop("cancelled_by_client")
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_PERSISTED}
         values["error"] = dataclasses.asdict(self.error) if self.error else None
         return {"version": _RECORD_VERSION, **values}
 
@@ -115,10 +130,17 @@ class VideoRecord:
         if data.pop("version", None) != _RECORD_VERSION:
             raise ValueError("unknown record version")
         error = data.pop("error", None)
+        if set(data) & set(_NOT_PERSISTED):
+            raise ValueError("unknown fields")
         record = cls(**data)
         record.error = JobError(**error) if error else None
-        if not VIDEO_ID.match(record.id):
+        if not isinstance(record.id, str) or not VIDEO_ID.match(record.id):
             raise ValueError(f"bad id {record.id!r}")
+        times = (record.created_at, record.completed_at or 0.0, record.expires_at or 0.0)
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
+            raise ValueError("bad times")
+        if not isinstance(record.file_bytes, int) or record.file_bytes < 0:
+            raise ValueError(f"bad file_bytes {record.file_bytes!r}")
         return record
 
 
@@ -178,36 +200,52 @@ class VideoStore:
             shutil.rmtree(self.directory, ignore_errors=True)
 
     def _load(self) -> None:
-        now = time.time()
-        for path in sorted(self.directory.glob("video-*.json")):
+        entries: dict[str, list[tuple[Path, str]]] = {}  # id -> its entries of ours, with their kind
+        for path in sorted(self.directory.iterdir()):
+            match = _OURS.match(path.name)
+            if match is None:
+                continue  # not ours: left alone
+            if path.is_symlink() or not path.is_file():
+                logger.warning("Skipping %s in the video directory: not a regular file (not written by us)", path)
+                continue
+            entries.setdefault(match["id"], []).append((path, "temporary" if match["temporary"] else match["kind"]))
+        unreadable: set[str] = set()
+        for video_id, files in entries.items():
+            path = next((p for p, kind in files if kind == "json"), None)
+            if path is None:
+                continue
             try:
                 record = VideoRecord.from_json(json.loads(path.read_text()))
-                if record.id != path.stem:
+                if record.id != video_id:
                     raise ValueError(f"record of {record.id} in the wrong file")
             except (OSError, ValueError, TypeError) as exc:
-                logger.warning("Ignoring and removing unreadable video record %s: %s", path, exc)
-                path.unlink(missing_ok=True)
+                logger.warning("Leaving alone an unreadable video record %s (and its MP4, if any): %s", path, exc)
+                unreadable.add(video_id)
                 continue
             if record.status not in ("completed", "failed"):
+                # It stopped at a moment no one knows: it keeps its own times (no completed_at, not the
+                # restart's time, which would make it the newest and evict finished videos before it).
                 record.status = "failed"
                 record.error = JobError("server_restarted", "the server restarted before this video was finished")
-                self._end(record, now)
+                record.expires_at = record.created_at + self.settings.max_age_s
+                self._save(record)
             elif record.status == "completed":
                 file = self.video_path(record)
-                if not file.is_file() or file.stat().st_size != record.file_bytes:
+                if not _is_regular_file(file) or file.stat().st_size != record.file_bytes:
                     record.status = "failed"
                     record.error = JobError("server_error", "the video file is missing from the video directory")
                     record.file_bytes = 0
-                    self._end(record, now)
+                    self._save(record)
             self._records[record.id] = record
         self._records = dict(sorted(self._records.items(), key=lambda item: (item[1].created_at, item[0])))
-        for path in self.directory.iterdir():
-            if not _OURS.match(path.name) or path.suffix == ".json":
-                continue
-            record = self._records.get(path.name.lstrip(".").split(".")[0])
-            if path.suffix == ".tmp" or record is None or record.status != "completed":
-                logger.info("Removing %s: no completed video owns it", path)
-                path.unlink(missing_ok=True)
+        for video_id, files in entries.items():
+            record = self._records.get(video_id)
+            for path, kind in files:
+                if kind == "temporary" or (
+                    kind == "mp4" and video_id not in unreadable and (record is None or record.status != "completed")
+                ):
+                    logger.info("Removing %s: no completed video owns it", path)
+                    _unlink_regular_file(path)
         restarted = sum(r.error is not None and r.error.code == "server_restarted" for r in self._records.values())
         logger.info("Found %d video(s) in %s (%d ended by the restart)", len(self._records), self.directory, restarted)
         self._sweep()
@@ -249,15 +287,17 @@ class VideoStore:
         return self.directory / f"{record.id}.mp4"
 
     def delete(self, video_id: str) -> bool | None:
-        """None: no such video. True: a finished video, deleted with its file. False: a queued or
-        running job, cancelled (it stops at its next step and ends failed, code "cancelled")."""
+        """None: no such video. True: deleted with its file (a video whose job ended and whose MP4 is
+        being written too: the finisher discards the file). False: a queued or running job, cancelled
+        (it stops at its next step and ends failed, code "cancelled"; a second delete removes it)."""
         record = self.get(video_id)
         if record is None:
             return None
-        if not record.finished:
+        if record.job is not None and not record.job.finished:
             record.cancelled_by_client = True
             self.scheduler.cancel(record.id, "deleted by the client")
             return False
+        record.deleted = True
         self._remove(record, "deleted by the client")
         return True
 
@@ -267,19 +307,18 @@ class VideoStore:
         job = record.job
         try:
             await job.wait()
-            if job.status == "completed" and record.cancelled_by_client:
+            if record.deleted:
+                pass  # deleted as its job ended: nothing to write
+            elif job.status == "completed" and record.cancelled_by_client:
                 # Deleted while its frames were decoded: nobody wants the file.
                 record.status, record.error = "failed", JobError("cancelled", "cancelled: deleted by the client")
             elif job.status == "completed":
                 output = job.result
                 job.result = None  # the frames are held by this task only until they are written
-                try:
-                    record.file_bytes = await asyncio.to_thread(self._write_video, record, output.images[0], output.fps)
-                except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
-                    logger.error("Video %s: could not write the MP4: %s", record.id, exc, exc_info=exc)
+                record.error = await self._write_video(record, output.images[0], output.fps)
+                if record.error is not None:
                     record.status = "failed"
-                    record.error = JobError("server_error", f"encoding failed: {one_line(exc)}")
-                else:
+                elif not record.deleted:
                     record.status = "completed"
                     record.width, record.height, record.num_frames = output.width, output.height, output.num_frames
                     record.size = f"{output.width}x{output.height}"
@@ -297,18 +336,32 @@ class VideoStore:
         finally:
             record.job = None
             self.scheduler.forget(job.id)
-        logger.info("Video %s %s%s", record.id, record.status, f" ({record.error.code})" if record.error else "")
+            if record.deleted:
+                self._remove_files(record)  # what was written while it was being deleted
+        if record.deleted:
+            logger.info("Video %s: deleted while it was being finished; nothing kept", record.id)
+        else:
+            logger.info("Video %s %s%s", record.id, record.status, f" ({record.error.code})" if record.error else "")
         self._sweep()
 
-    def _write_video(self, record: VideoRecord, frames: Any, fps: int) -> int:
-        from vllm_omni.entrypoints.openai.media import encode_mp4
+    async def _write_video(self, record: VideoRecord, frames: Any, fps: int) -> JobError | None:
+        """Encode and store the MP4 (in threads: the next job runs meanwhile); the error, if any, for the client."""
+        from vllm_omni.entrypoints.openai import media
 
-        data = encode_mp4(frames, fps)
-        path = self.video_path(record)
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_bytes(data)
-        os.replace(temporary, path)
-        return len(data)
+        try:
+            data = await asyncio.to_thread(media.encode_mp4, frames, fps)
+        except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
+            logger.error("Video %s: could not encode the MP4: %s", record.id, exc, exc_info=exc)
+            return JobError("server_error", f"encoding the MP4 failed: {one_line(exc)}")
+        if record.deleted:
+            return None
+        try:
+            await asyncio.to_thread(_write_file, self.video_path(record), data)
+        except OSError as exc:
+            logger.error("Video %s: could not write its MP4 to %s: %s", record.id, self.directory, exc)
+            return JobError("server_error", f"could not store the MP4 on the server: {exc.strerror or one_line(exc)}")
+        record.file_bytes = len(data)
+        return None
 
     def _end(self, record: VideoRecord, now: float) -> None:
         """A final status is set: date it and write the record."""
@@ -319,27 +372,26 @@ class VideoStore:
     # ---- storage ------------------------------------------------------------------------------
 
     def _save(self, record: VideoRecord) -> None:
-        path = self.directory / f"{record.id}.json"
-        temporary = path.with_name(f".{path.name}.tmp")
+        if record.deleted:
+            return  # its record was removed; never written again
         try:
-            temporary.write_text(json.dumps(record.to_json()))
-            os.replace(temporary, path)
+            _write_file(self.directory / f"{record.id}.json", json.dumps(record.to_json()).encode())
         except OSError as exc:  # a full disk loses persistence, not the job
             logger.error("Video %s: cannot write its record: %s", record.id, exc)
 
     def _remove(self, record: VideoRecord, why: str) -> None:
         self._records.pop(record.id, None)
-        for suffix in (".mp4", ".json"):
-            with contextlib.suppress(OSError):
-                (self.directory / f"{record.id}{suffix}").unlink(missing_ok=True)
+        self._remove_files(record)
         logger.info("Video %s removed: %s", record.id, why)
+
+    def _remove_files(self, record: VideoRecord) -> None:
+        for suffix in (".mp4", ".json"):
+            _unlink_regular_file(self.directory / f"{record.id}{suffix}")
 
     def _sweep(self) -> None:
         """Expire and evict finished videos (see the module's docstring)."""
         now = time.time()
-        finished = sorted(
-            (r for r in self._records.values() if r.finished), key=lambda r: (r.completed_at or 0.0, r.created_at)
-        )
+        finished = sorted((r for r in self._records.values() if r.finished), key=lambda r: (r.ended_at, r.created_at))
         for record in [r for r in finished if r.expires_at is not None and r.expires_at <= now]:
             self._remove(record, f"expired ({self.settings.max_age_s} s after it finished)")
             finished.remove(record)
@@ -351,3 +403,29 @@ class VideoStore:
             record = stored.pop(0)
             total -= record.file_bytes
             self._remove(record, f"evicted (the videos passed {self.settings.max_bytes} bytes)")
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """`data` under `path`'s name, whole or not at all: written to a temporary name and renamed; a
+    failed write (a full disk) removes the temporary, so it holds no space and is never left behind."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    except BaseException:
+        _unlink_regular_file(temporary)
+        raise
+
+
+def _is_regular_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def _unlink_regular_file(path: Path) -> None:
+    """Unlink a file of ours; a directory or a link someone put under that name is left alone."""
+    if _is_regular_file(path):
+        with contextlib.suppress(OSError):
+            path.unlink()
