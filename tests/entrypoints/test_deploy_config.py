@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from vllm_omni.diffusion.data import EngineLimits
+from vllm_omni.diffusion.models.registry import REGISTRY
 from vllm_omni.entrypoints.cli.main import build_parser
 from vllm_omni.entrypoints.cli.serve import engine_settings_from_args
 from vllm_omni.entrypoints.deploy_config import (
@@ -106,6 +108,19 @@ def test_limit_flags_set_engine_limits(tmp_path):
     assert resolved.limits.max_n == 4  # untouched default
 
 
+def test_the_tokens_per_step_limit_is_the_models_unless_the_yaml_or_a_flag_sets_it(tmp_path):
+    spec = REGISTRY["HunyuanVideo15Pipeline"]
+    limits = settings(tmp_path).limits
+    assert limits.max_tokens_per_step is None
+    assert limits.for_model(spec).max_tokens_per_step == spec.max_tokens_per_step == 131072
+    yaml = str(write(tmp_path, GOOD + "    limits: {max_tokens_per_step: 200000}\n"))
+    parse = build_parser().parse_args
+    limits = engine_settings_from_args(parse(["serve", "tiny/qwen-image", "--deploy-config", yaml])).limits
+    assert limits.for_model(spec).max_tokens_per_step == 200000
+    flags = ["serve", "tiny/qwen-image", "--deploy-config", yaml, "--max-tokens-per-step", "5000"]
+    assert engine_settings_from_args(parse(flags)).limits.max_tokens_per_step == 5000
+
+
 def test_deadline_flags_reach_the_engine_config_and_default_to_the_env(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_OMNI_STALL_TIMEOUT_S", "42")
     config = settings(tmp_path, "--load-timeout", "1200", "--no-warmup").engine_config()
@@ -143,6 +158,9 @@ def test_the_packaged_video_deploy_defaults_fit_its_limits_and_the_frame_rule():
     assert defaults["num_frames"] % 4 == 1 and defaults["num_frames"] <= limits["max_frames"]
     assert max(defaults["width"], defaults["height"]) <= limits["max_image_size"]
     assert 16 % deploy.parallel_config["ulysses_degree"] == 0  # the transformer's 16 heads split evenly
+    spec = REGISTRY["HunyuanVideo15Pipeline"]
+    tokens = spec.tokens_per_step(defaults["width"], defaults["height"], defaults["num_frames"], [])
+    assert tokens <= EngineLimits(**limits).for_model(spec).max_tokens_per_step
 
 
 def test_sampling_defaults_fill_only_what_the_request_left_out():

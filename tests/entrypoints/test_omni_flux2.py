@@ -53,6 +53,13 @@ def test_reference_image_generation_under_sp_equals_single_process(engines):
     assert not np.allclose(expected, _generate(engines()), atol=1e-3)  # the reference image matters
 
 
+def test_without_a_size_the_output_takes_the_first_reference_size_as_the_pipeline_encodes_it(engines):
+    omni = engines()
+    wide = Image.new("RGB", (200, 150), "teal")  # floored to 16: 192x144, like the pipeline's own resizing
+    images = omni.generate(PROMPT, image=[wide, _reference_image()], num_inference_steps=2, seed=3)
+    assert images[0].size == (192, 144) and (omni.last_output.width, omni.last_output.height) == (192, 144)
+
+
 @pytest.mark.parametrize(("field", "value"), [("negative_prompt", "blurry"), ("true_cfg_scale", 4.0)])
 def test_fields_flux2_does_not_take_are_refused_by_name(engines, field, value):
     with pytest.raises(ValueError, match=f"{field} is not accepted by Flux2Pipeline"):

@@ -18,6 +18,7 @@ import pytest
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
+from vllm_omni.diffusion.data import RequestError  # noqa: E402
 
 MODEL = "tiny/hunyuan-video-1.5"
 # 208x144, 9 frames -> 13x9 tokens x 3 latent frames = 351 video tokens (padded at Ulysses 2);
@@ -75,6 +76,19 @@ def test_outputs_frames_and_rounding(engines):
 def test_bad_video_input_names_the_field(engines, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         engines().generate(PROMPT, height=HEIGHT, width=WIDTH, num_inference_steps=2, **kwargs)
+
+
+def test_a_video_no_gpu_steps_through_in_time_is_refused_before_any_worker_runs(engines, monkeypatch):
+    omni = engines()
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the workers were sent a request the engine must refuse")
+
+    monkeypatch.setattr(omni.engine.executor, "execute", must_not_run)
+    # 4096x4096 x 257 frames: 256 x 256 tokens x 65 latent frames, about 4.3M a step.
+    with pytest.raises(RequestError) as refused:
+        omni.generate(PROMPT, height=4096, width=4096, num_frames=257, num_inference_steps=2)
+    assert refused.value.param == "width" and "4259840 tokens per denoising step" in str(refused.value)
 
 
 def test_unmasked_padding_is_close_not_equal_and_warns_once_per_worker(engines, capfd):

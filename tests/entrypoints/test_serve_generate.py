@@ -260,6 +260,7 @@ def test_models_lists_the_served_model_with_its_effective_config(server):
     assert card["parallel_config"]["ulysses_degree"] == 2
     assert card["parallel_config"]["mask_sp_padding"] is False and card["parallel_config"]["trim_sp_padding"] is True
     assert card["limits"]["max_steps"] == LONG_STEPS
+    assert card["limits"]["max_tokens_per_step"] == 81920  # the model's default, as the engine applies it
 
 
 def _queued_id(server, start: int, steps: int) -> str:

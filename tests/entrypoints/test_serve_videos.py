@@ -4,9 +4,10 @@ One server process for the module (CPU workers), its videos kept in a test direc
 208x144 is 13x9 latent pixels; 9 frames are 3 latent frames: 351 video tokens, odd, so Ulysses
 2 pads them. Covers create_and_poll and download (a real MP4 of the asked frames and size),
 progress, cancellation by DELETE, deleting a finished video (its file goes, then 404), the list
-newest first with its cursor, two jobs at once, JSON bodies, and bad input naming the field.
-Image-to-video (`input_reference` on the i2v model) would need a second server (about 12 s
-more): only the upload paths are covered here, by the text-to-video model refusing them.
+newest first with its cursor, two jobs at once, JSON bodies, bad input naming the field, and a
+`seconds` over the frame limit saying which lengths fit.
+Image-to-video runs on a server of its own (test_serve_image_to_video.py); here the upload
+paths are covered by the text-to-video model refusing them.
 """
 
 from __future__ import annotations
@@ -176,6 +177,11 @@ def test_a_json_body_works_too_with_num_frames_winning_over_seconds(server):
         ({"seconds": "100"}, "seconds"),  # 800 frames at 8 fps: over --max-frames
         ({"size": "abc"}, "size"),
         ({"size": "99999x144"}, "size"),
+        # Over --max-tokens-per-step (131072): 256 x 256 tokens x 3 latent frames, too large at any
+        # length; 1280x720 fits at 121 frames, not at 241 (10 s at 24 fps, or asked as num_frames).
+        ({"size": "4096x4096"}, "size"),
+        ({"size": "1280x720", "seconds": "10", "fps": 24}, "seconds"),
+        ({"size": "1280x720", "num_frames": 241}, "num_frames"),
         ({"num_frames": 0}, "num_frames"),
         ({"num_frames": 100000}, "num_frames"),
         ({"num_frames": "many"}, "num_frames"),
@@ -196,6 +202,21 @@ def test_bad_input_is_a_400_naming_the_field(server, client, fields, param):
     # ... and as JSON.
     response = httpx.post(f"{server.url}/v1/videos", json=body)
     assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+
+
+def test_seconds_12_at_the_default_fps_is_a_400_saying_which_lengths_fit_and_at_what_fps_it_would(client):
+    # At the default 24 fps, 12 s is 288 frames, over --max-frames (257).
+    with pytest.raises(BadRequestError) as refused:
+        client.videos.create(model=MODEL, prompt=PROMPT, size=SIZE, seconds="12")
+    assert refused.value.body["param"] == "seconds"
+    assert "seconds '4' or '8' fit at fps=24; 12 s fits at fps=21 or lower" in refused.value.body["message"]
+    # As it says: at 21 fps, 12 s is 252 frames, run as 253 (4k + 1).
+    body = dict(FAST, fps=21, num_inference_steps=SLOW_STEPS)
+    video = client.videos.create(model=MODEL, prompt=PROMPT, size=SIZE, seconds="12", extra_body=body)
+    assert (video.seconds, video.model_extra["num_frames"], video.model_extra["fps"]) == ("12", 253, 21)
+    assert client.videos.delete(video.id).deleted is False  # only its frame count was wanted: cancelled
+    assert poll_until(client, video.id, finished).error.code == "cancelled"
+    assert client.videos.delete(video.id).deleted is True
 
 
 def test_an_input_reference_is_refused_by_the_text_to_video_model_naming_it(server, client):

@@ -11,7 +11,10 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.models.registry import PipelineSpec
 
 PaddingMode = Literal["mask", "trim", "none"]
 ExecutorBackend = Literal["mp", "ray"]
@@ -201,6 +204,24 @@ class EngineLimits:
     max_queue: int = 64  # requests waiting in the server's queue
     max_frames: int = 257  # video frames per request
     max_fps: int = 120
+    # Image (video) tokens one denoising forward attends over: the output's latent patches x latent
+    # frames, plus the source images' where the pipeline joins them to the sequence
+    # (PipelineSpec.tokens_per_step). None: the served model's default (PipelineSpec.max_tokens_per_step).
+    max_tokens_per_step: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name == "max_tokens_per_step":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+
+    def for_model(self, spec: PipelineSpec) -> EngineLimits:
+        """These limits with the model's own defaults where none was set (max_tokens_per_step)."""
+        if self.max_tokens_per_step is not None:
+            return self
+        return dataclasses.replace(self, max_tokens_per_step=spec.max_tokens_per_step)
 
 
 OutputType = Literal["pil", "np", "uint8"]

@@ -4,13 +4,17 @@
 request is queued, so bad input is refused at once and no worker sees it. Every problem is a
 `RequestError` naming the field. Besides types and limits it settles what the pipeline would
 otherwise decide by itself, so that it can be checked: the output size (a default, or one
-derived from a source image) and the seed. Prompts are counted in the model's own tokenizer
-(loaded here; cheap next to the workers' load) and source images are checked from their
-headers only (images.py). Nothing here needs torch.
+derived from a source image), the frame count and the seed. The work of one denoising step is
+bounded by its tokens (`PipelineSpec.tokens_per_step` against `max_tokens_per_step`), so a
+request no GPU finishes within the stall deadline is refused here instead of restarting the
+workers. Prompts are counted in the model's own tokenizer (loaded here; cheap next to the
+workers' load) and source images are checked from their headers only (images.py). Nothing
+here needs torch.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -91,12 +95,19 @@ class PromptTokenCounter:
             raise RequestError(f"{name} is {count} tokens; the limit is {limit}", name)
 
 
+def bucket_target_size(model_path: Path) -> int:
+    """The checkpoint's `target_size` (transformer/config.json), which HunyuanVideo 1.5 sizes videos by."""
+    config = json.loads((model_path / "transformer" / "config.json").read_text())
+    return config.get("target_size", 640)  # HunyuanVideo15Transformer3DModel's default
+
+
 class RequestPreprocessor:
     def __init__(self, spec: PipelineSpec, limits: EngineLimits, model_path: Path) -> None:
         self.spec = spec
-        self.limits = limits
+        self.limits = limits.for_model(spec)
         self.tokens = PromptTokenCounter(model_path)
         self.max_prompt_tokens = min(limits.max_prompt_tokens, spec.max_prompt_tokens or limits.max_prompt_tokens)
+        self.target_size = bucket_target_size(model_path) if spec.size_buckets else None
 
     def __call__(self, params: GenerationParams, request_id: str, cancel_token: int) -> DiffusionRequest:
         start = time.perf_counter()
@@ -127,6 +138,14 @@ class RequestPreprocessor:
         num_frames = fps = None
         if spec.modality == "video":
             num_frames = self._check_frames(params.num_frames)
+            if num_frames is None and spec.default_frames is not None:
+                num_frames = spec.default_frames  # checked like a requested count, then passed on
+                if num_frames > limits.max_frames:
+                    raise RequestError(
+                        f"without num_frames, this request would run {num_frames} frames (the model's default); "
+                        f"num_frames must be at most {limits.max_frames}: ask for fewer",
+                        "num_frames",
+                    )
             fps = check_int("fps", spec.default_fps if params.fps is None else params.fps, 1, limits.max_fps)
         seed = params.seed
         if seed is None:
@@ -134,8 +153,11 @@ class RequestPreprocessor:
             logger.info("No seed given: drew seed %d", seed)
         seed = check_int("seed", seed, 0, MAX_SEED)
         images, source_sizes = self._check_images(params.image)
-        if spec.modality == "image" and (height is None or width is None):
+        if height is None or width is None:
             width, height = self._derived_size(width, height, source_sizes)
+        self._check_tokens(width, height, num_frames, source_sizes)
+        # Image-to-video pipelines size the video from the image themselves (not passed to them); the size
+        # derived here is the one they pick, so the request carries it for the job's record from the start.
 
         request = DiffusionRequest(
             request_id=request_id,
@@ -220,6 +242,14 @@ class RequestPreprocessor:
                     f"{spec.diffusers_class}",
                     "image",
                 )
+            if spec.source_resize is not None:
+                encoded = spec.source_size(width, height)
+                if min(encoded) < spec.size_multiple:
+                    raise RequestError(
+                        f"{name} is {width}x{height}: {spec.diffusers_class} would encode it at "
+                        f"{encoded[0]}x{encoded[1]}; it needs at least {spec.size_multiple} pixels a side",
+                        "image",
+                    )
             images.append(data)
             sizes.append((width, height))
         return images, sizes
@@ -228,19 +258,56 @@ class RequestPreprocessor:
         self, width: int | None, height: int | None, source_sizes: list[tuple[int, int]]
     ) -> tuple[int | None, int | None]:
         """The size the pipeline would pick where the request gave none, checked like a requested one."""
-        picked = self.spec.output_size(source_sizes)
+        spec = self.spec
+        picked = spec.output_size(source_sizes, self.target_size)
         if picked is None:
             return width, height
-        why = "from the source image's aspect ratio" if source_sizes else "the model's default"
+        why = "taken from the input image" if source_sizes else "the model's default"
+        # A pipeline that takes no size (image-to-video) picks one of its checkpoint's buckets: only the
+        # token limit applies to it.
         for name, given, value in (("width", width, picked[0]), ("height", height, picked[1])):
-            if given is None and not self.spec.size_multiple <= value <= self.limits.max_image_size:
+            if spec.takes(name) and given is None and not spec.size_multiple <= value <= self.limits.max_image_size:
                 raise RequestError(
                     f"without a {name}, this request would run at {picked[0]}x{picked[1]} ({why}); "
-                    f"{name} must be between {self.spec.size_multiple} and {self.limits.max_image_size}: "
+                    f"{name} must be between {spec.size_multiple} and {self.limits.max_image_size}: "
                     "ask for a size",
                     name,
                 )
-        multiple = self.spec.size_multiple
+        multiple = spec.size_multiple
         width = width if width is not None else picked[0] // multiple * multiple
         height = height if height is not None else picked[1] // multiple * multiple
         return width, height
+
+    def _check_tokens(
+        self, width: int | None, height: int | None, num_frames: int | None, source_sizes: list[tuple[int, int]]
+    ) -> None:
+        """RequestError when one denoising step would process more than max_tokens_per_step tokens.
+
+        It names what to change: the input images where the output alone fits; else the size where
+        it is too large even at the model's default length; else the frame count.
+        """
+        spec, limit = self.spec, self.limits.max_tokens_per_step
+        if width is None or height is None:
+            return  # a size the pipeline picks that is not restated here (none of the served pipelines)
+        tokens = spec.tokens_per_step(width, height, num_frames, source_sizes)
+        if tokens <= limit:
+            return
+        output = spec.tokens_per_step(width, height, num_frames, [])
+        step = spec.size_multiple
+        what, grid = f"{width}x{height}", f"{width // step} x {height // step} tokens"
+        if num_frames is not None:
+            what += f" x {num_frames} frames"
+            grid += f" x {(num_frames - 1) // spec.frame_multiple + 1} latent frames"
+        if output < tokens:
+            grid += f" + {tokens - output} of the {len(source_sizes)} input image(s)"
+        if output <= limit:
+            param, fix = "image", "send fewer or smaller input images"
+        elif spec.takes("height") and spec.tokens_per_step(width, height, spec.default_frames, []) > limit:
+            param, fix = "width", "ask for a smaller size"  # over HTTP: `size`
+        else:
+            param, fix = "num_frames", "ask for fewer frames"
+        raise RequestError(
+            f"this request is {tokens} tokens per denoising step ({what}: {grid}); the limit is {limit}: {fix}, "
+            "or raise the limit (--max-tokens-per-step)",
+            param,
+        )

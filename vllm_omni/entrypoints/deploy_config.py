@@ -217,10 +217,7 @@ class EngineSettings:
         if given:
             parallel = parallel.replace(**given)
         given_limits = {k: v for k, v in (limit_overrides or {}).items() if v is not None}
-        limits = EngineLimits(**{**(deploy.limits if deploy else {}), **given_limits})
-        for name, value in vars(limits).items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        limits = EngineLimits(**{**(deploy.limits if deploy else {}), **given_limits})  # checks its values
         return cls(
             model=model,
             parallel_config=parallel,

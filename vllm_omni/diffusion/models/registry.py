@@ -1,8 +1,8 @@
 """Which diffusers pipelines we serve, and how: one `Family` per package under models/.
 
 The engine reads `_class_name` from a model folder's model_index.json and looks its spec up
-here, so it knows the modality, task, size rule, defaults and accepted request fields without
-importing torch. Generic code reaches a family's code only through these entries:
+here, so it knows the modality, task, size and token rules, defaults and accepted request fields
+without importing torch. Generic code reaches a family's code only through these entries:
 `vllm_omni.diffusion.models.<family>.pipeline` (TRANSFORMER_CLASS, pipeline_kwargs) for the
 runner, and `...<family>.tiny` (tiny_model_path) for the loader. Adding a family is one
 package and one entry in FAMILIES.
@@ -30,7 +30,9 @@ class PipelineSpec:
     modality: Literal["image", "video"] = "image"
     max_input_images: int = 0  # 0: text-only input; 1: one source image; more: several (Edit-Plus, FLUX.2)
     input_image_required: bool = False  # edits need one; FLUX.2's reference images are optional
-    size_multiple: int = 16  # VAE 8x times the 2x2 patch: sizes are rounded down to this
+    # Pixels per token side, the VAE's compression times the patch (8 x 2 for the image models, 16 x 1 for
+    # HunyuanVideo 1.5): sizes are rounded down to it.
+    size_multiple: int = 16
     frame_multiple: int = 1  # video: num_frames is k * frame_multiple + 1 (the VAE's temporal compression)
     default_steps: int = 50
     min_steps: int = 1
@@ -41,17 +43,33 @@ class PipelineSpec:
     compile_blocks: bool = True
     # Sizes the pipeline picks by itself, restated so the engine can check them against its limits
     # before any worker runs (and then passes them explicitly). Without a size and without a source
-    # image the pipeline draws `default_size` (width, height); with source images it keeps the
-    # aspect ratio of source `auto_size_source` (-1: the last) at about `auto_size_area` pixels,
-    # each side rounded to `auto_size_rounding`.
+    # image the pipeline draws `default_size` (width, height); with source images it takes the size
+    # at which it encodes source `auto_size_source` (-1: the last; see `source_size`).
     default_size: tuple[int, int] | None = None
-    auto_size_area: int | None = None
     auto_size_source: int = 0
-    auto_size_rounding: int = 32
+    # How the pipeline resizes a source image before its VAE encodes it: "area" (Qwen-Image-Edit's
+    # calculate_dimensions: the aspect ratio at about `source_area` pixels, sides rounded to 32),
+    # "shrink" (FLUX.2: down to at most `source_area` pixels, sides floored to 16); None: as given.
+    source_resize: Literal["area", "shrink"] | None = None
+    source_area: int = 1024 * 1024
+    # The encoded sources' latent tokens join the transformer's sequence (Qwen-Image-Edit, FLUX.2):
+    # each adds its tokens to every denoising step.
+    sources_in_sequence: bool = False
+    # HunyuanVideo 1.5: sizes come from the checkpoint's buckets (transformer config `target_size`):
+    # the bucket nearest the source's aspect ratio, or without a source `default_aspect_ratio`.
+    size_buckets: bool = False
+    default_aspect_ratio: tuple[int, int] = (16, 9)  # (width, height)
+    default_frames: int | None = None  # video: the pipeline's num_frames default
     # Sources more elongated than this break the pipeline's own resizing (a side rounds to 0).
     max_source_aspect_ratio: float | None = None
     # Prompt tokens the pipeline reads; it cuts longer prompts silently, so the engine refuses them.
     max_prompt_tokens: int | None = None
+    # The default of EngineLimits.max_tokens_per_step (see `tokens_per_step`): one GPU finishes a step
+    # of that many tokens well within the default stall deadline (300 s), at n = 4 and with CFG, so
+    # at any Ulysses degree (docs/serving.md#limits). Image models: 81920 = a 4096x4096 output (the
+    # default max_image_size, 65536 tokens) plus four 1 MP sources (4096 tokens each, the default
+    # max_input_images): at the default limits those bind first; this bounds a deploy that raises them.
+    max_tokens_per_step: int = 81920
 
     def family_module(self, name: str) -> ModuleType:
         """`vllm_omni.diffusion.models.<family>.<name>` (imports torch: workers and tests only)."""
@@ -60,14 +78,71 @@ class PipelineSpec:
     def takes(self, field_name: str) -> bool:
         return field_name in self.fields
 
-    def output_size(self, source_sizes: list[tuple[int, int]]) -> tuple[int, int] | None:
-        """(width, height) the pipeline runs at when the request gives no size; None: not known here."""
-        if source_sizes and self.auto_size_area is not None:
-            width, height = source_sizes[self.auto_size_source]
-            exact_width = math.sqrt(self.auto_size_area * width / height)
-            step = self.auto_size_rounding
-            return round(exact_width / step) * step, round(exact_width * height / width / step) * step
+    def source_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) at which the pipeline encodes a source image of width x height (not for buckets)."""
+        if self.source_resize == "area":
+            return area_size(width / height, self.source_area, 32)
+        if self.source_resize == "shrink":
+            if width * height > self.source_area:  # Flux2ImageProcessor._resize_to_target_area
+                scale = math.sqrt(self.source_area / (width * height))
+                width, height = int(width * scale), int(height * scale)
+            return width // self.size_multiple * self.size_multiple, height // self.size_multiple * self.size_multiple
+        return width, height
+
+    def output_size(
+        self, source_sizes: list[tuple[int, int]], target_size: int | None = None
+    ) -> tuple[int, int] | None:
+        """(width, height) the pipeline runs at when the request gives no size; None: not known here.
+
+        `target_size`: the checkpoint's bucket size, for `size_buckets` pipelines (None: not known).
+        """
+        if self.size_buckets:
+            if target_size is None:
+                return None
+            width, height = source_sizes[self.auto_size_source] if source_sizes else self.default_aspect_ratio
+            return bucket_size(width, height, target_size, self.size_multiple)
+        if source_sizes and self.source_resize is not None:
+            return self.source_size(*source_sizes[self.auto_size_source])
         return self.default_size
+
+    def tokens_per_step(self, width: int, height: int, num_frames: int | None, sources: list[tuple[int, int]]) -> int:
+        """Image (video) tokens in one denoising forward: the output's latent grid, one token per
+        `size_multiple` pixels a side (VAE and patch together), times its latent frames, plus the tokens
+        of each encoded source where they join the sequence. Text tokens (bounded by the prompt limit,
+        fixed per model) and `n` (a batch of independent sequences) are not counted."""
+        step = self.size_multiple
+        frames = 1 if num_frames is None else (num_frames - 1) // self.frame_multiple + 1
+        tokens = (width // step) * (height // step) * frames
+        if self.sources_in_sequence:
+            encoded = (self.source_size(w, h) for w, h in sources)
+            tokens += sum((w // step) * (h // step) for w, h in encoded)
+        return tokens
+
+
+def area_size(ratio: float, area: int, step: int) -> tuple[int, int]:
+    """Qwen-Image-Edit's calculate_dimensions: (width, height) of aspect `ratio` at about `area` pixels."""
+    exact_width = math.sqrt(area * ratio)
+    return round(exact_width / step) * step, round(exact_width / ratio / step) * step
+
+
+def bucket_size(width: int, height: int, target_size: int, step: int = 16, max_ratio: float = 4.0) -> tuple[int, int]:
+    """HunyuanVideo 1.5's calculate_default_height_width: the size bucket of about target_size**2 pixels
+    nearest the aspect ratio of width x height, as (width, height)."""
+    patches = round((target_size / step) ** 2)
+    buckets = []  # (height, width), in generate_crop_size_list's order
+    wp, hp = patches, 1
+    while wp > 0:
+        if max(wp, hp) / min(wp, hp) <= max_ratio:
+            buckets.append((wp * step, hp * step))
+        if (hp + 1) * wp <= patches:
+            hp += 1
+        else:
+            wp -= 1
+    aspect = height / width
+    diffs = [round(h / w, 5) - aspect for h, w in buckets]
+    on_side = [(i, d) for i, d in enumerate(diffs) if (d <= 0 if aspect >= 1 else d >= 0)]
+    bucket_height, bucket_width = buckets[min(on_side, key=lambda pair: abs(pair[1]))[0]]
+    return bucket_width, bucket_height
 
 
 @dataclass(frozen=True)
@@ -89,8 +164,10 @@ def _qwen(diffusers_class: str, task: str, max_input_images: int) -> PipelineSpe
         min_steps=2,
         default_true_cfg_scale=4.0,
         default_size=(1024, 1024),  # default_sample_size 128 x the VAE's 8
-        # Edit: the first source at about 1 MP; Edit-Plus: the last one.
-        auto_size_area=1024 * 1024 if task == "edit" else None,
+        # Each source is encoded at about 1 MP and its tokens join the sequence. Without a size the
+        # output takes Edit's (first) source's size, Edit-Plus's last one's.
+        source_resize="area" if task == "edit" else None,
+        sources_in_sequence=task == "edit",
         auto_size_source=-1 if max_input_images > 1 else 0,
         # Edit-Plus shows each source to the text encoder at about 384x384 and Qwen2.5-VL's image
         # processor refuses sides more than 200:1 apart: 100:1 stays clear of both (and of Edit's 1 MP).
@@ -112,6 +189,17 @@ def _hunyuan(diffusers_class: str, fields: frozenset[str], max_input_images: int
         max_input_images=max_input_images,
         input_image_required=max_input_images > 0,
         frame_multiple=4,  # the VAE compresses time 4x: 4k + 1 frames
+        default_frames=121,
+        # Text-to-video draws the 16:9 bucket, image-to-video the input image's: its latent joins the
+        # first frame's channels (no tokens of its own; its 729 SigLIP tokens are fixed, text side).
+        size_buckets=True,
+        # Qwen2.5-VL reads 1000 tokens after the 108 of its system prompt: the user's prompt and the
+        # 5 that close the chat template (tokenizer_max_length, prompt_template_encode_start_idx).
+        max_prompt_tokens=995,
+        # 2**17: admits the 720p checkpoints' 1280x720 x 121 frames (80 x 45 x 31 = 111600 tokens) and
+        # 848x480 up to 257 frames (103350); refuses 1920x1080 x 121 (249240) and 4096x4096 x 257
+        # (4.3M tokens, hours a step). Measured: docs/serving.md#limits.
+        max_tokens_per_step=131072,
         cfg_parallel=True,
     )
 
@@ -133,8 +221,20 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "flux2",
         # Guidance-distilled: guidance_scale is embedded, one forward per step; input images are optional
-        # references (each up to 1024x1024 adds up to 4096 tokens, so the engine's max_input_images caps them).
-        (PipelineSpec("Flux2Pipeline", "flux2", "generate", COMMON_FIELDS | {"guidance_scale"}, max_input_images=10),),
+        # references, each shrunk to at most 1 MP and adding its tokens (at most 4096) to the sequence;
+        # without a size the output takes the first reference's size.
+        (
+            PipelineSpec(
+                "Flux2Pipeline",
+                "flux2",
+                "generate",
+                COMMON_FIELDS | {"guidance_scale"},
+                max_input_images=10,
+                default_size=(1024, 1024),  # default_sample_size 128 x the VAE's 8
+                source_resize="shrink",
+                sources_in_sequence=True,
+            ),
+        ),
         {"tiny/flux2": "Flux2Pipeline"},
     ),
     Family(

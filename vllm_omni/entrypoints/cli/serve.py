@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni.diffusion.data import DTYPES, EXECUTOR_BACKENDS, EngineLimits
-from vllm_omni.diffusion.models.registry import TINY_MODELS
+from vllm_omni.diffusion.models.registry import FAMILIES, TINY_MODELS
+from vllm_omni.entrypoints.openai.body_limits import BodyLimits
 from vllm_omni.entrypoints.openai.video_store import VideoStorageSettings
 
 DEFAULT_LIMITS = EngineLimits()
+DEFAULT_BODY_LIMITS = BodyLimits()
 DEFAULT_VIDEO_STORAGE = VideoStorageSettings()
 
 # Flag -> (EngineLimits field, help). Defaults come from EngineLimits, the one place they live.
@@ -39,6 +41,11 @@ LIMIT_FLAGS: dict[str, tuple[str, str]] = {
     ),
     "--max-frames": ("max_frames", "most video frames one request may ask for"),
     "--max-fps": ("max_fps", "largest video fps a request may ask for"),
+    "--max-tokens-per-step": (
+        "max_tokens_per_step",
+        "most image (video) tokens one denoising step may process: the output's latent patches x latent frames, "
+        "plus reference images' tokens where the model adds them; bounds a step's time against --stall-timeout",
+    ),
 }
 
 
@@ -177,13 +184,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
     lim = parser.add_argument_group("limits (requests beyond them are refused with 400 naming the field)")
     for flag, (name, text) in LIMIT_FLAGS.items():
-        lim.add_argument(
-            flag,
-            type=positive_int,
-            default=None,
-            metavar="N",
-            help=f"{text} (default: {getattr(DEFAULT_LIMITS, name)})",
-        )
+        default = getattr(DEFAULT_LIMITS, name)
+        if default is None:  # the model's own (models/registry.py)
+            default = "the model's: " + ", ".join(f"{f.package} {getattr(f.specs[0], name)}" for f in FAMILIES)
+        lim.add_argument(flag, type=positive_int, default=None, metavar="N", help=f"{text} (default: {default})")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -210,6 +214,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help=f"requests that may wait behind the running one; more get 429 (default: {DEFAULT_LIMITS.max_queue})",
+    )
+    srv.add_argument(
+        "--body-read-timeout",
+        type=positive_seconds,
+        default=DEFAULT_BODY_LIMITS.read_timeout_s,
+        metavar="SECONDS",
+        help="a request's whole body (JSON, or a form with its uploads) must arrive within this, or the request "
+        f"gets 408 and gives back its queue place (default: {DEFAULT_BODY_LIMITS.read_timeout_s:g})",
     )
 
     vid = parser.add_argument_group("videos API storage (finished videos are MP4 files, kept until deleted or evicted)")
@@ -286,6 +298,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         served_model_name=args.served_model_name or args.model,
         api_key=args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY") or None,
+        bodies=BodyLimits(read_timeout_s=args.body_read_timeout),
         videos=VideoStorageSettings(
             directory=Path(args.video_dir) if args.video_dir else None,
             max_age_s=args.video_max_age,

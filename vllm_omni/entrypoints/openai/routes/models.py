@@ -26,6 +26,9 @@ async def models(http: Request) -> ModelList:
     settings = http.app.state.settings
     scheduler = http.app.state.scheduler
     engine = scheduler.engine
+    limits = settings.engine.limits
+    if engine is not None:
+        limits = limits.for_model(engine.spec)  # with the model's own defaults (max_tokens_per_step)
     card = ModelCard(
         id=settings.served_model_name or settings.engine.model,
         created=http.app.state.created,
@@ -34,7 +37,7 @@ async def models(http: Request) -> ModelList:
         ready=scheduler.ready and scheduler.health().ok,
         parallel_config=settings.engine.parallel_config.to_dict(),
         default_sampling_params=settings.engine.default_sampling_params,
-        limits=asdict(settings.engine.limits),
+        limits={k: v for k, v in asdict(limits).items() if v is not None},  # None: the model's, not known yet
     )
     return ModelList(data=[card])
 

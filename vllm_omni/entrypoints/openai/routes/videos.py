@@ -6,7 +6,8 @@
   completed or failed (error {code, message, param}).
 - GET /v1/videos/{id}/content: the MP4 (H.264).
 - GET /v1/videos: OpenAI's cursor page, newest first by default (`after`, `limit`, `order`).
-- DELETE /v1/videos/{id}: cancels a queued or running job, or deletes a finished one and its file.
+- DELETE /v1/videos/{id}: cancels a queued or running job, or deletes a finished one and its file
+  (also one whose MP4 is being written: the file is discarded once written).
 
 Jobs live on without any connection; their records and files are the store's
 (video_store.py, at app.state.videos). The length is `seconds` (a string, as the client sends
@@ -23,14 +24,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
-from starlette.datastructures import UploadFile
 
 from vllm_omni.diffusion.data import GenerationParams, RequestError
 from vllm_omni.diffusion.preprocess import check_int
 from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
-from vllm_omni.entrypoints.openai.errors import ApiError, request_error, scheduler_error, validation_error
+from vllm_omni.entrypoints.openai.errors import ApiError, request_error, scheduler_error
 from vllm_omni.entrypoints.openai.protocol import (
     Video,
     VideoCreateRequest,
@@ -39,7 +38,17 @@ from vllm_omni.entrypoints.openai.protocol import (
     VideoList,
     parse_size,
 )
-from vllm_omni.entrypoints.openai.routes.bodies import read_form, read_json_object
+from vllm_omni.entrypoints.openai.routes.bodies import (
+    FORM_TYPES,
+    BodySpec,
+    FilePart,
+    body_spec,
+    is_json,
+    media_type,
+    parse_fields,
+    read_form,
+    read_json_object,
+)
 from vllm_omni.entrypoints.openai.routes.models import check_model
 from vllm_omni.entrypoints.openai.scheduler import InternalError, QueueFull, Scheduler, Unavailable
 from vllm_omni.entrypoints.openai.video_store import VideoRecord, VideoStore
@@ -47,10 +56,10 @@ from vllm_omni.entrypoints.openai.video_store import VideoRecord, VideoStore
 router = APIRouter()
 
 DEFAULT_SECONDS = 4.0  # OpenAI's default length, when neither the request nor the deploy gives one
-FORM_OVERHEAD_BYTES = 1024 * 1024  # text fields and multipart framing, beyond the reference image
 REFERENCE = "input_reference"
 LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX = 20, 100
 CHUNK_BYTES = 1024 * 1024
+CLIENT_SECONDS = ("4", "8", "12")  # the lengths the openai client's type allows (openai.types.VideoSeconds)
 
 
 @router.post("/v1/videos", response_model=Video)
@@ -64,16 +73,13 @@ async def create(http: Request) -> JSONResponse:
         raise scheduler_error(exc) from None
     with place:
         fields, reference = await _read_create_body(http)
-        try:
-            body = VideoCreateRequest.model_validate(fields)
-        except ValidationError as exc:
-            raise validation_error(exc.errors()) from None
+        body = parse_fields(VideoCreateRequest, fields)
         check_model(http, body.model, "video")
         params, seconds = _params(http, body, reference)
         try:
             job = await scheduler.submit(params, id_prefix="video", place_held=True)
         except RequestError as exc:
-            raise _request_error(exc, body.size) from None
+            raise _request_error(exc, body.size, seconds) from None
         except (Unavailable, QueueFull, InternalError) as exc:
             raise scheduler_error(exc) from None
     settings = http.app.state.settings
@@ -212,7 +218,9 @@ def _http_param(param: str | None) -> str | None:
     return REFERENCE if param == "image" else param
 
 
-def _request_error(exc: RequestError, size: str | None) -> ApiError:
+def _request_error(exc: RequestError, size: str | None, seconds: float | None) -> ApiError:
+    if exc.param == "num_frames" and seconds is not None:  # the frame count came from `seconds`
+        return ApiError(400, str(exc), param="seconds")
     if exc.param == "image":
         message = str(exc)
         message = REFERENCE + message[len("image") :] if message.startswith("image") else message
@@ -244,13 +252,26 @@ def _parse_seconds(value: str | float) -> float:
 
 
 def _frames_for(seconds: float, fps: int, multiple: int, max_frames: int) -> int:
-    """seconds * fps rounded to the nearest k * multiple + 1 frames (within max_frames); a 400 naming seconds."""
+    """seconds * fps rounded to the nearest k * multiple + 1 frames (within max_frames); a 400 naming seconds.
+
+    Beyond max_frames the request is refused, not shortened or slowed down: the limit is the
+    operator's (memory; the 480p checkpoints are made for 121 frames), and a shorter clip or
+    another fps than asked would be another video. The 400 says which lengths fit instead.
+    """
     exact = seconds * fps
     if exact > max_frames:
+        asked = _format_seconds(seconds)
+        fitting = [s for s in CLIENT_SECONDS if float(s) * fps <= max_frames]
+        if fitting:
+            lengths = f"seconds {' or '.join(repr(s) for s in fitting)} fit{'s' if len(fitting) == 1 else ''}"
+        else:
+            lengths = f"none of the openai client's lengths ({', '.join(CLIENT_SECONDS)}) fit"
+        top_fps = math.floor(max_frames / seconds)  # the highest fps at which the asked length fits
+        other_fps = f"{asked} s fits at fps={top_fps} or lower" if top_fps >= 1 else f"no fps makes {asked} s fit"
         raise ApiError(
             400,
-            f"seconds={_format_seconds(seconds)} at fps={fps} is {exact:g} frames; at most {max_frames} frames "
-            f"({_format_seconds(max_frames / fps)} s at {fps} fps)",
+            f"seconds={asked} at fps={fps} is {exact:g} frames, over the server's limit of {max_frames} frames "
+            f"(at most {_format_seconds(max_frames / fps)} s at fps={fps}): {lengths} at fps={fps}; {other_fps}",
             param="seconds",
         )
     k = max(0, round((exact - 1) / multiple))
@@ -304,55 +325,45 @@ def _params(http: Request, body: VideoCreateRequest, reference: bytes | None) ->
 
 async def _read_create_body(http: Request) -> tuple[dict[str, Any], bytes | None]:
     """The request's fields (text) and the reference image's bytes, from a multipart form or JSON."""
-    limits = http.app.state.settings.engine.limits
-    content_type = http.headers.get("content-type", "")
-    # A data URL carries the image base64-encoded: 4/3 of its bytes.
-    body_cap = limits.max_upload_bytes * 4 // 3 + FORM_OVERHEAD_BYTES
-    if content_type.startswith("application/json"):
-        fields = await read_json_object(http, body_cap, REFERENCE)
+    spec = body_spec(http, REFERENCE, max_files=1, data_urls=True)
+    kind = media_type(http)
+    if is_json(kind):
+        fields = await read_json_object(http, spec)
         reference = fields.pop(REFERENCE, None)
         if reference is None:
             return fields, None
         if isinstance(reference, dict):
-            return fields, _reference_from_object(reference, limits.max_upload_bytes)
+            return fields, _reference_from_object(reference, spec)
         raise ApiError(
             400,
             f"{REFERENCE} must be an object {{'image_url': 'data:image/png;base64,...'}} in JSON (or a file "
             "part of a multipart form)",
             param=REFERENCE,
         )
-    if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+    if kind not in FORM_TYPES:
         raise ApiError(400, "POST /v1/videos takes multipart/form-data (as the openai client sends it) or JSON")
-    form = await read_form(http, body_cap, REFERENCE, max_files=1)
     fields: dict[str, Any] = {}
     reference_fields: dict[str, str] = {}
     reference: bytes | None = None
-    try:
-        for key, value in form.multi_items():
-            if key == REFERENCE and isinstance(value, UploadFile):
-                data = await value.read(limits.max_upload_bytes + 1)
-                if len(data) > limits.max_upload_bytes:
-                    limit = limits.max_upload_bytes
-                    raise ApiError(400, f"{REFERENCE} is larger than the upload limit of {limit} bytes", REFERENCE)
-                reference = data
-            elif key.startswith(f"{REFERENCE}[") and key.endswith("]") and not isinstance(value, UploadFile):
-                reference_fields[key[len(REFERENCE) + 1 : -1]] = value  # the client's spelling of an object
-            elif isinstance(value, UploadFile):
-                raise ApiError(400, f"unexpected file field {key!r}; send the image as {REFERENCE!r}", param=key)
-            elif key in fields:
-                raise ApiError(400, f"{key} is given more than once", param=key)
-            else:
-                fields[key] = value
-    finally:
-        await form.close()
+    for key, value in await read_form(http, spec):  # at most one file: the reader refuses a second
+        if key == REFERENCE and isinstance(value, FilePart):
+            reference = value.data
+        elif key.startswith(f"{REFERENCE}[") and key.endswith("]") and not isinstance(value, FilePart):
+            reference_fields[key[len(REFERENCE) + 1 : -1]] = value  # the client's spelling of an object
+        elif isinstance(value, FilePart):
+            raise ApiError(400, f"unexpected file field {key!r}; send the image as {REFERENCE!r}", param=key)
+        elif key in fields:
+            raise ApiError(400, f"{key} is given more than once", param=key)
+        else:
+            fields[key] = value
     if reference_fields:
         if reference is not None:
             raise ApiError(400, f"{REFERENCE} is given twice (a file and an object)", param=REFERENCE)
-        reference = _reference_from_object(reference_fields, limits.max_upload_bytes)
+        reference = _reference_from_object(reference_fields, spec)
     return fields, reference
 
 
-def _reference_from_object(reference: dict[str, Any], max_bytes: int) -> bytes:
+def _reference_from_object(reference: dict[str, Any], spec: BodySpec) -> bytes:
     """{'image_url': a base64 data URL} -> the image's bytes. The server fetches nothing and has no files API."""
     unknown = set(reference) - {"image_url", "file_id"}
     if unknown or "file_id" in reference:
@@ -371,9 +382,12 @@ def _reference_from_object(reference: dict[str, Any], max_bytes: int) -> bytes:
             param=REFERENCE,
         )
     payload = url.split(";base64,", 1)[1]
-    if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
-        raise ApiError(400, f"{REFERENCE} is larger than the upload limit of {max_bytes} bytes", param=REFERENCE)
+    if len(payload) > spec.file_as_text_chars:  # decoded, it could only be larger than the limit
+        raise spec.too_large(REFERENCE)
     try:
-        return base64.b64decode(payload, validate=True)
+        data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, f"{REFERENCE}.image_url is not valid base64", param=REFERENCE) from None
+    if len(data) > spec.file_bytes:
+        raise spec.too_large(REFERENCE)
+    return data
