@@ -64,9 +64,9 @@ class PipelineSpec:
     max_source_aspect_ratio: float | None = None
     # Prompt tokens the pipeline reads; it cuts longer prompts silently, so the engine refuses them.
     max_prompt_tokens: int | None = None
-    # The default of EngineLimits.max_tokens_per_step (see `tokens_per_step`): one GPU finishes a step
-    # of that many tokens well within the default stall deadline (300 s), at n = 4 and with CFG, so
-    # at any Ulysses degree (docs/serving.md#limits). Image models: 81920 = a 4096x4096 output (the
+    # The default of EngineLimits.max_tokens_per_step (see `tokens_per_step`): admits the sizes the
+    # checkpoints are made for, refuses requests no step could finish (docs/serving.md#limits; the
+    # time a step takes at the limit is not benchmarked yet). Image models: 81920 = a 4096x4096 output (the
     # default max_image_size, 65536 tokens) plus four 1 MP sources (4096 tokens each, the default
     # max_input_images): at the default limits those bind first; this bounds a deploy that raises them.
     max_tokens_per_step: int = 81920
@@ -198,7 +198,7 @@ def _hunyuan(diffusers_class: str, fields: frozenset[str], max_input_images: int
         max_prompt_tokens=995,
         # 2**17: admits the 720p checkpoints' 1280x720 x 121 frames (80 x 45 x 31 = 111600 tokens) and
         # 848x480 up to 257 frames (103350); refuses 1920x1080 x 121 (249240) and 4096x4096 x 257
-        # (4.3M tokens, hours a step). Measured: docs/serving.md#limits.
+        # (4.3M tokens, hours a step).
         max_tokens_per_step=131072,
         cfg_parallel=True,
     )
