@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.attention.layer import JointAttention
 from vllm_omni.diffusion.data import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
@@ -77,7 +77,7 @@ def run_attention(mode, batch, image_len, text_len, text_position, calls=1, pad_
     `text_valid` < `text_len` marks the text's tail as filler (shard_with_auto_pad's valid_len).
     """
     image, text = _streams(1234, batch, image_len, text_len)
-    layer = Attention(text_position=text_position)
+    layer = JointAttention(text_position=text_position)
     records = _Records()
     logging.getLogger("vllm_omni").addHandler(records)
     try:
@@ -164,7 +164,7 @@ def test_unpadded_unmasked_run_is_exact_and_silent(sp_pool):
 def test_single_process_joint_attention_matches_sdpa():
     image, text = _streams(5, 2, 9, 4)
     for text_position in ("front", "rear"):
-        img_out, txt_out = Attention(text_position)(*image, text_qkv=text)
+        img_out, txt_out = JointAttention(text_position)(*image, text_qkv=text)
         ref_img, ref_txt = _reference(image, text, text_position)
         torch.testing.assert_close(img_out, ref_img, rtol=0, atol=1e-6)
         torch.testing.assert_close(txt_out, ref_txt, rtol=0, atol=1e-6)
@@ -201,7 +201,7 @@ def test_single_process_cuts_stream_filler():
     for text_position in ("front", "rear"):
         with sequence_parallel_context():
             txt = tuple(shard_with_auto_pad(t, 1, TEXT, valid_len=3) for t in text)
-            img_out, txt_out = Attention(text_position)(*image, text_qkv=txt)
+            img_out, txt_out = JointAttention(text_position)(*image, text_qkv=txt)
         ref_img, ref_txt = _reference(image, tuple(t[:, :3] for t in text), text_position)
         torch.testing.assert_close(img_out, ref_img, rtol=0, atol=1e-6)
         torch.testing.assert_close(txt_out[:, :3], ref_txt, rtol=0, atol=1e-6)

@@ -15,11 +15,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from vllm_omni.diffusion.data import DiffusionRequest
-from vllm_omni.diffusion.models.hunyuan_video_15.pipeline import (
-    TRANSFORMER_CLASS,
-    pipeline_kwargs,
-    prepare_pipeline,
-)
+from vllm_omni.diffusion.models.hunyuan_video_15.pipeline import FAMILY
 from vllm_omni.diffusion.models.hunyuan_video_15.tiny import TINY_MODELS, build_tiny_model
 from vllm_omni.diffusion.models.registry import PipelineSpec
 
@@ -40,7 +36,11 @@ def folders(tmp_path_factory):
 def _pipelines(folder, cls):
     """The reference pipeline, and the same components with our transformer."""
     reference = cls.from_pretrained(folder)
-    ours = cls(**dict(reference.components, transformer=TRANSFORMER_CLASS.from_pretrained(folder / "transformer")))
+    ours = cls(
+        **dict(
+            reference.components, transformer=FAMILY.denoisers["transformer"].from_pretrained(folder / "transformer")
+        )
+    )
     for pipe in (reference, ours):
         pipe.set_progress_bar_config(disable=True)
     return reference, ours
@@ -97,7 +97,7 @@ def test_request_runs_through_the_adapter_to_frames(folders):
     _, ours = _pipelines(folders["tiny/hunyuan-video-1.5"], HunyuanVideo15Pipeline)
     spec = PipelineSpec("HunyuanVideo15Pipeline", "generate", 0, "unused:Runner")
     request = _request(height=HEIGHT, width=WIDTH, num_images=2, guidance_scale=1.0)
-    kwargs = prepare_pipeline(ours, request, spec)
+    kwargs = FAMILY.call_kwargs(ours, request, spec)
     assert ours.guider.num_conditions == 1  # scale 1.0: CFG off, the negative prompt is not encoded
     with torch.inference_mode():
         frames = ours(**kwargs, num_frames=5, generator=torch.Generator().manual_seed(0), output_type="np").frames
@@ -109,16 +109,16 @@ def test_guidance_scale_goes_to_the_guider_and_back_to_the_checkpoints(folders):
     pipe = HunyuanVideo15Pipeline.from_pretrained(folders["tiny/hunyuan-video-1.5"])
     spec = PipelineSpec("HunyuanVideo15Pipeline", "generate", 0, "unused:Runner")
     checkpoint_guider = pipe.guider
-    prepare_pipeline(pipe, _request(guidance_scale=3.5), spec)
+    FAMILY.call_kwargs(pipe, _request(guidance_scale=3.5), spec)
     assert pipe.guider.guidance_scale == 3.5 and checkpoint_guider.guidance_scale == 6.0
-    prepare_pipeline(pipe, _request(), spec)
+    FAMILY.call_kwargs(pipe, _request(), spec)
     assert pipe.guider is checkpoint_guider
 
 
 def test_pipeline_kwargs():
     t2v = PipelineSpec("HunyuanVideo15Pipeline", "generate", 0, "unused:Runner")
     i2v = PipelineSpec("HunyuanVideo15ImageToVideoPipeline", "edit", 1, "unused:Runner")
-    kwargs = pipeline_kwargs(_request(height=480, width=848, num_images=2), t2v)
+    kwargs = FAMILY.pipeline_kwargs(_request(height=480, width=848, num_images=2), t2v)
     assert kwargs == dict(
         prompt=PROMPT,
         negative_prompt="blurry",
@@ -128,7 +128,7 @@ def test_pipeline_kwargs():
         width=848,
     )
     image = Image.new("RGB", (64, 48))
-    kwargs = pipeline_kwargs(_request(images=[image]), i2v)
+    kwargs = FAMILY.pipeline_kwargs(_request(images=[image]), i2v)
     assert kwargs["image"] is image and "height" not in kwargs and "width" not in kwargs
     with pytest.raises(ValueError, match="input image"):
-        pipeline_kwargs(_request(), i2v)
+        FAMILY.pipeline_kwargs(_request(), i2v)

@@ -36,7 +36,9 @@ def tiny_folder(tmp_path_factory) -> pathlib.Path:
 def _load(folder: pathlib.Path, ours: bool) -> Flux2Pipeline:
     components = {}
     if ours:
-        components["transformer"] = flux2_pipeline.TRANSFORMER_CLASS.from_pretrained(folder, subfolder="transformer")
+        components["transformer"] = flux2_pipeline.FAMILY.denoisers["transformer"].from_pretrained(
+            folder, subfolder="transformer"
+        )
     pipe = Flux2Pipeline.from_pretrained(folder, **components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -58,7 +60,7 @@ def _request(**fields) -> DiffusionRequest:
 
 
 def _run(pipe: Flux2Pipeline, request: DiffusionRequest) -> np.ndarray:
-    kwargs = flux2_pipeline.pipeline_kwargs(request, SPEC)
+    kwargs = flux2_pipeline.FAMILY.pipeline_kwargs(request, SPEC)
     with torch.inference_mode():
         out = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np")
     return out.images
@@ -85,7 +87,7 @@ def test_reference_image_is_used_and_matches_reference(pipes):
 
 
 def test_pipeline_kwargs_map_the_request():
-    assert flux2_pipeline.pipeline_kwargs(_request(), SPEC) == {
+    assert flux2_pipeline.FAMILY.pipeline_kwargs(_request(), SPEC) == {
         "prompt": "a red fox in the snow",
         "height": HEIGHT,
         "width": WIDTH,
@@ -93,15 +95,15 @@ def test_pipeline_kwargs_map_the_request():
         "num_images_per_prompt": 1,
     }
     images = [_reference_image(64, 64, seed=i) for i in range(2)]
-    kwargs = flux2_pipeline.pipeline_kwargs(
+    kwargs = flux2_pipeline.FAMILY.pipeline_kwargs(
         _request(height=None, width=None, guidance_scale=3.0, num_images=3, images=images), SPEC
     )
     assert kwargs["image"] == images and kwargs["guidance_scale"] == 3.0 and kwargs["num_images_per_prompt"] == 3
     assert kwargs["height"] is None and kwargs["width"] is None
     # FLUX.2 has no true CFG: a negative prompt is not a pipeline argument.
-    assert "negative_prompt" not in flux2_pipeline.pipeline_kwargs(_request(negative_prompt="blurry"), SPEC)
+    assert "negative_prompt" not in flux2_pipeline.FAMILY.pipeline_kwargs(_request(negative_prompt="blurry"), SPEC)
     with pytest.raises(ValueError, match="at most 4 reference images"):
-        flux2_pipeline.pipeline_kwargs(_request(images=images * 3), SPEC)
+        flux2_pipeline.FAMILY.pipeline_kwargs(_request(images=images * 3), SPEC)
 
 
 def test_folder_keeps_the_real_geometry(tiny_folder, pipes):

@@ -8,7 +8,8 @@ prompts swapped, so at a step's first call group 0 computes cond and group 1 com
 at the same time; one all-gather over the CFG group (a rank and its counterpart with the same
 SP rank) gives both ranks both predictions. Every rank then returns cond for the first call and
 uncond for the second without computing it, so all ranks combine the same two predictions and
-keep identical latents. The pipelines stay unchanged.
+keep identical latents. The pipelines stay unchanged; with two experts (Wan2.2 A14B) the exchange
+is shared, since a step calls one of them.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from diffusers.hooks import ModelHook
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from vllm_omni.diffusion.distributed.comm import all_gather
 
 
-class CFGParallelForward:
-    """Wraps a transformer's `forward` on a rank of a CFG-parallel world."""
+class CFGParallel:
+    """A rank's side of the exchange, shared by every denoiser of its pipeline (a step's calls go to one expert)."""
 
-    def __init__(self, forward: Any, group: dist.ProcessGroup) -> None:
-        self.forward = forward
+    def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.active = False  # this request uses CFG: two calls per step
         self._calls = 0
@@ -40,13 +41,14 @@ class CFGParallelForward:
         self._calls = 0
         self._branches = []
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def run(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        """One denoiser call: computed at the step's first call and exchanged; the second is the peer's."""
         if not self.active:
             # Without CFG a step has one forward: both groups run it (nothing to split).
-            return self.forward(*args, **kwargs)
+            return forward(*args, **kwargs)
         return_dict = kwargs.get("return_dict", True)
         if self._calls == 0:
-            output = self.forward(*args, **kwargs)
+            output = forward(*args, **kwargs)
             sample = output.sample if return_dict else output[0]
             self._branches = all_gather(sample, self.group)  # [cond (group 0), uncond (group 1)]
         elif self._calls > 1:
@@ -54,6 +56,19 @@ class CFGParallelForward:
         sample = self._branches[self._calls]
         self._calls += 1
         return Transformer2DModelOutput(sample=sample) if return_dict else (sample,)
+
+
+class CFGParallelHook(ModelHook):
+    """The exchange on a denoiser's `forward`, through diffusers' hook registry (runner.py installs it)."""
+
+    NAME = "vllm_omni.cfg_parallel"
+
+    def __init__(self, exchange: CFGParallel) -> None:
+        super().__init__()
+        self.exchange = exchange
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.exchange.run(self.fn_ref.original_forward, *args, **kwargs)
 
 
 def swap_prompts(kwargs: dict[str, Any], default_negative: str) -> dict[str, Any]:

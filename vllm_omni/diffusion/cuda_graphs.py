@@ -129,7 +129,8 @@ class CUDAGraphForward:
     Every tensor argument, whatever its name, becomes a static input of the graph, copied in
     before each replay; every other argument is part of the graph's key. A call the graph
     cannot replay (a CPU tensor, tensors inside a container, an object) runs eagerly.
-    `on_failure(reason)` is called on the rank whose own capture failed.
+    `on_failure(reason)` is called on the rank whose own capture failed. Graphs replay one at a
+    time and their outputs are cloned, so wrappers of one pipeline can share one memory `pool`.
     """
 
     def __init__(
@@ -138,13 +139,14 @@ class CUDAGraphForward:
         max_graphs: int = 8,
         on_failure: Callable[[str], None] | None = None,
         simulated: SimulatedGraphs | None = None,
+        pool: Any = None,
     ) -> None:
         self.forward = forward
         self.max_graphs = max_graphs
         self.on_failure = on_failure
         self.simulated = simulated
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.pool = None
+        self.pool = pool  # a graph memory pool shared with other wrappers (a pipeline's experts); None: its own
         self.disabled = False
         self.captures = 0
 

@@ -48,22 +48,30 @@ def resolve_model_path(model: str) -> Path:
 
 def read_pipeline_spec(path: Path) -> PipelineSpec:
     try:
-        class_name = json.loads((path / "model_index.json").read_text())["_class_name"]
-    except (OSError, ValueError, KeyError) as exc:
+        index = json.loads((path / "model_index.json").read_text())
+        class_name = index["_class_name"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelNotFoundError(f"cannot read the pipeline class from {path / 'model_index.json'}: {exc}") from exc
-    return spec_for(class_name)
+    return spec_for(class_name, index)
 
 
 def check_ulysses_degree(path: Path, ulysses_degree: int) -> None:
-    """ValueError when `ulysses_degree` does not divide the transformer's attention heads (read from
-    transformer/config.json, before any worker loads; the workers check the loaded model again)."""
+    """ValueError when `ulysses_degree` does not divide the attention heads of a denoiser (read from
+    the config.json of every transformer* component, before any worker loads; the workers check the
+    loaded models again)."""
     try:
-        heads = json.loads((path / "transformer" / "config.json").read_text())["num_attention_heads"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # no readable config here: the workers' check still applies
-    if not isinstance(heads, int) or heads < 1 or heads % ulysses_degree == 0:
+        index = json.loads((path / "model_index.json").read_text())
+    except (OSError, ValueError):
         return
-    raise ValueError(ulysses_degree_error(ulysses_degree, heads))
+    for name in sorted(index):
+        if not name.startswith("transformer") or not isinstance(index[name], list) or index[name][0] is None:
+            continue
+        try:
+            heads = json.loads((path / name / "config.json").read_text())["num_attention_heads"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # no readable config here: the workers' check still applies
+        if isinstance(heads, int) and heads >= 1 and heads % ulysses_degree:
+            raise ValueError(ulysses_degree_error(ulysses_degree, heads))
 
 
 def ulysses_degree_error(ulysses_degree: int, heads: int) -> str:

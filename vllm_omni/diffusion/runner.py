@@ -1,38 +1,92 @@
-"""One runner for every model family: a diffusers pipeline with our SP transformer swapped in.
+"""One runner for every model family: a diffusers pipeline with our SP denoisers swapped in.
 
 A worker (worker.py) builds one `PipelineRunner` and calls `run` per request. What every family
-shares lives here: loading the pipeline with the family's transformer, decoding the source images
-(they arrive as the compressed files the engine checked), CUDA graphs for the transformer's
-sharded forward, CFG parallel (cfg_parallel.py), one CPU generator seeded identically on every
-rank (so every rank holds the same latents), the per-step hook (cancellation, progress), the
-progress bar on rank 0 only, and the result as uint8 (images [n, H, W, 3], videos
-[n, F, H, W, 3]) unless the caller asked for float arrays.
+shares lives here: loading the pipeline with the family's SP class for each of its denoisers
+(models/family.py: `transformer`, and Wan2.2's `transformer_2`), decoding the source images
+(they arrive as the compressed files the engine checked), the chain a denoising forward goes
+through (`install_forward_chain`: CFG parallel, then the model's host-side preparation, then
+CUDA graphs around its sharded work), one CPU generator seeded identically on every rank (so
+every rank holds the same latents), the per-step hook (`_per_step_hook`: cancellation,
+progress, the end of a CFG step), the progress bar on rank 0 only, and the result as uint8
+(images [n, H, W, 3], videos [n, F, H, W, 3]) unless the caller asked for float arrays.
 
-A family supplies only what differs, in `models/<family>/pipeline.py`: its transformer class
-(TRANSFORMER_CLASS), `pipeline_kwargs` (request -> the pipeline's keyword arguments; or
-`prepare_pipeline(pipe, request, spec)` where the pipeline itself is set per request) and, for
-pipelines with CFG, `uses_cfg(request)` and DEFAULT_NEGATIVE_PROMPT.
+A family supplies only what differs, as `FAMILY` in `models/<family>/pipeline.py`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import itertools
-from collections.abc import Callable
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import diffusers
 import numpy as np
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 
-from vllm_omni.diffusion.cfg_parallel import CFGParallelForward, swap_prompts
+from vllm_omni.diffusion.cfg_parallel import CFGParallel, CFGParallelHook, swap_prompts
 from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, SimulatedGraphs, compile_repeated_blocks
 from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.images import decode_image
+from vllm_omni.diffusion.models.family import FamilyPipeline, undeclared_denoisers
 from vllm_omni.diffusion.models.registry import PipelineSpec
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
 
 StepCallback = Callable[[int], None]
+
+
+class CountForwards(ModelHook):
+    """Counts a denoiser's forwards (the step log reports what each expert served)."""
+
+    NAME = "vllm_omni.count_forwards"
+
+    def __init__(self, counts: Counter, name: str) -> None:
+        super().__init__()
+        self.counts, self.name = counts, name
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        self.counts[self.name] += 1
+        return args, kwargs
+
+
+def install_forward_chain(
+    denoiser: torch.nn.Module,
+    graphs: dict[str, Any] | None,
+    cfg: CFGParallel | None,
+    counts: Counter,
+    name: str,
+) -> None:
+    """Install, on one denoiser, every wrapper a forward goes through; nowhere else installs one.
+
+    pipeline -> `forward`: diffusers hooks, outermost first: CountForwards, then CFGParallelHook
+        (computes one branch, exchanges it with the other group) -> the model's own forward (host-side
+        preparation: text compaction, rotary tables) -> `forward_sharded`: CUDAGraphForward (capture
+        once per shape, replay) -> the blocks under the SP context -> attention/layer.py.
+    `graphs`: CUDAGraphForward's keyword arguments, None for eager.
+    """
+    registry = HookRegistry.check_if_exists_or_initialize(denoiser)
+    if cfg is not None:
+        registry.register_hook(CFGParallelHook(cfg), CFGParallelHook.NAME)
+    registry.register_hook(CountForwards(counts, name), CountForwards.NAME)  # the last registered runs first
+    if graphs is not None:
+        # Only the sharded part is replayed: the host-side preparation in `forward` decides shapes
+        # and runs eagerly before it.
+        denoiser.forward_sharded = CUDAGraphForward(denoiser.forward_sharded, **graphs)
+
+
+def declared_components(path: Path, family: FamilyPipeline) -> list[str]:
+    """The family's denoisers this checkpoint has (model_index.json lists absent ones as null)."""
+    index = json.loads((Path(path) / "model_index.json").read_text())
+    return [name for name in family.denoisers if isinstance(index.get(name), list) and index[name][0] is not None]
 
 
 class PipelineRunner:
@@ -46,35 +100,44 @@ class PipelineRunner:
         enforce_eager: bool = False,
     ) -> None:
         self.spec = spec
-        self.family = spec.family_module("pipeline")
+        self.family: FamilyPipeline = spec.family_pipeline()
         # Straight onto the device, without a random initialisation first (accelerate's meta-device load).
-        transformer = self.family.TRANSFORMER_CLASS.from_pretrained(
-            path, subfolder="transformer", dtype=dtype, device_map=str(device)
-        )
-        self.graph_capture_failures: list[str] = []  # this rank's, since the worker last reported them
-        simulated = SimulatedGraphs.from_env()  # test-only: the graph decisions on CPU ranks
-        if (device.type == "cuda" or simulated is not None) and not enforce_eager:
-            if spec.compile_blocks and device.type == "cuda":
-                compile_repeated_blocks(transformer)
-            # Only the sharded part is replayed: the host-side preparation in `forward` (text
-            # compaction, row splitting, rotary tables) decides shapes and runs eagerly before it.
-            transformer.forward_sharded = CUDAGraphForward(
-                transformer.forward_sharded, on_failure=self.graph_capture_failures.append, simulated=simulated
-            )
-        state = get_parallel_state()
-        self.cfg: CFGParallelForward | None = None
-        self.cfg_rank = 0
-        if state is not None and state.config.cfg_parallel_size > 1:
-            self.cfg = CFGParallelForward(transformer.forward, state.cfg_group)
-            self.cfg_rank = state.cfg_rank
-            transformer.forward = self.cfg
+        self.denoisers: dict[str, torch.nn.Module] = {
+            name: self.family.denoisers[name].from_pretrained(path, subfolder=name, dtype=dtype, device_map=str(device))
+            for name in declared_components(path, self.family)
+        }
         pipeline_class = getattr(diffusers, spec.diffusers_class)
-        self.pipe = pipeline_class.from_pretrained(path, transformer=transformer, dtype=dtype).to(device)
+        self.pipe = pipeline_class.from_pretrained(path, **self.denoisers, dtype=dtype).to(device)
+        undeclared = undeclared_denoisers(self.pipe, self.denoisers)
+        if undeclared:
+            raise ValueError(
+                f"{spec.diffusers_class} has denoiser(s) {undeclared} that the {spec.family} family does not "
+                "declare (models/family.py): they would run unsharded on every rank"
+            )
         self.pipe.set_progress_bar_config(disable=rank != 0, desc="denoising")
 
+        self.graph_capture_failures: list[str] = []  # this rank's, since the worker last reported them
+        graphs = None
+        simulated = SimulatedGraphs.from_env()  # test-only: the graph decisions on CPU ranks
+        if (device.type == "cuda" or simulated is not None) and not enforce_eager:
+            pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # one for all experts
+            graphs = dict(on_failure=self.graph_capture_failures.append, simulated=simulated, pool=pool)
+        state = get_parallel_state()
+        self.cfg: CFGParallel | None = None
+        self.cfg_rank = 0
+        if state is not None and state.config.cfg_parallel_size > 1:
+            self.cfg = CFGParallel(state.cfg_group)
+            self.cfg_rank = state.cfg_rank
+        self.forwards: Counter = Counter()  # per denoiser, in the current request
+        for name, denoiser in self.denoisers.items():
+            if graphs is not None and spec.compile_blocks and device.type == "cuda":
+                compile_repeated_blocks(denoiser)
+            install_forward_chain(denoiser, graphs, self.cfg, self.forwards, name)
+
     @property
-    def num_attention_heads(self) -> int:
-        return self.pipe.transformer.config.num_attention_heads
+    def attention_heads(self) -> dict[str, int]:
+        """Attention heads of each denoiser (the Ulysses degree must divide every one)."""
+        return {name: model.config.num_attention_heads for name, model in self.denoisers.items()}
 
     def run(self, request: DiffusionRequest, on_step_end: StepCallback) -> np.ndarray:
         """Run one request; `on_step_end(step)` is called after every denoising step and may raise to stop.
@@ -87,32 +150,23 @@ class PipelineRunner:
             request = dataclasses.replace(
                 request, images=[decode_image(image, name) for image, name in zip(request.images, names)]
             )
-        prepare = getattr(self.family, "prepare_pipeline", None)  # families that configure the pipeline per request
-        kwargs = prepare(self.pipe, request, self.spec) if prepare else self.family.pipeline_kwargs(request, self.spec)
+        kwargs = self.family.call_kwargs(self.pipe, request, self.spec)
         # One CPU generator on every rank: identical latents everywhere, on any device.
         kwargs.update(generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np")
         if self.cfg is not None:
             self.cfg.start_request(self.family.uses_cfg(request))
             if self.cfg.active and self.cfg_rank == 1:
-                kwargs = swap_prompts(kwargs, self.family.DEFAULT_NEGATIVE_PROMPT)
-        scheduler = self.pipe.scheduler
-        scheduler_step = scheduler.step
-        steps = itertools.count()
+                kwargs = swap_prompts(kwargs, self.family.default_negative_prompt)
+        self.forwards.clear()
 
-        # Every pipeline calls scheduler.step once per denoising step, whatever callbacks it offers.
-        def step_and_report(*args, **step_kwargs):
-            out = scheduler_step(*args, **step_kwargs)
+        def step_end(step: int) -> None:
             if self.cfg is not None:
                 self.cfg.end_step()
-            on_step_end(next(steps))
-            return out
+            on_step_end(step)
 
-        scheduler.step = step_and_report
-        try:
-            with torch.inference_mode():
-                result = self.pipe(**kwargs)
-        finally:
-            del scheduler.step  # back to the class's method
+        with self._per_step_hook(kwargs, step_end), torch.inference_mode():
+            result = self.pipe(**kwargs)
+        logger.debug("Request %s: forwards per denoiser %s", request.request_id, dict(self.forwards))
         frames = result.frames if self.spec.modality == "video" else result.images
         array = np.asarray(frames, dtype=np.float32)
         if not np.isfinite(array).all():
@@ -121,3 +175,35 @@ class PipelineRunner:
             return array
         # Pictures and files need only uint8: a 121-frame video crosses the worker pipe at a quarter the size.
         return (array.clip(0, 1) * 255).round().astype(np.uint8)
+
+    @contextlib.contextmanager
+    def _per_step_hook(self, kwargs: dict[str, Any], step_end: Callable[[int], None]) -> Iterator[None]:
+        """Call `step_end(step)` after every denoising step, through the pipeline's own callback.
+
+        `callback_on_step_end` runs after the step's scheduler update in every pipeline that has
+        one; HunyuanVideo 1.5's has none, so there (only) the scheduler's `step` is wrapped for
+        the call.
+        """
+        if "callback_on_step_end" in inspect.signature(self.pipe.__call__).parameters:
+
+            def callback(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+                step_end(step)
+                return {}  # nothing replaced
+
+            kwargs["callback_on_step_end"] = callback
+            yield
+            return
+        scheduler = self.pipe.scheduler
+        scheduler_step = scheduler.step
+        steps = itertools.count()
+
+        def step_and_report(*args: Any, **step_kwargs: Any) -> Any:
+            out = scheduler_step(*args, **step_kwargs)
+            step_end(next(steps))
+            return out
+
+        scheduler.step = step_and_report
+        try:
+            yield
+        finally:
+            del scheduler.step  # back to the class's method

@@ -173,9 +173,9 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     spec = read_pipeline_spec(Path(model_path))
     dtype = getattr(torch, config.dtype)
     runner = PipelineRunner(model_path, spec, device, dtype, rank, enforce_eager=config.enforce_eager)
-    heads = runner.num_attention_heads
-    if heads % parallel.ulysses_degree:  # the engine checked the config; this is the loaded model
-        raise ValueError(ulysses_degree_error(parallel.ulysses_degree, heads))
+    for name, heads in runner.attention_heads.items():  # the engine checked the configs; these are the models
+        if heads % parallel.ulysses_degree:
+            raise ValueError(f"{name}: {ulysses_degree_error(parallel.ulysses_degree, heads)}")
     logger.info(
         "Worker rank %d loaded %s (%s, %s) in %.1f s",
         rank,
@@ -229,10 +229,11 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
             continue
         if rank == 0:
             logger.info(
-                "Request %s: %d step(s) in %.2f s",
+                "Request %s: %d step(s) in %.2f s (forwards: %s)",
                 request.request_id,
                 request.num_inference_steps,
                 time.perf_counter() - start,
+                ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
             )
         reports.put(("done", rank, request.request_id, images if rank == 0 else None))
     destroy_parallel_state()

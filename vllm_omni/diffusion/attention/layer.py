@@ -1,11 +1,17 @@
-"""The attention layer every model calls: joint attention over an image/video stream and an
-optional text stream, Ulysses-parallel when a sequence-parallel context is active.
+"""The attention layers every model calls, in the two kinds a model declares:
 
-Models compute q, k, v per stream (after QK-norm and rotary) as [B, S_local, H, D] and get
-[B, S_local, H, D] back. Here the parallel strategy runs: one seq->head all-to-all for
-q, k, v of both streams, `attend_joint` (join, kernel, layout for the way back), one
-head->seq all-to-all. What attention may see of the SP padding comes from the context's
-`JointLayout` (distributed/sequence_parallel.py); the kernel comes from backends.py.
+- `JointAttention`: self-attention over an image/video stream and an optional text stream joined
+  to it ("front": [text, image], Qwen-Image, FLUX.2; "rear": [video, text], HunyuanVideo 1.5; no
+  text: Wan2.2's video self-attention), Ulysses-parallel when a sequence-parallel context is
+  active: one seq->head all-to-all for q, k, v of both streams, `attend_joint` (join, kernel,
+  layout for the way back), one head->seq all-to-all. What attention may see of the SP padding
+  comes from the context's `JointLayout` (distributed/sequence_parallel.py).
+- `CrossAttention`: queries from the rank's own shard of the video stream, keys and values from a
+  stream every rank holds whole (Wan2.2's 512 text tokens). No all-to-all and no padding policy:
+  the padded query rows give rows that the gather drops like every padded row.
+
+Models compute q, k, v (after QK-norm and rotary) as [B, S, H, D] and get [B, S, H, D] back;
+the kernel comes from backends.py.
 """
 
 from __future__ import annotations
@@ -84,8 +90,10 @@ def attend_joint(recv: torch.Tensor, layout: JointLayout, backend: AttentionBack
     return send
 
 
-class Attention(nn.Module):
+class JointAttention(nn.Module):
     """Joint attention over [image] or [text, image] ("front") / [image, text] ("rear")."""
+
+    kind = "joint"
 
     def __init__(self, text_position: Literal["front", "rear"] = "front") -> None:
         super().__init__()
@@ -150,3 +158,15 @@ class Attention(nn.Module):
         backend = resolve_attention_backend(needs_mask=layout.key_mask is not None)
         back = all_to_all(attend_joint(recv, layout, backend), ctx.group)
         return unpack_streams(layout, back)
+
+
+class CrossAttention(nn.Module):
+    """Attention of a rank's query shard to keys and values every rank holds in full (see the module doc)."""
+
+    kind = "cross"
+
+    @torch.compiler.disable  # like JointAttention: the kernel choice stays outside compiled blocks
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # Every query row attends to the same whole keys, so a rank's rows need nothing from its peers;
+        # there is no key padding to hide (the keys are not sharded), hence the dense kernel in every mode.
+        return resolve_attention_backend(needs_mask=False)(query, key, value)

@@ -3,7 +3,7 @@
 The engine reads `_class_name` from a model folder's model_index.json and looks its spec up
 here, so it knows the modality, task, size and token rules, defaults and accepted request fields
 without importing torch. Generic code reaches a family's code only through these entries:
-`vllm_omni.diffusion.models.<family>.pipeline` (TRANSFORMER_CLASS, pipeline_kwargs) for the
+`vllm_omni.diffusion.models.<family>.pipeline.FAMILY` (the contract of models/family.py) for the
 runner, and `...<family>.tiny` (tiny_model_path) for the loader. Adding a family is one
 package and one entry in FAMILIES.
 """
@@ -14,7 +14,10 @@ import importlib
 import math
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.models.family import FamilyPipeline
 
 # Request fields every pipeline takes (beyond the prompt); see diffusion/request_fields.py.
 COMMON_FIELDS = frozenset({"height", "width", "num_inference_steps", "n", "seed"})
@@ -70,10 +73,17 @@ class PipelineSpec:
     # default max_image_size, 65536 tokens) plus four 1 MP sources (4096 tokens each, the default
     # max_input_images): at the default limits those bind first; this bounds a deploy that raises them.
     max_tokens_per_step: int = 81920
+    # model_index.json values that select this spec over its class's first one: one diffusers class can
+    # serve checkpoints of different geometry (WanPipeline: A14B, and TI2V-5B with `expand_timesteps`).
+    model_index: tuple[tuple[str, object], ...] = ()
 
     def family_module(self, name: str) -> ModuleType:
         """`vllm_omni.diffusion.models.<family>.<name>` (imports torch: workers and tests only)."""
         return importlib.import_module(f"vllm_omni.diffusion.models.{self.family}.{name}")
+
+    def family_pipeline(self) -> FamilyPipeline:
+        """The family's contract with the runner (models/family.py), `<family>.pipeline.FAMILY`."""
+        return self.family_module("pipeline").FAMILY
 
     def takes(self, field_name: str) -> bool:
         return field_name in self.fields
@@ -204,6 +214,35 @@ def _hunyuan(diffusers_class: str, fields: frozenset[str], max_input_images: int
     )
 
 
+def _wan22(diffusers_class: str, max_input_images: int, five_b: bool = False) -> PipelineSpec:
+    return PipelineSpec(
+        diffusers_class,
+        "wan22",
+        "generate",
+        COMMON_FIELDS | VIDEO_FIELDS | {"negative_prompt", "guidance_scale"},
+        modality="video",
+        max_input_images=max_input_images,
+        input_image_required=max_input_images > 0,
+        # A14B: the Wan2.1 VAE's 8x and 2x2 patches; TI2V-5B: the Wan2.2 VAE's 16x and 2x2 patches.
+        size_multiple=32 if five_b else 16,
+        frame_multiple=4,  # 4k + 1 frames
+        default_frames=81,
+        default_size=(832, 480),  # both pipelines' height/width defaults
+        default_fps=24 if five_b else 16,  # the checkpoints' frame rates
+        # Image-to-video resizes the input image to the video's size; without a size, the video takes the
+        # image's aspect ratio at the default's area (rounded to 32), rather than stretching it to 832x480.
+        source_resize="area" if max_input_images else None,
+        source_area=832 * 480,
+        # UMT5 reads 512 tokens, the closing </s> included (max_sequence_length).
+        max_prompt_tokens=511,
+        # 2**17, as HunyuanVideo 1.5: admits A14B's 1280x720 x 81 frames (80 x 45 x 21 = 75600 tokens) and
+        # up to 141 frames at 720p; TI2V-5B's 1280x704 x 121 frames is 27280.
+        max_tokens_per_step=131072,
+        cfg_parallel=True,
+        model_index=(("expand_timesteps", True),) if five_b else (),
+    )
+
+
 FAMILIES: tuple[Family, ...] = (
     Family(
         "qwen_image",
@@ -249,16 +288,34 @@ FAMILIES: tuple[Family, ...] = (
             "tiny/hunyuan-video-1.5-i2v": "HunyuanVideo15ImageToVideoPipeline",
         },
     ),
+    Family(
+        "wan22",
+        # T2V-A14B and I2V-A14B (two experts), TI2V-5B (one transformer, per-token timesteps) as text-to-video.
+        (_wan22("WanPipeline", 0), _wan22("WanImageToVideoPipeline", 1), _wan22("WanPipeline", 0, five_b=True)),
+        {
+            "tiny/wan2.2-t2v": "WanPipeline",
+            "tiny/wan2.2-i2v": "WanImageToVideoPipeline",
+            "tiny/wan2.2-ti2v": "WanPipeline",
+        },
+    ),
 )
 
-REGISTRY: dict[str, PipelineSpec] = {spec.diffusers_class: spec for family in FAMILIES for spec in family.specs}
+SPECS: tuple[PipelineSpec, ...] = tuple(spec for family in FAMILIES for spec in family.specs)
+# Each served class's first spec: what a checkpoint of that class gets unless its model_index selects another.
+REGISTRY: dict[str, PipelineSpec] = {}
+for _spec in SPECS:
+    REGISTRY.setdefault(_spec.diffusers_class, _spec)
 TINY_MODELS: dict[str, PipelineSpec] = {
     name: REGISTRY[pipeline] for family in FAMILIES for name, pipeline in family.tiny_models.items()
 }
 
 
-def spec_for(diffusers_class: str) -> PipelineSpec:
-    spec = REGISTRY.get(diffusers_class)
-    if spec is None:
+def spec_for(diffusers_class: str, model_index: dict | None = None) -> PipelineSpec:
+    """The spec of a checkpoint of `diffusers_class` whose model_index.json holds `model_index`."""
+    if diffusers_class not in REGISTRY:
         raise ValueError(f"pipeline {diffusers_class!r} is not supported; supported pipelines: {', '.join(REGISTRY)}")
-    return spec
+    for spec in SPECS:
+        if spec.diffusers_class == diffusers_class and spec.model_index:
+            if all((model_index or {}).get(key) == value for key, value in spec.model_index):
+                return spec
+    return REGISTRY[diffusers_class]

@@ -3,7 +3,7 @@
 `Flux2Transformer2DModel` is diffusers' class of the same name (same config, same parameter
 names, so `from_pretrained` reads the diffusers checkpoint as is) with two changes: `forward`
 shards the image and text streams with the shared SP helper and gathers the image output,
-and each block's attention processor runs our `Attention` layer instead of a local kernel.
+and each block's attention processor runs our `JointAttention` layer instead of a local kernel.
 
 Layout per rank: the double-stream blocks keep the two streams apart (text, image); the
 single-stream blocks hold one fused [text, image] sequence, so their processor splits it at
@@ -24,7 +24,7 @@ from diffusers.models.transformers import transformer_flux2 as reference
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
-from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.attention.layer import JointAttention
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
     TEXT,
@@ -47,7 +47,7 @@ class Flux2SPAttnProcessor:
     """Double-stream blocks: projections, QK-norm and rotary per stream as in the reference, then joint attention."""
 
     def __init__(self) -> None:
-        self.attention = Attention(text_position="front")
+        self.attention = JointAttention(text_position="front")
 
     def __call__(
         self,
@@ -91,7 +91,7 @@ class Flux2SPParallelSelfAttnProcessor:
     """Single-stream blocks: fused QKV + MLP projection as in the reference; attention over both streams."""
 
     def __init__(self) -> None:
-        self.attention = Attention(text_position="front")
+        self.attention = JointAttention(text_position="front")
 
     def __call__(
         self,

@@ -2,12 +2,12 @@
 
 The diffusers pipeline does everything else: Qwen2.5-VL and ByT5 prompt encoding, SigLIP and
 VAE encoding of the input image, latents, scheduler, CFG through its guider, VAE decoding.
-The generic runner loads it with `TRANSFORMER_CLASS` and calls it with `prepare_pipeline`'s
-keyword arguments (plus generator, output type and the cancel hook).
+The generic runner loads it with our transformer and calls it with `FAMILY.call_kwargs`
+(plus generator, output type and the cancel hook).
 
 The CFG scale is not a `__call__` argument here: it lives in the pipeline's guider
 (`ClassifierFreeGuidance.guidance_scale`; 1.0 turns CFG off and skips the negative prompt), so
-`prepare_pipeline` sets the guider for each request, going back to the checkpoint's guider
+`call_kwargs` sets the guider for each request, going back to the checkpoint's guider
 when the request leaves guidance_scale unset. The image-to-video pipeline takes no size: it
 sizes the video from the input image's aspect ratio at the transformer's `target_size`.
 """
@@ -18,19 +18,11 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni.diffusion.data import DiffusionRequest
+from vllm_omni.diffusion.models.family import FamilyPipeline
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.models.registry import PipelineSpec
-
-TRANSFORMER_CLASS = HunyuanVideo15Transformer3DModel
-DEFAULT_NEGATIVE_PROMPT = ""  # what the pipeline's guider uses when the request gives none
-
-
-def uses_cfg(request: DiffusionRequest) -> bool:
-    """The guider runs two forwards per step unless the scale is 1 (the checkpoint's default scale is above 1)."""
-    return request.guidance_scale is None or request.guidance_scale > 1
-
 
 IMAGE_TO_VIDEO_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 
@@ -38,38 +30,48 @@ IMAGE_TO_VIDEO_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 _checkpoint_guiders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def pipeline_kwargs(request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
-    """The per-request keyword arguments of the pipeline's `__call__` (None fields: pipeline defaults)."""
-    kwargs: dict[str, Any] = {
-        "prompt": request.prompt,
-        "negative_prompt": request.negative_prompt,
-        "num_inference_steps": request.num_inference_steps,
-        "num_videos_per_prompt": request.num_images,
-    }
-    if request.num_frames is not None:
-        kwargs["num_frames"] = request.num_frames
-    if spec.diffusers_class == IMAGE_TO_VIDEO_PIPELINE:
-        if not request.images:
-            raise ValueError("image-to-video needs an input image")
-        kwargs["image"] = request.images[0]
-    else:
-        kwargs["height"], kwargs["width"] = request.height, request.width
-    return kwargs
+class HunyuanVideo15Family(FamilyPipeline):
+    denoisers = {"transformer": HunyuanVideo15Transformer3DModel}
+    default_negative_prompt = ""  # what the pipeline's guider uses when the request gives none
+
+    def uses_cfg(self, request: DiffusionRequest) -> bool:
+        """The guider runs two forwards per step unless the scale is 1 (the checkpoint's default scale is above 1)."""
+        return request.guidance_scale is None or request.guidance_scale > 1
+
+    def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
+        """The per-request keyword arguments of the pipeline's `__call__` (None fields: pipeline defaults)."""
+        kwargs: dict[str, Any] = {
+            "prompt": request.prompt,
+            "negative_prompt": request.negative_prompt,
+            "num_inference_steps": request.num_inference_steps,
+            "num_videos_per_prompt": request.num_images,
+        }
+        if request.num_frames is not None:
+            kwargs["num_frames"] = request.num_frames
+        if spec.diffusers_class == IMAGE_TO_VIDEO_PIPELINE:
+            if not request.images:
+                raise ValueError("image-to-video needs an input image")
+            kwargs["image"] = request.images[0]
+        else:
+            kwargs["height"], kwargs["width"] = request.height, request.width
+        return kwargs
+
+    def call_kwargs(self, pipe, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
+        """Set the pipeline's guider to the request's CFG scale, and return `pipeline_kwargs`.
+
+        Also makes the VAE decode video by video, so that num_videos_per_prompt > 1 works.
+        The runner calls it before each request; it replaces `pipe.guider` (the guider's own
+        `new`), never mutating the checkpoint's guider, so requests do not leak into each other.
+        """
+        # diffusers' VAE mid-block attention breaks on a batch of several videos ([B, L, L] causal mask
+        # against [B, 1, L, C] queries); decoding one video at a time gives the same frames.
+        pipe.vae.enable_slicing()
+        checkpoint_guider = _checkpoint_guiders.setdefault(pipe, pipe.guider)
+        if request.guidance_scale is None:
+            pipe.guider = checkpoint_guider
+        else:
+            pipe.guider = checkpoint_guider.new(guidance_scale=request.guidance_scale)
+        return self.pipeline_kwargs(request, spec)
 
 
-def prepare_pipeline(pipe, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
-    """Set the pipeline's guider to the request's CFG scale, and return `pipeline_kwargs`.
-
-    Also makes the VAE decode video by video, so that num_videos_per_prompt > 1 works.
-    The runner calls it before each request; it replaces `pipe.guider` (the guider's own
-    `new`), never mutating the checkpoint's guider, so requests do not leak into each other.
-    """
-    # diffusers' VAE mid-block attention breaks on a batch of several videos ([B, L, L] causal mask
-    # against [B, 1, L, C] queries); decoding one video at a time gives the same frames.
-    pipe.vae.enable_slicing()
-    checkpoint_guider = _checkpoint_guiders.setdefault(pipe, pipe.guider)
-    if request.guidance_scale is None:
-        pipe.guider = checkpoint_guider
-    else:
-        pipe.guider = checkpoint_guider.new(guidance_scale=request.guidance_scale)
-    return pipeline_kwargs(request, spec)
+FAMILY = HunyuanVideo15Family()

@@ -5,8 +5,8 @@ parameter names, so `from_pretrained` reads diffusers checkpoints as is) with a 
 
 - Video tokens (frames x height x width after patchify) and their 3D rotary rows are
   sharded as the IMAGE stream, text tokens as the TEXT stream, joined behind the video
-  (`Attention(text_position="rear")`) like the reference's [video, text] sequence; each
-  block's attention processor runs our `Attention` layer, and the output is gathered.
+  (`JointAttention(text_position="rear")`) like the reference's [video, text] sequence; each
+  block's attention processor runs our `JointAttention` layer, and the output is gathered.
 - Text padding: the reference concatenates 1000 Qwen2.5-VL prompt tokens, 256 ByT5 glyph
   tokens and 729 image tokens (all masked for text-to-video) and masks the padding in
   attention. Here the valid tokens are compacted (models/text_compaction.py) in the
@@ -29,7 +29,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers import transformer_hunyuan_video15 as reference
 from diffusers.utils import apply_lora_scale
 
-from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.attention.layer import JointAttention
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
     TEXT,
@@ -53,7 +53,7 @@ class HunyuanVideo15SPAttnProcessor:
     then the shared (Ulysses) attention layer over [video, text]."""
 
     def __init__(self) -> None:
-        self.attention = Attention(text_position="rear")
+        self.attention = JointAttention(text_position="rear")
 
     def __call__(
         self,

@@ -3,7 +3,7 @@
 `QwenImageTransformer2DModel` is diffusers' class of the same name (same config, same
 parameter names, so `from_pretrained` reads the diffusers checkpoint as is) with two
 changes: `forward` shards the token streams with the shared SP helper and gathers the
-output, and each block's attention processor runs our `Attention` layer instead of a
+output, and each block's attention processor runs our `JointAttention` layer instead of a
 local kernel. Every other op in a block works token by token, so it runs unchanged on a
 rank's slice. The diffusers pipelines call it exactly like the reference.
 """
@@ -21,7 +21,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers import transformer_qwenimage as reference
 from diffusers.utils import apply_lora_scale
 
-from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.attention.layer import JointAttention
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
     TEXT,
@@ -41,7 +41,7 @@ class QwenImageSPAttnProcessor:
     """Projections, QK-norm and rotary as in the reference, then the shared (Ulysses) attention layer."""
 
     def __init__(self) -> None:
-        self.attention = Attention(text_position="front")
+        self.attention = JointAttention(text_position="front")
 
     def __call__(
         self,

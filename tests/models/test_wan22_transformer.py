@@ -1,0 +1,216 @@
+"""Our Wan2.2 transformer against the diffusers reference, single process and under SP.
+
+Same random weights (a checkpoint saved by the diffusers class and loaded by ours); fp32. Three
+shapes: A14B text-to-video (16 latent channels in), A14B image-to-video (36: latents, the
+first-frame mask, the condition latents) and TI2V-5B (48 channels, one timestep per token, as
+`expand_timesteps` passes). Text is always 512 tokens, as the pipelines pad it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel as ReferenceTransformer
+from sp_padding import random_sp_padding
+
+from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
+from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel
+from vllm_omni.logger import reset_warning_once
+
+TEXT_DIM, TEXT_LEN = 32, 512
+BASE = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=6,
+    attention_head_dim=16,
+    text_dim=TEXT_DIM,
+    freq_dim=32,
+    ffn_dim=64,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=64,
+)
+CONFIGS = {
+    "a14b": dict(BASE, in_channels=16, out_channels=16),
+    "a14b_i2v": dict(BASE, in_channels=36, out_channels=16),
+    "5b": dict(BASE, in_channels=48, out_channels=48),
+}
+# Latent grids (frames, height, width) and their tokens after 1x2x2 patches.
+GRIDS = {
+    "pad23": (5, 10, 14),  # 175 tokens: 2 and 3 ranks pad
+    "pad2": (3, 10, 14),  # 105: 2 ranks pad
+    "divisible": (2, 6, 6),  # 18
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    config: str = "a14b"
+    grid: tuple[int, int, int] = GRIDS["pad23"]
+    batch: int = 1
+
+
+def make_inputs(case: Case, seed: int = 1) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    frames, height, width = case.grid
+    channels = CONFIGS[case.config]["in_channels"]
+    if case.config == "5b":
+        # One timestep per token, the first frame's tokens at 0 (what image-to-video passes), the rest apart.
+        tokens = frames * (height // 2) * (width // 2)
+        timestep = torch.rand(case.batch, tokens, generator=gen) * 1000
+        timestep[:, : (height // 2) * (width // 2)] = 0
+    else:
+        timestep = torch.rand(case.batch, generator=gen) * 1000
+    text = torch.randn(case.batch, TEXT_LEN, TEXT_DIM, generator=gen)
+    text[:, 9:] = 0  # the pipeline's zero padding after the prompt's tokens; it still counts
+    return dict(
+        hidden_states=torch.randn(case.batch, channels, frames, height, width, generator=gen),
+        timestep=timestep,
+        encoder_hidden_states=text,
+        return_dict=False,
+    )
+
+
+def make_models(config: str, folder) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    ref = ReferenceTransformer(**CONFIGS[config]).eval()
+    with torch.no_grad():  # non-trivial modulation and output weights everywhere
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ref.save_pretrained(folder)
+    return ref, WanTransformer3DModel.from_pretrained(folder).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return {config: str(tmp_path_factory.mktemp(f"wan22_{config}")) for config in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    return {config: make_models(config, folder) for config, folder in checkpoints.items()}
+
+
+def run(model, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+PARITY_CASES = {
+    "a14b": Case(),
+    "a14b_batch2": Case(batch=2),
+    "a14b_i2v": Case("a14b_i2v"),
+    "5b_per_token_timestep": Case("5b"),
+    "5b_batch2": Case("5b", GRIDS["pad2"], batch=2),
+}
+
+
+@pytest.mark.parametrize("name", list(PARITY_CASES))
+def test_matches_diffusers_reference(models, name):
+    case = PARITY_CASES[name]
+    ref, ours = models[case.config]
+    inputs = make_inputs(case)
+    torch.testing.assert_close(run(ours, inputs), run(ref, inputs), rtol=0, atol=1e-5)
+
+
+def test_parameter_names_and_config_are_the_checkpoints(models):
+    ref, ours = models["a14b"]
+    assert list(ref.state_dict()) == list(ours.state_dict())
+    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))  # noqa: E731
+    assert public(ours.config) == public(ref.config)
+
+
+def test_attention_kinds_are_declared(models):
+    """Self-attention is joint (one stream, through the Ulysses layer); text enters by cross-attention."""
+    _, ours = models["a14b"]
+    for block in ours.blocks:
+        assert block.attn1.processor.attention.kind == "joint"
+        assert block.attn2.processor.attention.kind == "cross"
+
+
+def test_wan21_image_conditioning_is_refused():
+    with pytest.raises(ValueError, match="image_dim"):
+        WanTransformer3DModel(**dict(CONFIGS["a14b_i2v"], image_dim=32, added_kv_proj_dim=96))
+
+
+# ---- under SP (gloo workers) ----------------------------------------------------------------
+
+_MODES = {
+    "mask": DiffusionParallelConfig(mask_sp_padding=True),
+    "trim": DiffusionParallelConfig(),
+    "none": DiffusionParallelConfig(trim_sp_padding=False),
+}
+_worker_models: dict = {}
+
+SP_CASES = {
+    "a14b": Case(),  # 175 tokens: pads at 2 and 3
+    "a14b_i2v_batch2": Case("a14b_i2v", GRIDS["pad2"], batch=2),  # 105: pads at 2
+    "5b": Case("5b"),  # per-token timestep sharded with the video
+}
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def sp_forward(folder: str, case: Case, mode: str, random_padding: bool = False) -> tuple[torch.Tensor, list[str]]:
+    """Worker side: our forward under the worker's SP group in `mode`; the output and the warnings logged."""
+    if folder not in _worker_models:
+        _worker_models[folder] = WanTransformer3DModel.from_pretrained(folder).eval()
+    state = get_parallel_state()
+    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
+    warnings, root = _Warnings(), logging.getLogger("vllm_omni")
+    reset_warning_once()
+    root.addHandler(warnings)
+    try:
+        with use_parallel_state(dataclasses.replace(state, config=config)), random_sp_padding(random_padding):
+            return run(_worker_models[folder], make_inputs(case)), warnings.messages
+    finally:
+        root.removeHandler(warnings)
+
+
+@pytest.mark.parametrize("case", list(SP_CASES))
+def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoints, case):
+    config = SP_CASES[case].config
+    expected = run(models[config][1], make_inputs(SP_CASES[case]))
+    for mode in ("mask", "trim"):
+        for out, warnings in sp_pool.run(sp_forward, checkpoints[config], SP_CASES[case], mode):
+            torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+            assert warnings == []
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoints, mode):
+    """Random values in the padded video rows, rotary rows and (5B) per-token timesteps."""
+    for case in ("a14b", "5b"):
+        folder = checkpoints[SP_CASES[case].config]
+        clean = sp_pool.run(sp_forward, folder, SP_CASES[case], mode)
+        noisy = sp_pool.run(sp_forward, folder, SP_CASES[case], mode, random_padding=True)
+        for (a, _), (b, _) in zip(clean, noisy):
+            assert torch.equal(a, b)
+
+
+def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, checkpoints):
+    case = SP_CASES["a14b"]
+    expected = run(models["a14b"][1], make_inputs(case))
+    for out, warnings in sp_pool.run(sp_forward, checkpoints["a14b"], case, "none"):
+        diff = (out - expected).abs().max().item()
+        assert 0 < diff < 0.5 * expected.abs().max().item()
+        assert len(warnings) == 1 and "unmasked SP padding" in warnings[0]
+        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
+    # A divisible grid has no padding: none mode is exact and silent.
+    case = Case(grid=GRIDS["divisible"])
+    expected = run(models["a14b"][1], make_inputs(case))
+    for out, warnings in sp_pool.run(sp_forward, checkpoints["a14b"], case, "none"):
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+        assert warnings == []

@@ -1,0 +1,64 @@
+"""The family contract: what a model family declares to the generic runner (runner.py).
+
+A family's `pipeline.py` defines `FAMILY`, an instance of a `FamilyPipeline` subclass. The
+runner reads nothing else of a family:
+
+- `denoisers`: every denoiser its pipelines can have, by pipeline component name, with the SP
+  class that replaces diffusers' own (`transformer`; Wan2.2 A14B adds `transformer_2`, its
+  low-noise expert). The runner loads each one a checkpoint has, and compile, CUDA graphs, CFG
+  parallel and the Ulysses-divides-heads check apply to every one of them. A pipeline component
+  that is a denoiser (see `is_denoiser`) but is not declared makes the load fail: it would run
+  unsharded, on every rank, silently slow.
+- `call_kwargs(pipe, request, spec)`: a validated request -> the pipeline's `__call__` keyword
+  arguments (the runner adds the generator, the output type and the per-step hook). A family
+  that must also set per-request state on the pipeline (HunyuanVideo 1.5's guider) does it here.
+- `uses_cfg(request)`: whether the request runs two forwards per step (cond, uncond), which CFG
+  parallel splits between two rank groups; `default_negative_prompt` is what the pipeline uses
+  when such a request gives none (the uncond group's prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_omni.diffusion.data import DiffusionRequest
+    from vllm_omni.diffusion.models.registry import PipelineSpec
+
+
+class FamilyPipeline:
+    """Base of every family's `FAMILY`; subclasses set `denoisers` and override `pipeline_kwargs`."""
+
+    denoisers: ClassVar[Mapping[str, type[torch.nn.Module]]] = {}
+    default_negative_prompt: ClassVar[str] = ""
+
+    def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def call_kwargs(self, pipe: Any, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
+        """The pipeline call's keyword arguments (a family with per-request pipeline state overrides it)."""
+        return self.pipeline_kwargs(request, spec)
+
+    def uses_cfg(self, request: DiffusionRequest) -> bool:
+        """True when the pipeline runs a conditional and an unconditional forward per step for `request`."""
+        return False
+
+
+def is_denoiser(component: Any) -> bool:
+    """A pipeline component that runs at every denoising step: a diffusers transformer or UNet model."""
+    from diffusers import ModelMixin
+
+    name = type(component).__name__
+    return isinstance(component, ModelMixin) and ("Transformer" in name or "UNet" in name)
+
+
+def undeclared_denoisers(pipe: Any, declared: Mapping[str, Any]) -> list[str]:
+    """The pipeline's denoiser components that are not the family's declared SP classes."""
+    return [
+        name
+        for name, component in pipe.components.items()
+        if component is not None and is_denoiser(component) and declared.get(name) is not component
+    ]

@@ -1,0 +1,58 @@
+"""Wan2.2 pipelines (`WanPipeline` text-to-video, `WanImageToVideoPipeline`) with our SP experts.
+
+The diffusers pipeline does everything else: UMT5 prompt encoding (padded to 512 tokens), the
+input image's VAE latents (image-to-video conditions through the latent channels), latents,
+the UniPC scheduler, CFG as two forwards per step, the switch from the high-noise expert
+(`transformer`) to the low-noise one (`transformer_2`) at `boundary_ratio`, and VAE decoding.
+Both experts are declared, so both are sharded, compiled and graphed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_omni.diffusion.data import DiffusionRequest
+from vllm_omni.diffusion.models.family import FamilyPipeline
+from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.models.registry import PipelineSpec
+
+IMAGE_TO_VIDEO_PIPELINE = "WanImageToVideoPipeline"
+DEFAULT_GUIDANCE_SCALE = 5.0  # both pipelines' `guidance_scale` default
+
+
+class Wan22Family(FamilyPipeline):
+    # transformer_2 is null in TI2V-5B's model_index.json: the runner loads the experts a checkpoint has.
+    denoisers = {"transformer": WanTransformer3DModel, "transformer_2": WanTransformer3DModel}
+    default_negative_prompt = ""  # what encode_prompt uses when a CFG request gives none
+
+    def uses_cfg(self, request: DiffusionRequest) -> bool:
+        """`do_classifier_free_guidance`: guidance_scale above 1 (the default, 5.0, is)."""
+        scale = DEFAULT_GUIDANCE_SCALE if request.guidance_scale is None else request.guidance_scale
+        return scale > 1
+
+    def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
+        """Keyword arguments of the pipeline's `__call__` (None fields keep the pipeline's defaults)."""
+        kwargs: dict[str, Any] = {
+            "prompt": request.prompt,
+            "negative_prompt": request.negative_prompt,
+            "num_inference_steps": request.num_inference_steps,
+            "num_videos_per_prompt": request.num_images,
+        }
+        for name, value in (
+            ("height", request.height),
+            ("width", request.width),
+            ("num_frames", request.num_frames),
+            ("guidance_scale", request.guidance_scale),  # both experts' (guidance_scale_2 follows it)
+        ):
+            if value is not None:
+                kwargs[name] = value
+        if spec.diffusers_class == IMAGE_TO_VIDEO_PIPELINE:
+            if not request.images:
+                raise ValueError("image-to-video needs an input image")
+            kwargs["image"] = request.images[0]  # resized to the video's size by the pipeline
+        return kwargs
+
+
+FAMILY = Wan22Family()
