@@ -32,12 +32,12 @@ def write(tmp_path, text: str):
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen_image", "qwen_image_edit", "hunyuan_video_15"])
+@pytest.mark.parametrize("name", ["qwen_image", "qwen_image_edit", "hunyuan_video_15", "wan22_t2v_a14b"])
 def test_packaged_deploys_load_by_name(name):
     deploy = load_deploy_config(name)
     assert deploy.path.name == f"{name}.yaml"
     assert deploy.parallel_config["ulysses_degree"] == 8 and deploy.devices == list(range(8))
-    assert deploy.default_sampling_params["num_inference_steps"] == 50
+    assert deploy.default_sampling_params["num_inference_steps"] == (40 if name.startswith("wan") else 50)
 
 
 @pytest.mark.parametrize(
@@ -151,14 +151,22 @@ def test_yaml_limits_apply_and_limit_flags_override_them(tmp_path):
     assert (limits.max_frames, limits.max_steps, limits.max_n) == (61, 12, 4)
 
 
-def test_the_packaged_video_deploy_defaults_fit_its_limits_and_the_frame_rule():
-    deploy = load_deploy_config("hunyuan_video_15")
+@pytest.mark.parametrize(
+    ("name", "pipeline", "size", "heads"),
+    [
+        ("hunyuan_video_15", "HunyuanVideo15Pipeline", (848, 480, 121), 16),
+        ("wan22_t2v_a14b", "WanPipeline", (1280, 720, 81), 40),  # A14B: 40 heads per expert
+    ],
+)
+def test_the_packaged_video_deploy_defaults_fit_its_limits_and_the_frame_rule(name, pipeline, size, heads):
+    deploy = load_deploy_config(name)
     defaults, limits = deploy.default_sampling_params, deploy.limits
-    assert (defaults["width"], defaults["height"], defaults["num_frames"]) == (848, 480, 121)
+    assert (defaults["width"], defaults["height"], defaults["num_frames"]) == size
     assert defaults["num_frames"] % 4 == 1 and defaults["num_frames"] <= limits["max_frames"]
     assert max(defaults["width"], defaults["height"]) <= limits["max_image_size"]
-    assert 16 % deploy.parallel_config["ulysses_degree"] == 0  # the transformer's 16 heads split evenly
-    spec = REGISTRY["HunyuanVideo15Pipeline"]
+    assert heads % deploy.parallel_config["ulysses_degree"] == 0  # the heads split evenly
+    spec = REGISTRY[pipeline]
+    assert defaults["width"] % spec.size_multiple == 0 == defaults["height"] % spec.size_multiple
     tokens = spec.tokens_per_step(defaults["width"], defaults["height"], defaults["num_frames"], [])
     assert tokens <= EngineLimits(**limits).for_model(spec).max_tokens_per_step
 

@@ -13,12 +13,14 @@ import inspect
 import pytest
 import test_flux2_transformer as flux2_case
 import test_hunyuan_video_15_transformer as hunyuan_case
+import test_wan22_transformer as wan22_case
 import torch
 
 from vllm_omni.diffusion.cuda_graphs import compile_repeated_blocks
 from vllm_omni.diffusion.models.flux2 import Flux2Transformer2DModel
 from vllm_omni.diffusion.models.hunyuan_video_15 import HunyuanVideo15Transformer3DModel
 from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
+from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel
 
 QWEN_CONFIG = dict(
     patch_size=2,
@@ -51,6 +53,7 @@ FAMILIES = {
         hunyuan_case.CONFIG,
         lambda: dict(hunyuan_case.make_inputs(hunyuan_case.PARITY_CASES["t2v_glyph"]), return_dict=False),
     ),
+    "wan22": (WanTransformer3DModel, wan22_case.CONFIGS["5b"], lambda: wan22_case.make_inputs(wan22_case.Case("5b"))),
 }
 
 

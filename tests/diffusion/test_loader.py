@@ -1,0 +1,39 @@
+"""The loader's checks before any worker starts: the pipeline spec a checkpoint selects, and the
+Ulysses degree against the heads of every denoiser (Wan2.2 A14B has two)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_omni.diffusion.loader import check_ulysses_degree, read_pipeline_spec
+
+
+def _folder(tmp_path, index: dict, heads: dict[str, int]):
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    for name, count in heads.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"num_attention_heads": count}))
+    return tmp_path
+
+
+def test_the_degree_must_divide_every_experts_heads(tmp_path):
+    index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "X"], "transformer_2": ["diffusers", "X"]}
+    folder = _folder(tmp_path, index, {"transformer": 6, "transformer_2": 40})
+    check_ulysses_degree(folder, 2)
+    with pytest.raises(ValueError, match=r"ulysses_degree=3 does not divide the model's 40 attention heads"):
+        check_ulysses_degree(folder, 3)
+
+
+def test_an_absent_expert_is_not_checked(tmp_path):
+    index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "X"], "transformer_2": [None, None]}
+    check_ulysses_degree(_folder(tmp_path, index, {"transformer": 24}), 3)  # 5B: 24 heads, no transformer_2
+
+
+def test_one_class_selects_its_spec_by_the_model_index(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "expand_timesteps": False}))
+    assert read_pipeline_spec(tmp_path).size_multiple == 16  # A14B
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "expand_timesteps": True}))
+    five_b = read_pipeline_spec(tmp_path)
+    assert (five_b.size_multiple, five_b.default_fps, five_b.family) == (32, 24, "wan22")

@@ -1,0 +1,46 @@
+"""The family contract (models/family.py) as the runner applies it, on every tiny model.
+
+Every denoiser a pipeline has is a declared SP class, loaded and wrapped by the runner: counted,
+and (with graphs on) replayed through CUDAGraphForward. A family that leaves one undeclared
+fails at load, naming it, instead of running it unsharded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.hooks import HookRegistry
+
+from vllm_omni.diffusion.cuda_graphs import TEST_GRAPHS_ENV, CUDAGraphForward
+from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.models.family import is_denoiser
+from vllm_omni.diffusion.models.registry import TINY_MODELS
+from vllm_omni.diffusion.models.wan22.pipeline import Wan22Family
+from vllm_omni.diffusion.runner import CountForwards, PipelineRunner
+
+
+def _runner(name: str) -> PipelineRunner:
+    path = resolve_model_path(name)
+    return PipelineRunner(path, read_pipeline_spec(path), torch.device("cpu"), torch.float32, rank=1)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_every_denoiser_is_declared_loaded_and_wrapped(name, monkeypatch):
+    monkeypatch.setenv(TEST_GRAPHS_ENV, "simulate")  # graphs on, as on GPUs
+    runner = _runner(name)
+    denoisers = {n: c for n, c in runner.pipe.components.items() if c is not None and is_denoiser(c)}
+    assert denoisers and denoisers.keys() == runner.denoisers.keys()
+    for component, model in denoisers.items():
+        assert model is runner.denoisers[component]
+        assert type(model) is runner.family.denoisers[component]
+        assert isinstance(model.forward_sharded, CUDAGraphForward)
+        assert HookRegistry.check_if_exists_or_initialize(model).get_hook(CountForwards.NAME) is not None
+    assert runner.attention_heads == {n: m.config.num_attention_heads for n, m in denoisers.items()}
+    if name in ("tiny/wan2.2-t2v", "tiny/wan2.2-i2v"):
+        assert set(denoisers) == {"transformer", "transformer_2"}  # both experts of A14B
+
+
+def test_an_undeclared_denoiser_fails_the_load(monkeypatch):
+    monkeypatch.setattr(Wan22Family, "denoisers", {"transformer": Wan22Family.denoisers["transformer"]})
+    with pytest.raises(ValueError, match=r"\['transformer_2'\].*unsharded"):
+        _runner("tiny/wan2.2-t2v")
