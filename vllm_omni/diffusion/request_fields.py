@@ -28,7 +28,7 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
     RequestField(
         "negative_prompt",
         str,
-        "what to steer away from; turns on true CFG (Qwen-Image) or is the CFG branch's prompt (HunyuanVideo 1.5)",
+        "what to steer away from; turns on true CFG (Qwen-Image) or is the CFG branch's prompt (video models)",
         "--negative-prompt",
     ),
     RequestField("width", int, "output width in pixels, rounded down to the model's multiple", "--size", True),
@@ -37,7 +37,7 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
     RequestField(
         "guidance_scale",
         float,
-        "guidance: embedded (distilled) guidance on FLUX.2, the CFG scale on HunyuanVideo 1.5, "
+        "guidance: embedded (distilled) guidance on FLUX.2, the CFG scale on HunyuanVideo 1.5 and Wan2.2, "
         "and only for checkpoints with guidance embeds on Qwen-Image",
         "--guidance-scale",
     ),
@@ -52,11 +52,11 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
     RequestField(
         "num_frames",
         int,
-        "video frames, rounded down to k * 4 + 1 for HunyuanVideo 1.5 (default: the model's)",
+        "video frames, rounded down to k * 4 + 1 (default: the model's)",
         "--num-frames",
         video_only=True,
     ),
-    RequestField("fps", int, "video frames per second, for the MP4 (default: 24)", "--fps", video_only=True),
+    RequestField("fps", int, "video frames per second, for the MP4 (default: the model's)", "--fps", video_only=True),
 )
 
 FIELDS_BY_NAME: dict[str, RequestField] = {f.name: f for f in SAMPLING_FIELDS}
