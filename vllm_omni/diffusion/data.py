@@ -57,6 +57,8 @@ class DiffusionParallelConfig:
     left in unmasked (`trim_sp_padding=False`, dense kernel, approximate, warns once).
     `distributed_executor_backend` says who starts the ranks: "mp", one process each on this
     machine, or "ray", one Ray actor each, on this machine or across a Ray cluster.
+    `vae_parallel`: the VAE decode tiled and split over every rank (vae_parallel.py); None: on
+    when there are several ranks and the output is large enough that splitting pays.
     """
 
     ulysses_degree: int = 1
@@ -66,6 +68,7 @@ class DiffusionParallelConfig:
     mask_sp_padding: bool = False
     trim_sp_padding: bool = True
     distributed_executor_backend: ExecutorBackend = "mp"
+    vae_parallel: bool | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("ulysses_degree", self.ulysses_degree)
@@ -85,6 +88,8 @@ class DiffusionParallelConfig:
                 )
         _check_bool("mask_sp_padding", self.mask_sp_padding)
         _check_bool("trim_sp_padding", self.trim_sp_padding)
+        if self.vae_parallel is not None:
+            _check_bool("vae_parallel", self.vae_parallel)
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "

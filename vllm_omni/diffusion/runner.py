@@ -5,10 +5,11 @@ shares lives here: loading the pipeline with the family's SP class for each of i
 (models/family.py: `transformer`, and Wan2.2's `transformer_2`), decoding the source images
 (they arrive as the compressed files the engine checked), the chain a denoising forward goes
 through (`install_forward_chain`: CFG parallel, then the model's host-side preparation, then
-CUDA graphs around its sharded work), one CPU generator seeded identically on every rank (so
-every rank holds the same latents), the per-step hook (`_per_step_hook`: cancellation,
-progress, the end of a CFG step), the progress bar on rank 0 only, and the result as uint8
-(images [n, H, W, 3], videos [n, F, H, W, 3]) unless the caller asked for float arrays.
+CUDA graphs around its sharded work), the VAE decode split over the ranks (vae_parallel.py),
+one CPU generator seeded identically on every rank (so every rank holds the same latents), the
+per-step hook (`_per_step_hook`: cancellation, progress, the end of a CFG step), the progress
+bar on rank 0 only, and the result as uint8 (images [n, H, W, 3], videos [n, F, H, W, 3])
+unless the caller asked for float arrays.
 
 A family supplies only what differs, as `FAMILY` in `models/<family>/pipeline.py`.
 """
@@ -37,6 +38,7 @@ from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, undeclared_denoisers
 from vllm_omni.diffusion.models.registry import PipelineSpec
+from vllm_omni.diffusion.vae_parallel import install_decode_split
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -133,14 +135,33 @@ class PipelineRunner:
             if graphs is not None and spec.compile_blocks and device.type == "cuda":
                 compile_repeated_blocks(denoiser)
             install_forward_chain(denoiser, graphs, self.cfg, self.forwards, name)
+        # The VAE decode, tiled and split over every rank of the group (SP and CFG ranks hold the same latents).
+        world = state.world_size if state is not None else 1
+        self._on_decode_tile: Callable[[int], None] | None = None
+        self.decode_split = install_decode_split(
+            self.pipe.vae,
+            rank,
+            world,
+            torch.distributed.group.WORLD if world > 1 else None,
+            state.control_group if state is not None else None,
+            state.config.vae_parallel if state is not None else None,
+            on_tile=lambda tile: self._on_decode_tile is not None and self._on_decode_tile(tile),
+        )
 
     @property
     def attention_heads(self) -> dict[str, int]:
         """Attention heads of each denoiser (the Ulysses degree must divide every one)."""
         return {name: model.config.num_attention_heads for name, model in self.denoisers.items()}
 
-    def run(self, request: DiffusionRequest, on_step_end: StepCallback) -> np.ndarray:
+    def run(
+        self,
+        request: DiffusionRequest,
+        on_step_end: StepCallback,
+        on_decode_tile: Callable[[int], None] | None = None,
+    ) -> np.ndarray:
         """Run one request; `on_step_end(step)` is called after every denoising step and may raise to stop.
+
+        `on_decode_tile(tile)`, likewise, at every tile of a split VAE decode, on every rank.
 
         Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np".
         """
@@ -164,8 +185,12 @@ class PipelineRunner:
                 self.cfg.end_step()
             on_step_end(step)
 
-        with self._per_step_hook(kwargs, step_end), torch.inference_mode():
-            result = self.pipe(**kwargs)
+        self._on_decode_tile = on_decode_tile
+        try:
+            with self._per_step_hook(kwargs, step_end), torch.inference_mode():
+                result = self.pipe(**kwargs)
+        finally:
+            self._on_decode_tile = None
         logger.debug("Request %s: forwards per denoiser %s", request.request_id, dict(self.forwards))
         frames = result.frames if self.spec.modality == "video" else result.images
         array = np.asarray(frames, dtype=np.float32)

@@ -72,9 +72,11 @@ class InjectedFault:
     """Test hook (off unless env VLLM_OMNI_TEST_FAULT is set): one rank hangs or raises at one step.
 
     VLLM_OMNI_TEST_FAULT='{"kind": "hang", "rank": 1, "step": 1, "prompt": "stall here"}' makes
-    rank 1 block forever (or raise, with "raise") at the end of denoising step 1 (0-based) of every
-    request whose prompt is "stall here" (every request when "prompt" is left out), before the group
-    agrees on the step: its peers then wait in a collective. A JSON list sets several faults. The
+    rank 1 block forever (or raise, with "raise"; or, with "pause", wait until the request is
+    cancelled) at the end of denoising step 1 (0-based) of every request whose prompt is "stall
+    here" (every request when "prompt" is left out), before the group agrees on the step: its peers
+    then wait in a collective. With "phase": "decode", "step" is a tile of the split VAE decode.
+    A JSON list sets several faults. The
     deadline tests (tests/diffusion/test_worker_deadlines.py, tests/entrypoints/test_serve_lifetime.py)
     use it.
     """
@@ -83,6 +85,7 @@ class InjectedFault:
     rank: int
     step: int
     prompt: str | None = None
+    phase: str = "step"  # or "decode": `step` is then the tile of a split VAE decode
 
     @classmethod
     def from_env(cls) -> list[InjectedFault]:
@@ -92,16 +95,26 @@ class InjectedFault:
         specs = json.loads(text)
         faults = [cls(**spec) for spec in (specs if isinstance(specs, list) else [specs])]
         for fault in faults:
-            if fault.kind not in ("hang", "raise"):
-                raise ValueError(f"{TEST_FAULT_ENV}: kind must be 'hang' or 'raise', got {fault.kind!r}")
+            if fault.kind not in ("hang", "raise", "pause"):
+                raise ValueError(f"{TEST_FAULT_ENV}: kind must be 'hang', 'raise' or 'pause', got {fault.kind!r}")
+            if fault.phase not in ("step", "decode"):
+                raise ValueError(f"{TEST_FAULT_ENV}: phase must be 'step' or 'decode', got {fault.phase!r}")
         return faults
 
-    def trigger(self, rank: int, step: int, request: DiffusionRequest) -> None:
-        if rank != self.rank or step != self.step or self.prompt not in (None, request.prompt):
+    def trigger(
+        self, rank: int, step: int, request: DiffusionRequest, phase: str = "step", cancelled: Any = None
+    ) -> None:
+        if rank != self.rank or step != self.step or phase != self.phase or self.prompt not in (None, request.prompt):
             return
-        logger.warning("Test fault: rank %d %ss at step %d of request %s", rank, self.kind, step, request.request_id)
+        logger.warning(
+            "Test fault: rank %d %ss at %s %d of request %s", rank, self.kind, phase, step, request.request_id
+        )
         if self.kind == "raise":
-            raise RuntimeError(f"test fault on rank {rank} at step {step}")
+            raise RuntimeError(f"test fault on rank {rank} at {phase} {step}")
+        if self.kind == "pause":  # until the request is cancelled: a cancel that lands inside this phase
+            while not cancelled():
+                threading.Event().wait(0.01)
+            return
         threading.Event().wait()  # until the executor kills this process
 
 
@@ -200,16 +213,24 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
 
         def on_step_end(step: int, request: DiffusionRequest = request, total: int = total) -> None:
             for fault in faults:
-                fault.trigger(rank, step, request)
+                fault.trigger(rank, step, request, "step", lambda: cancel_token.value == request.cancel_token)
             # All ranks must stop at the same step, or the others would wait in a collective forever.
             if any_rank(cancel_token.value == request.cancel_token):
                 raise RequestCancelled(f"request {request.request_id} cancelled at step {step + 1}")
             reports.put(("progress", rank, request.request_id, (min(step + 1, total), total)))
 
+        def on_decode_tile(tile: int, request: DiffusionRequest = request, total: int = total) -> None:
+            for fault in faults:
+                fault.trigger(rank, tile, request, "decode", lambda: cancel_token.value == request.cancel_token)
+            # Every rank reaches every tile start of a split decode: a cancel stops them all at one tile.
+            if any_rank(cancel_token.value == request.cancel_token):
+                raise RequestCancelled(f"request {request.request_id} cancelled while decoding (tile {tile + 1})")
+            reports.put(("progress", rank, request.request_id, (total, total)))  # alive: the stall deadline
+
         start = time.perf_counter()
         try:
             try:
-                images = runner.run(request, on_step_end)
+                images = runner.run(request, on_step_end, on_decode_tile)
             finally:
                 # Before the request's last report: the executor stops reading once every rank answered.
                 while runner.graph_capture_failures:

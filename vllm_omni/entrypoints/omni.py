@@ -35,6 +35,7 @@ class Omni:
         cfg_parallel_size: int = 1,
         mask_sp_padding: bool = False,
         trim_sp_padding: bool = True,
+        vae_parallel: bool | None = None,
         device: str | None = None,
         dtype: Any = None,
         attention_backend: str | None = None,
@@ -55,6 +56,7 @@ class Omni:
             cfg_parallel_size=cfg_parallel_size,
             mask_sp_padding=mask_sp_padding,
             trim_sp_padding=trim_sp_padding,
+            vae_parallel=vae_parallel,
             distributed_executor_backend=distributed_executor_backend,
         )
         config = OmniDiffusionConfig(

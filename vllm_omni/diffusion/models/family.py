@@ -15,10 +15,16 @@ runner reads nothing else of a family:
 - `uses_cfg(request)`: whether the request runs two forwards per step (cond, uncond), which CFG
   parallel splits between two rank groups; `default_negative_prompt` is what the pipeline uses
   when such a request gives none (the uncond group's prompt).
+- Text encoded once: `encode_text(pipe, kwargs)` runs the pipeline's own `encode_prompt` on the
+  call kwargs and returns the embeddings, keyed by the `__call__` arguments that take them
+  ({}: this request must be encoded by the pipeline itself, on every rank); `with_text(kwargs,
+  embeds)` is the call with them in place of the prompts, which a pipeline loaded without its
+  `text_encoders` components runs to the same output.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -34,6 +40,10 @@ class FamilyPipeline:
 
     denoisers: ClassVar[Mapping[str, type[torch.nn.Module]]] = {}
     default_negative_prompt: ClassVar[str] = ""
+    # Pipeline components that only prompt encoding uses (text encoders, and their tokenizers where the
+    # pipeline uses those for nothing else): a rank that gets its embeddings from `encode_text` loads
+    # the pipeline without them. Empty: every rank encodes.
+    text_encoders: ClassVar[tuple[str, ...]] = ()
 
     def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         raise NotImplementedError
@@ -45,6 +55,27 @@ class FamilyPipeline:
     def uses_cfg(self, request: DiffusionRequest) -> bool:
         """True when the pipeline runs a conditional and an unconditional forward per step for `request`."""
         return False
+
+    def encode_text(self, pipe: Any, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The prompt embeddings `pipe(**kwargs)` computes, by its own `encode_prompt`, keyed by the
+        `__call__` arguments that take them; the negative ones only where the pipeline encodes them.
+        {}: no embeddings for this call (the pipeline must encode the prompts itself)."""
+        return {}
+
+    def with_text(self, kwargs: dict[str, Any], embeds: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """`kwargs` with `embeds` (from `encode_text`) in place of the prompts, which the pipelines
+        refuse alongside their embeddings; unchanged when `embeds` is empty."""
+        if not embeds:
+            return kwargs
+        prompts = {name: None for name in ("prompt", "negative_prompt") if name in kwargs}
+        return {**kwargs, **prompts, **embeds}
+
+
+def call_arg(pipe: Any, kwargs: Mapping[str, Any], name: str) -> Any:
+    """The value `pipe(**kwargs)` runs with for argument `name`: the given one, else its `__call__` default."""
+    if name in kwargs:
+        return kwargs[name]
+    return inspect.signature(pipe.__call__).parameters[name].default
 
 
 def is_denoiser(component: Any) -> bool:

@@ -88,6 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         cfg_parallel_size=parallel.cfg_parallel_size,
         mask_sp_padding=parallel.mask_sp_padding,
         trim_sp_padding=parallel.trim_sp_padding,
+        vae_parallel=parallel.vae_parallel,
         device=settings.device,
         dtype=settings.dtype,
         attention_backend=settings.attention_backend,

@@ -118,6 +118,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-trim-sp-padding leaves it in unmasked (dense, approximate, warns once) (default: on)",
     )
     par.add_argument(
+        "--vae-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tile the VAE decode and split the tiles over every rank (equal to one rank's tiled decode); "
+        "--no-vae-parallel decodes whole on every rank (default: on with several ranks at sizes where it pays)",
+    )
+    par.add_argument(
         "--distributed-executor-backend",
         choices=EXECUTOR_BACKENDS,
         default=None,
@@ -273,6 +280,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> Any:
             "cfg_parallel_size": args.cfg_parallel_size,
             "mask_sp_padding": args.mask_sp_padding,
             "trim_sp_padding": args.trim_sp_padding,
+            "vae_parallel": args.vae_parallel,
             "distributed_executor_backend": args.distributed_executor_backend,
         },
         device=args.device,

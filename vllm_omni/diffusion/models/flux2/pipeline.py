@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from vllm_omni.diffusion.data import DiffusionRequest
-from vllm_omni.diffusion.models.family import FamilyPipeline
+from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel
 
 if TYPE_CHECKING:
@@ -21,6 +23,9 @@ if TYPE_CHECKING:
 
 class Flux2Family(FamilyPipeline):
     denoisers = {"transformer": Flux2Transformer2DModel}  # no CFG: guidance is embedded
+    # Mistral 3 and its processor (the chat template): only prompt encoding (and prompt upsampling,
+    # which the runner never asks for) uses them; reference images go to the VAE alone.
+    text_encoders = ("text_encoder", "tokenizer")
 
     def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         """Keyword arguments of `Flux2Pipeline.__call__` for `request`; None fields keep the pipeline's defaults."""
@@ -42,6 +47,19 @@ class Flux2Family(FamilyPipeline):
                 )
             kwargs["image"] = list(request.images)
         return kwargs
+
+    def encode_text(self, pipe, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The prompt's embeddings, one row (the pipeline repeats them num_images_per_prompt times;
+        its text ids follow from them). No negative prompt: FLUX.2-dev's guidance is embedded."""
+        if kwargs.get("caption_upsample_temperature"):
+            return {}  # the pipeline would rewrite the prompt with its text encoder first
+        prompt_embeds, _ = pipe.encode_prompt(
+            kwargs["prompt"],
+            device=pipe._execution_device,
+            max_sequence_length=call_arg(pipe, kwargs, "max_sequence_length"),
+            text_encoder_out_layers=call_arg(pipe, kwargs, "text_encoder_out_layers"),
+        )
+        return {"prompt_embeds": prompt_embeds}
 
 
 FAMILY = Flux2Family()

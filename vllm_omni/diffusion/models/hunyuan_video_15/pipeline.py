@@ -17,6 +17,8 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.models.family import FamilyPipeline
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel
@@ -33,6 +35,9 @@ _checkpoint_guiders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class HunyuanVideo15Family(FamilyPipeline):
     denoisers = {"transformer": HunyuanVideo15Transformer3DModel}
     default_negative_prompt = ""  # what the pipeline's guider uses when the request gives none
+    # Qwen2.5-VL and ByT5 with their tokenizers: only prompt encoding uses them (image-to-video's
+    # SigLIP image encoder and its feature extractor stay).
+    text_encoders = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
 
     def uses_cfg(self, request: DiffusionRequest) -> bool:
         """The guider runs two forwards per step unless the scale is 1 (the checkpoint's default scale is above 1)."""
@@ -72,6 +77,21 @@ class HunyuanVideo15Family(FamilyPipeline):
         else:
             pipe.guider = checkpoint_guider.new(guidance_scale=request.guidance_scale)
         return self.pipeline_kwargs(request, spec)
+
+    def encode_text(self, pipe, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Both encoders' embeddings and masks, one row each (the pipeline repeats them
+        num_videos_per_prompt times); the negative prompt's only where the guider that
+        `call_kwargs` set runs CFG."""
+        branches = ["prompt"]
+        if pipe.guider._enabled and pipe.guider.num_conditions > 1:  # as __call__ decides it
+            branches.append("negative_prompt")
+        embeds = {}
+        for name in branches:
+            # dtype as __call__ passes it (encode_prompt's own default reads the text encoder's dtype)
+            outputs = pipe.encode_prompt(kwargs.get(name), device=pipe._execution_device, dtype=pipe.transformer.dtype)
+            keys = (f"{name}_embeds", f"{name}_embeds_mask", f"{name}_embeds_2", f"{name}_embeds_mask_2")
+            embeds.update(zip(keys, outputs))
+        return embeds
 
 
 FAMILY = HunyuanVideo15Family()

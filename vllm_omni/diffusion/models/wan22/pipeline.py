@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from vllm_omni.diffusion.data import DiffusionRequest
-from vllm_omni.diffusion.models.family import FamilyPipeline
+from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel
 
 if TYPE_CHECKING:
@@ -26,6 +28,8 @@ class Wan22Family(FamilyPipeline):
     # transformer_2 is null in TI2V-5B's model_index.json: the runner loads the experts a checkpoint has.
     denoisers = {"transformer": WanTransformer3DModel, "transformer_2": WanTransformer3DModel}
     default_negative_prompt = ""  # what encode_prompt uses when a CFG request gives none
+    # UMT5 and its tokenizer serve only prompt encoding (the Wan2.2 checkpoints have no image encoder).
+    text_encoders = ("text_encoder", "tokenizer")
 
     def uses_cfg(self, request: DiffusionRequest) -> bool:
         """`do_classifier_free_guidance`: guidance_scale above 1 (the default, 5.0, is)."""
@@ -53,6 +57,28 @@ class Wan22Family(FamilyPipeline):
                 raise ValueError("image-to-video needs an input image")
             kwargs["image"] = request.images[0]  # resized to the video's size by the pipeline
         return kwargs
+
+    def encode_text(self, pipe, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The prompt's embeddings, and the negative prompt's under CFG, num_videos_per_prompt rows
+        each: given embeddings, the pipeline takes its batch from them and repeats nothing."""
+        prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
+            kwargs["prompt"],
+            kwargs.get("negative_prompt"),
+            do_classifier_free_guidance=call_arg(pipe, kwargs, "guidance_scale") > 1,  # as the pipeline's property
+            num_videos_per_prompt=call_arg(pipe, kwargs, "num_videos_per_prompt"),
+            max_sequence_length=call_arg(pipe, kwargs, "max_sequence_length"),  # encode_prompt's default is 226
+            device=pipe._execution_device,
+        )
+        embeds = {"prompt_embeds": prompt_embeds}
+        if negative_prompt_embeds is not None:
+            embeds["negative_prompt_embeds"] = negative_prompt_embeds
+        return embeds
+
+    def with_text(self, kwargs: dict[str, Any], embeds: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The prompts replaced, and one video per embeddings row (they hold num_videos_per_prompt rows)."""
+        if not embeds:
+            return kwargs
+        return dict(super().with_text(kwargs, embeds), num_videos_per_prompt=1)
 
 
 FAMILY = Wan22Family()

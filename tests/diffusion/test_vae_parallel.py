@@ -1,0 +1,95 @@
+"""The VAE decode split over 2 and 3 gloo ranks equals the single-rank tiled decode, bit for bit.
+
+Real VAE classes of the tiny models (a video VAE with a per-tile feature cache, Wan2.2's; one
+without, HunyuanVideo 1.5's; an image VAE, FLUX.2's), in fp32, with small tiles so that a small
+latent makes a tile grid the rank count does not divide. Only rank 0 (the answering rank) gets
+the pixels; the others get zeros of the same shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
+from vllm_omni.diffusion.loader import resolve_model_path
+from vllm_omni.diffusion.vae_parallel import ParallelTiledDecode
+
+# tiny model, VAE class, latent shape, tiling: 5 x 5 = 25 tiles each, which neither 2 nor 3 ranks divide
+CASES = {
+    "wan": (
+        "tiny/wan2.2-t2v",
+        "AutoencoderKLWan",
+        (1, 16, 2, 25, 25),
+        dict(
+            tile_sample_min_height=64,
+            tile_sample_min_width=64,
+            tile_sample_stride_height=48,
+            tile_sample_stride_width=48,
+        ),
+    ),
+    "hunyuan": (
+        "tiny/hunyuan-video-1.5",
+        "AutoencoderKLHunyuanVideo15",
+        (1, 8, 2, 13, 13),
+        dict(tile_sample_min_height=64, tile_sample_min_width=64, tile_latent_min_height=4, tile_latent_min_width=4),
+    ),
+    "flux2": ("tiny/flux2", "AutoencoderKLFlux2", None, None),
+}
+_vaes: dict = {}
+
+
+def _vae(case: str):
+    if case not in _vaes:
+        import diffusers
+
+        name, cls, _, tiling = CASES[case]
+        vae = getattr(diffusers, cls).from_pretrained(resolve_model_path(name), subfolder="vae").eval()
+        if tiling is None:  # FLUX.2's VAE tiles at its config's sample size: make it small
+            vae.enable_tiling()
+            vae.tile_sample_min_size, vae.tile_latent_min_size = 32, 4
+        else:
+            vae.enable_tiling(**tiling)
+        _vaes[case] = vae
+    return _vaes[case]
+
+
+def _latent(case: str) -> torch.Tensor:
+    shape = CASES[case][2]
+    if shape is None:
+        vae = _vae(case)
+        shape = (1, vae.config.latent_channels, 13, 13)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
+
+
+def decode_on_rank(case: str) -> tuple[int, torch.Tensor, int]:
+    """Worker side: the split decode on this rank; (rank, output, tiles seen)."""
+    state = get_parallel_state()
+    vae = _vae(case)
+    seen = []
+    decode = ParallelTiledDecode(
+        vae, state.rank, state.world_size, torch.distributed.group.WORLD, state.control_group, on_tile=seen.append
+    )
+    vae.tiled_decode = decode
+    try:
+        with torch.no_grad():
+            out = vae.decode(_latent(case), return_dict=False)[0]
+    finally:
+        del vae.tiled_decode
+    return state.rank, out, len(seen)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_split_decode_equals_the_single_rank_tiled_decode(sp_pool, case):
+    vae = _vae(case)
+    with torch.no_grad():
+        expected = vae.decode(_latent(case), return_dict=False)[0]
+    results = sp_pool.run(decode_on_rank, case)
+    tiles = {seen for _, _, seen in results}
+    assert len(tiles) == 1 and tiles.pop() % sp_pool.world_size != 0  # every rank saw every tile start
+    for rank, out, _ in results:
+        assert out.shape == expected.shape
+        if rank == 0:
+            assert torch.equal(out, expected)
+        else:
+            assert not out.any()
