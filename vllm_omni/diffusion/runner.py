@@ -22,7 +22,7 @@ import inspect
 import itertools
 import json
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from vllm_omni.diffusion.cfg_parallel import CFGParallel, CFGParallelHook, swap_prompts
 from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, SimulatedGraphs, compile_repeated_blocks
 from vllm_omni.diffusion.data import DiffusionRequest
+from vllm_omni.diffusion.distributed.comm import broadcast_tensors
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, undeclared_denoisers
@@ -85,10 +86,10 @@ def install_forward_chain(
         denoiser.forward_sharded = CUDAGraphForward(denoiser.forward_sharded, **graphs)
 
 
-def declared_components(path: Path, family: FamilyPipeline) -> list[str]:
-    """The family's denoisers this checkpoint has (model_index.json lists absent ones as null)."""
+def present_components(path: Path, names: Iterable[str]) -> list[str]:
+    """Those of `names` this checkpoint has (model_index.json lists absent ones as null, or not at all)."""
     index = json.loads((Path(path) / "model_index.json").read_text())
-    return [name for name in family.denoisers if isinstance(index.get(name), list) and index[name][0] is not None]
+    return [name for name in names if isinstance(index.get(name), list) and index[name][0] is not None]
 
 
 class PipelineRunner:
@@ -106,10 +107,18 @@ class PipelineRunner:
         # Straight onto the device, without a random initialisation first (accelerate's meta-device load).
         self.denoisers: dict[str, torch.nn.Module] = {
             name: self.family.denoisers[name].from_pretrained(path, subfolder=name, dtype=dtype, device_map=str(device))
-            for name in declared_components(path, self.family)
+            for name in present_components(path, self.family.denoisers)
         }
+        # Text encoded once per SP group: its rank 0 encodes and broadcasts the embeddings; its peers
+        # load the pipeline without the text encoder(s) (Qwen2.5-VL-7B is about 16 GB a rank).
+        state = get_parallel_state()
+        self.text_peers = state is not None and state.sp_world_size > 1 and bool(self.family.text_encoders)
+        self.encodes_text = not self.text_peers or state.sp_rank == 0
+        self.skipped: list[str] = [] if self.encodes_text else present_components(path, self.family.text_encoders)
         pipeline_class = getattr(diffusers, spec.diffusers_class)
-        self.pipe = pipeline_class.from_pretrained(path, **self.denoisers, dtype=dtype).to(device)
+        self.pipe = pipeline_class.from_pretrained(
+            path, **self.denoisers, **dict.fromkeys(self.skipped), dtype=dtype
+        ).to(device)
         undeclared = undeclared_denoisers(self.pipe, self.denoisers)
         if undeclared:
             raise ValueError(
@@ -124,7 +133,6 @@ class PipelineRunner:
         if (device.type == "cuda" or simulated is not None) and not enforce_eager:
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # one for all experts
             graphs = dict(on_failure=self.graph_capture_failures.append, simulated=simulated, pool=pool)
-        state = get_parallel_state()
         self.cfg: CFGParallel | None = None
         self.cfg_rank = 0
         if state is not None and state.config.cfg_parallel_size > 1:
@@ -147,6 +155,12 @@ class PipelineRunner:
             state.config.vae_parallel if state is not None else None,
             on_tile=lambda tile: self._on_decode_tile is not None and self._on_decode_tile(tile),
         )
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this rank holds (every torch module of its pipeline)."""
+        modules = [c for c in self.pipe.components.values() if isinstance(c, torch.nn.Module)]
+        return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
     @property
     def attention_heads(self) -> dict[str, int]:
@@ -178,6 +192,8 @@ class PipelineRunner:
             self.cfg.start_request(self.family.uses_cfg(request))
             if self.cfg.active and self.cfg_rank == 1:
                 kwargs = swap_prompts(kwargs, self.family.default_negative_prompt)
+        if self.text_peers:
+            kwargs = self._with_shared_text(kwargs)
         self.forwards.clear()
 
         def step_end(step: int) -> None:
@@ -200,6 +216,20 @@ class PipelineRunner:
             return array
         # Pictures and files need only uint8: a 121-frame video crosses the worker pipe at a quarter the size.
         return (array.clip(0, 1) * 255).round().astype(np.uint8)
+
+    def _with_shared_text(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call with the prompt embeddings that rank 0 of this SP group encoded (the same prompts
+        on every rank of the group: under CFG parallel each group encodes its own, swapped ones)."""
+        state = get_parallel_state()
+        embeds = None
+        if self.encodes_text:
+            with torch.inference_mode():
+                embeds = self.family.encode_text(self.pipe, kwargs)
+            if not embeds:
+                raise RuntimeError(f"{self.spec.family} gave no prompt embeddings to share; its SP peers cannot encode")
+        src = state.cfg_rank * state.sp_world_size  # the group's SP rank 0, as a global rank
+        embeds = broadcast_tensors(embeds, src, state.sp_group, state.sp_control_group)
+        return self.family.with_text(kwargs, embeds)
 
     @contextlib.contextmanager
     def _per_step_hook(self, kwargs: dict[str, Any], step_end: Callable[[int], None]) -> Iterator[None]:

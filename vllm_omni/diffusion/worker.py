@@ -190,12 +190,14 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
         if heads % parallel.ulysses_degree:
             raise ValueError(f"{name}: {ulysses_degree_error(parallel.ulysses_degree, heads)}")
     logger.info(
-        "Worker rank %d loaded %s (%s, %s) in %.1f s",
+        "Worker rank %d loaded %s (%s, %s) in %.1f s: %s MiB of weights%s",
         rank,
         model_path,
         device,
         config.dtype,
         time.perf_counter() - start,
+        f"{runner.weight_bytes / 2**20:,.1f}",
+        f", without {', '.join(runner.skipped)} (its SP group's rank 0 encodes the prompts)" if runner.skipped else "",
     )
     return runner, device
 

@@ -1,9 +1,11 @@
-"""The sequence<->head all-to-all of Ulysses attention.
+"""The collectives the SP core and the runner use.
 
-A rank holds a slice of the sequence with all heads; after `all_to_all` it holds the
-whole sequence for a slice of the heads, and the reverse call brings it back. The
-tensors exchanged are laid out `[world, ...]`: chunk `i` goes to (or came from) rank `i`.
-The attention layer (attention/layer.py) packs and unpacks that layout.
+`all_to_all` is the sequence<->head exchange of Ulysses attention: a rank holds a slice of the
+sequence with all heads; after it, the whole sequence for a slice of the heads, and the reverse
+call brings it back. The tensors exchanged are laid out `[world, ...]`: chunk `i` goes to (or
+came from) rank `i`. The attention layer (attention/layer.py) packs and unpacks that layout.
+`broadcast_tensors` hands a dict of tensors from one rank to its group (the prompt embeddings
+that one rank encodes for its peers).
 """
 
 from __future__ import annotations
@@ -46,3 +48,19 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | SimulatedGroup) -> li
     chunks = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(chunks, x.contiguous(), group=group)
     return chunks
+
+
+def broadcast_tensors(
+    tensors: dict[str, torch.Tensor] | None, src: int, group: dist.ProcessGroup, control_group: dist.ProcessGroup
+) -> dict[str, torch.Tensor]:
+    """`tensors` from global rank `src` on every rank of `group` (names, shapes and dtypes go over the
+    gloo `control_group` first, so the receivers can allocate); receivers pass None."""
+    meta = [None if tensors is None else {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in tensors.items()}]
+    dist.broadcast_object_list(meta, src=src, group=control_group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    out = {}
+    for name, (shape, dtype, _) in meta[0].items():
+        tensor = tensors[name].contiguous() if tensors is not None else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=src, group=group)
+        out[name] = tensor
+    return out
