@@ -173,15 +173,18 @@ def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-# Latent positions (frames x height x width) from which the split decode is on by default: see
-# docs/parallelism.md#vae-decode for the measurement behind it.
-AUTO_MIN_LATENT = 128 * 128
+# By default the split is on for videos (latents of several frames) on this many ranks or more.
+# Measured on an H200 (benchmarks/vae_decode.py, docs/benchmarks.md): one rank's share of 4 takes
+# 0.39x (HunyuanVideo 1.5 848x480x121), 0.52x and 0.67x (Wan 720p, 480p, 81 frames) of the untiled
+# decode, and a share of 2 is slower than it for Wan. Images gain at most 0.04 s (Qwen-Image
+# 1328x1328 at 8 ranks), not worth tiling's change of pixels.
+AUTO_MIN_RANKS = 4
 
 
 class VAEDecodeSplit:
     """Wraps `vae.decode`: tiles it when the split is on for this latent, and splits the tiles.
 
-    `enabled`: True / False, or None for the default (on from AUTO_MIN_LATENT latent positions).
+    `enabled`: True / False, or None for the default (videos on AUTO_MIN_RANKS ranks or more).
     The VAE's own tiling setting stays off otherwise, so its encode (an edit's source image) is
     never tiled. A latent of one tile still decodes whole (the VAE's own rule).
     """
@@ -193,7 +196,7 @@ class VAEDecodeSplit:
     def splits(self, z: torch.Tensor) -> bool:
         if self.enabled is not None:
             return self.enabled
-        return math.prod(z.shape[2:]) >= AUTO_MIN_LATENT
+        return z.dim() == 5 and z.shape[2] > 1 and self.split.world >= AUTO_MIN_RANKS
 
     def __call__(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not self.splits(z):
