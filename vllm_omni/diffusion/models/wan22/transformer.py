@@ -48,20 +48,14 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return out.type_as(x)
 
 
-def _projections(attn, hidden_states: torch.Tensor, context: torch.Tensor):
-    if attn.fused_projections:
-        raise ValueError("fused Wan attention projections are not supported under SP; unfuse them")
-    query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-    key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
-    value = attn.to_v(context).unflatten(2, (attn.heads, -1))
-    return query, key, value
+class WanSPAttnProcessor:
+    """A block's attention, as in diffusers' WanAttnProcessor up to the kernel (projections, RMSNorm
+    across heads, 3D rotary on `attn1`), then the declared kind: `attn1` self-attention over the
+    video stream through the Ulysses layer, `attn2` the rank's video shard attending to every text
+    token (held whole on every rank)."""
 
-
-class WanSPSelfAttnProcessor:
-    """`attn1`: projections, RMSNorm across heads and 3D rotary as the reference, then Ulysses attention."""
-
-    def __init__(self) -> None:
-        self.attention = JointAttention()
+    def __init__(self, cross: bool) -> None:
+        self.attention = CrossAttention() if cross else JointAttention()
 
     def __call__(
         self,
@@ -71,33 +65,18 @@ class WanSPSelfAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        if encoder_hidden_states is not None or attention_mask is not None:
-            raise ValueError("Wan self-attention takes neither a context nor a mask")
-        query, key, value = _projections(attn, hidden_states, hidden_states)
+        cross = self.attention.kind == "cross"
+        if attention_mask is not None or cross != (encoder_hidden_states is not None):
+            raise ValueError("Wan self-attention takes no context, cross-attention the text; neither takes a mask")
+        if attn.fused_projections:
+            raise ValueError("fused Wan attention projections are not supported under SP; unfuse them")
+        context = encoder_hidden_states if cross else hidden_states
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(context).unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
             query, key = _apply_rotary(query, *rotary_emb), _apply_rotary(key, *rotary_emb)
-        out, _ = self.attention(query, key, value)
-        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
-
-
-class WanSPCrossAttnProcessor:
-    """`attn2`: the rank's video shard attends to every text token (held whole on every rank)."""
-
-    def __init__(self) -> None:
-        self.attention = CrossAttention()
-
-    def __call__(
-        self,
-        attn,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        if attention_mask is not None or rotary_emb is not None:
-            raise ValueError("Wan cross-attention takes neither a mask nor rotary tables")
-        query, key, value = _projections(attn, hidden_states, encoder_hidden_states)
-        out = self.attention(query, key, value)
+        out = self.attention(query, key, value) if cross else self.attention(query, key, value)[0]
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
 
 
@@ -114,8 +93,8 @@ class WanTransformer3DModel(reference.WanTransformer3DModel):
                 "supported; Wan2.2 conditions image-to-video through the latent channels"
             )
         for block in self.blocks:
-            block.attn1.set_processor(WanSPSelfAttnProcessor())
-            block.attn2.set_processor(WanSPCrossAttnProcessor())
+            block.attn1.set_processor(WanSPAttnProcessor(cross=False))
+            block.attn2.set_processor(WanSPAttnProcessor(cross=True))
 
     @apply_lora_scale("attention_kwargs")
     def forward(
