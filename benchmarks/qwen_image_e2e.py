@@ -221,20 +221,28 @@ _CAPTURES = {"count": 0, "seconds": 0.0}  # CUDA graph captures of this process 
 
 
 class PhaseProbe:
-    """Times one QwenImagePipeline call's phases through wrappers on its bound methods.
+    """Times one pipeline call's phases through wrappers on its bound methods (QwenImagePipeline
+    here; benchmarks/hunyuan_video_e2e.py times HunyuanVideo15Pipeline with it too).
 
     Text encoding: the `encode_prompt` calls (prompt and negative prompt). VAE decode:
     `vae.decode`. Denoising: from the end of the last `encode_prompt` to the start of the decode
     (latent preparation, timesteps, the loop). On CUDA every boundary synchronises the device,
     and the peak memory is the allocator's over the call.
+
+    `loop_start`: the name of a pipeline method the call runs once, right before its denoising
+    loop. With it, denoising is also split in two: `prep_s` (from the end of text encoding to
+    that method's end: timesteps, latents) and `loop_s` (from there to the start of the decode).
     """
 
-    def __init__(self, pipe: Any, device: torch.device) -> None:
+    def __init__(self, pipe: Any, device: torch.device, loop_start: str | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.marks: list[tuple[str, float, float]] = []
+        self.loop_start = loop_start
         pipe.encode_prompt = self._timed("text", pipe.encode_prompt)
         pipe.vae.decode = self._timed("decode", pipe.vae.decode)
+        if loop_start is not None:
+            setattr(pipe, loop_start, self._timed("prep", getattr(pipe, loop_start)))
 
     def _now(self) -> float:
         if self.cuda:
@@ -262,7 +270,7 @@ class PhaseProbe:
         total = self._now() - self.start
         text = [(s, e) for phase, s, e in self.marks if phase == "text"]
         decode = [(s, e) for phase, s, e in self.marks if phase == "decode"]
-        return {
+        record = {
             "call_s": total,
             "text_s": sum(e - s for s, e in text) if text else None,
             "denoise_s": decode[0][0] - text[-1][1] if text and decode else None,
@@ -274,10 +282,17 @@ class PhaseProbe:
             "peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / GIB if self.cuda else None,
             "device_name": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
         }
+        if self.loop_start is not None:
+            prep = [e for phase, _, e in self.marks if phase == "prep"]
+            record["prep_s"] = prep[-1] - text[-1][1] if text and prep else None
+            record["loop_s"] = decode[0][0] - prep[-1] if prep and decode else None
+        return record
 
 
-def install_worker_probe(directory: Path) -> None:
-    """In an engine worker: time every request's phases with a PhaseProbe and count graph captures."""
+def install_worker_probe(directory: Path, **probe_options: Any) -> None:
+    """In an engine worker: time every request's phases with a PhaseProbe and count graph captures.
+
+    `probe_options`: PhaseProbe's keyword arguments (`loop_start`)."""
     from vllm_omni.diffusion import cuda_graphs, runner
 
     cls = runner.PipelineRunner
@@ -287,7 +302,7 @@ def install_worker_probe(directory: Path) -> None:
     def probed_init(self, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs).arguments
-        self.e2e_probe = PhaseProbe(self.pipe, torch.device(bound["device"]))
+        self.e2e_probe = PhaseProbe(self.pipe, torch.device(bound["device"]), **probe_options)
         self.e2e_rank = bound["rank"]
 
     def probed_run(self, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -785,12 +800,21 @@ def load_results(path: Path) -> dict[str, Any]:
     return {"variants": {}}
 
 
-def save_results(results: dict[str, Any], path: Path, docs: Path) -> None:
-    """The JSON first; a docs failure never loses a measurement (`--phase docs` rewrites them later)."""
+def save_results(
+    results: dict[str, Any],
+    path: Path,
+    docs: Path,
+    key: str = KEY,
+    section: Callable[[dict[str, Any]], str] | None = None,
+) -> None:
+    """The JSON first; a docs failure never loses a measurement (`--phase docs` rewrites them later).
+
+    `key` and `section` (results -> the section's text): another script's docs section
+    (default: this one's, `docs_section`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")
     try:
-        replace_section(docs, KEY, docs_section(results))
+        replace_section(docs, key, (section or docs_section)(results))
     except Exception:  # noqa: BLE001
         import traceback
 
