@@ -67,7 +67,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import shutil
 import socket
@@ -86,20 +85,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.hunyuan_video_sp import REAL_CONFIG as REAL_TRANSFORMER  # noqa: E402
 from benchmarks.qwen_image_e2e import (  # noqa: E402
-    GIB,
     REAL_TEXT,
     DeviceMemorySampler,
     PhaseProbe,
     _cell,
-    checkpoint_files,
+    already_built,
+    commit_checkpoint,
+    copy_outputs,
     default_dtype,
     failed_row,
     filesystem_of,
     inductor_cache_files,
     install_worker_probe,
     load_results,
+    prepare_partial,
     probe_records,
     save_results,
+    save_synced,
 )
 
 KEY = "hunyuan_video_e2e"
@@ -253,14 +255,8 @@ def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any
     The weights are made on the target device in the target dtype (seconds on a GPU), then saved
     into `<folder>.partial`, synced to disk and renamed: a folder with the marker is complete.
     """
-    marker = folder / BUILD_MARKER
-    if marker.is_file() and not rebuild:
-        if json.loads(marker.read_text()).get("scale") == scale.name:
-            print(f"build: {folder} already holds the {scale.name} checkpoint", flush=True)
-            return None
-        raise SystemExit(f"{folder} holds another checkpoint scale; pass --rebuild or another --folder")
-    if folder.exists() and not marker.is_file():
-        raise SystemExit(f"{folder} exists and is not a checkpoint this script built; pick another --folder")
+    if already_built(folder, scale.name, rebuild):
+        return None
 
     import diffusers
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextModel, Qwen2Tokenizer, T5EncoderModel
@@ -281,24 +277,7 @@ def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any
             "text_encoder_2": T5EncoderModel(configs["text_encoder_2"]),
             "vae": diffusers.AutoencoderKLHunyuanVideo15.from_config(configs["vae"]),
         }
-    for model in components.values():
-        if any(p.dtype != dtype for p in model.parameters()):  # made in `dtype` already, as a rule
-            model.to(dtype)
-        model.eval()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    init_s = time.perf_counter() - start
-    params = {name: sum(p.numel() for p in model.parameters()) for name, model in components.items()}
-    weight_bytes = sum(p.numel() * p.element_size() for m in components.values() for p in m.parameters())
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(partial.parent).free
-    if free < weight_bytes * 1.05 + GIB:
-        raise SystemExit(
-            f"{partial.parent} has {free / GIB:.1f} GiB free; the checkpoint needs {weight_bytes / GIB:.1f}"
-        )
-    print(f"build: {params} parameters made in {init_s:.1f} s on {device}; writing {partial}", flush=True)
+    init_s, params, partial = prepare_partial(components, device, dtype, start, folder)
 
     pipe = diffusers.HunyuanVideo15Pipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(tiny / "scheduler"),
@@ -309,17 +288,7 @@ def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any
         tokenizer_2=tokenizer_2,
         **components,
     )
-    start = time.perf_counter()
-    pipe.save_pretrained(partial, safe_serialization=True)
-    files = checkpoint_files(partial)
-    for path in files:  # on disk, not only in the page cache
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    write_s = time.perf_counter() - start
-    written = sum(path.stat().st_size for path in files)
+    files, write_s, written = save_synced(pipe, partial)
     record = {
         "scale": scale.name,
         "parameters": params,
@@ -337,10 +306,7 @@ def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    (partial / BUILD_MARKER).write_text(json.dumps(record, indent=1) + "\n")
-    shutil.rmtree(folder, ignore_errors=True)  # an earlier scale's folder (checked above: ours)
-    os.replace(partial, folder)
-    print(f"build: {written / 1e9:.2f} GB written in {write_s:.1f} s ({record['write_gb_per_s']} GB/s)", flush=True)
+    commit_checkpoint(partial, folder, record, written, write_s)
     return record
 
 
@@ -775,10 +741,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save() -> None:
         save_results(results, out, docs, key=KEY, section=docs_section)
-        if args.copy_to:
-            args.copy_to.mkdir(parents=True, exist_ok=True)
-            for path in (out, docs):
-                shutil.copy(path, args.copy_to / path.name)
+        copy_outputs(args.copy_to, out, docs)
 
     def keep(row: dict[str, Any]) -> None:
         results["variants"][row["variant"]] = row

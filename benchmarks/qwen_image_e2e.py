@@ -434,20 +434,87 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def already_built(folder: Path, scale_name: str, rebuild: bool) -> bool:
+    """True when `folder` already holds this scale's checkpoint (and --rebuild is off); exits on a foreign folder."""
+    marker = folder / BUILD_MARKER
+    if marker.is_file() and not rebuild:
+        if json.loads(marker.read_text()).get("scale") == scale_name:
+            print(f"build: {folder} already holds the {scale_name} checkpoint", flush=True)
+            return True
+        raise SystemExit(f"{folder} holds another checkpoint scale; pass --rebuild or another --folder")
+    if folder.exists() and not marker.is_file():
+        raise SystemExit(f"{folder} exists and is not a checkpoint this script built; pick another --folder")
+    return False
+
+
+def prepare_partial(
+    components: dict[str, torch.nn.Module], device: torch.device, dtype: torch.dtype, start: float, folder: Path
+) -> tuple[float, dict[str, int], Path]:
+    """The made components in `dtype` and eval mode, and an empty `<folder>.partial` with room for them.
+
+    Returns the seconds since `start`, the parameters per component and the partial folder.
+    """
+    for model in components.values():
+        if any(p.dtype != dtype for p in model.parameters()):  # made in `dtype` already, as a rule
+            model.to(dtype)
+        model.eval()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    init_s = time.perf_counter() - start
+    params = {name: sum(p.numel() for p in model.parameters()) for name, model in components.items()}
+    weight_bytes = sum(p.numel() * p.element_size() for m in components.values() for p in m.parameters())
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(partial.parent).free
+    if free < weight_bytes * 1.05 + GIB:
+        raise SystemExit(
+            f"{partial.parent} has {free / GIB:.1f} GiB free; the checkpoint needs {weight_bytes / GIB:.1f}"
+        )
+    print(f"build: {params} parameters made in {init_s:.1f} s on {device}; writing {partial}", flush=True)
+    return init_s, params, partial
+
+
+def save_synced(pipe: Any, partial: Path) -> tuple[list[Path], float, int]:
+    """`pipe.save_pretrained(partial)` (safetensors), synced to disk: (its files, seconds, bytes written)."""
+    start = time.perf_counter()
+    pipe.save_pretrained(partial, safe_serialization=True)
+    files = checkpoint_files(partial)
+    for path in files:  # on disk, not only in the page cache
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    write_s = time.perf_counter() - start
+    written = sum(path.stat().st_size for path in files)
+    return files, write_s, written
+
+
+def commit_checkpoint(partial: Path, folder: Path, record: dict[str, Any], written: int, write_s: float) -> None:
+    """Mark `partial` complete and rename it to `folder`."""
+    (partial / BUILD_MARKER).write_text(json.dumps(record, indent=1) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier scale's folder (checked above: ours)
+    os.replace(partial, folder)
+    print(f"build: {written / 1e9:.2f} GB written in {write_s:.1f} s ({record['write_gb_per_s']} GB/s)", flush=True)
+
+
+def copy_outputs(copy_to: Path | None, out: Path, docs: Path) -> None:
+    """--copy-to: the JSON and the docs page, copied there after each save."""
+    if copy_to:
+        copy_to.mkdir(parents=True, exist_ok=True)
+        for path in (out, docs):
+            shutil.copy(path, copy_to / path.name)
+
+
 def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any] | None:
     """Write the random-weight QwenImagePipeline folder (safetensors); None when it is already there.
 
     The weights are made on the target device in the target dtype (seconds on a GPU), then saved
     into `<folder>.partial`, synced to disk and renamed: a folder with the marker is complete.
     """
-    marker = folder / BUILD_MARKER
-    if marker.is_file() and not rebuild:
-        if json.loads(marker.read_text()).get("scale") == scale.name:
-            print(f"build: {folder} already holds the {scale.name} checkpoint", flush=True)
-            return None
-        raise SystemExit(f"{folder} holds another checkpoint scale; pass --rebuild or another --folder")
-    if folder.exists() and not marker.is_file():
-        raise SystemExit(f"{folder} exists and is not a checkpoint this script built; pick another --folder")
+    if already_built(folder, scale.name, rebuild):
+        return None
 
     import diffusers
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
@@ -479,39 +546,12 @@ def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any
             "text_encoder": Qwen2_5_VLForConditionalGeneration(text_config),
             "vae": diffusers.AutoencoderKLQwenImage(**scale.vae),
         }
-    for model in components.values():
-        if any(p.dtype != dtype for p in model.parameters()):  # made in `dtype` already, as a rule
-            model.to(dtype)
-        model.eval()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    init_s = time.perf_counter() - start
-    params = {name: sum(p.numel() for p in model.parameters()) for name, model in components.items()}
-    weight_bytes = sum(p.numel() * p.element_size() for m in components.values() for p in m.parameters())
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(partial.parent).free
-    if free < weight_bytes * 1.05 + GIB:
-        raise SystemExit(
-            f"{partial.parent} has {free / GIB:.1f} GiB free; the checkpoint needs {weight_bytes / GIB:.1f}"
-        )
-    print(f"build: {params} parameters made in {init_s:.1f} s on {device}; writing {partial}", flush=True)
+    init_s, params, partial = prepare_partial(components, device, dtype, start, folder)
 
     pipe = diffusers.QwenImagePipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), tokenizer=tokenizer, **components
     )
-    start = time.perf_counter()
-    pipe.save_pretrained(partial, safe_serialization=True)
-    files = checkpoint_files(partial)
-    for path in files:  # on disk, not only in the page cache
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    write_s = time.perf_counter() - start
-    written = sum(path.stat().st_size for path in files)
+    files, write_s, written = save_synced(pipe, partial)
     del pipe, components
     gc.collect()
     if device.type == "cuda":
@@ -527,10 +567,7 @@ def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any
         "filesystem": filesystem_of(partial),
         "host": socket.gethostname(),
     }
-    (partial / BUILD_MARKER).write_text(json.dumps(record, indent=1) + "\n")
-    shutil.rmtree(folder, ignore_errors=True)  # an earlier scale's folder (checked above: ours)
-    os.replace(partial, folder)
-    print(f"build: {written / 1e9:.2f} GB written in {write_s:.1f} s ({record['write_gb_per_s']} GB/s)", flush=True)
+    commit_checkpoint(partial, folder, record, written, write_s)
     return record
 
 
@@ -1016,10 +1053,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save() -> None:
         save_results(results, out, docs)
-        if args.copy_to:
-            args.copy_to.mkdir(parents=True, exist_ok=True)
-            for path in (out, docs):
-                shutil.copy(path, args.copy_to / path.name)
+        copy_outputs(args.copy_to, out, docs)
 
     for phase in args.phase:
         names = [v.name for v in selected if v.phase == phase]
