@@ -3,7 +3,7 @@
 `vllm-omni serve` (cli/serve.py) calls `run_server(settings)`. The server has three parts:
 the scheduler (scheduler.py: engine, queue, jobs, cancellation, worker health; no HTTP; with
 video_store.py keeping the videos API's records and files), the routes (routes/: images,
-videos, models and health), and the media encoders (media.py). This module wires them:
+videos, models and health; /metrics in metrics.py), and the media encoders (media.py). This module wires them:
 uvicorn listens first and the engine loads in the background, so /health answers 503 until
 every worker has loaded (it doubles as readiness). When the workers are lost for
 good, or the model cannot be loaded, the server ends with exit code 1. SIGTERM cancels what is
@@ -23,8 +23,10 @@ import uvicorn
 from fastapi import FastAPI
 
 from vllm_omni.entrypoints.deploy_config import EngineSettings
+from vllm_omni.entrypoints.openai import metrics
 from vllm_omni.entrypoints.openai.body_limits import BodyLimits
 from vllm_omni.entrypoints.openai.errors import ApiError, install_error_handlers
+from vllm_omni.entrypoints.openai.metrics import CountHTTP, ServerMetrics
 from vllm_omni.entrypoints.openai.routes import images, models, videos
 from vllm_omni.entrypoints.openai.scheduler import Scheduler
 from vllm_omni.entrypoints.openai.video_store import VideoStorageSettings, VideoStore
@@ -52,14 +54,15 @@ class ServerSettings:
 
 
 class BearerAuth:
-    """ASGI middleware: /v1/* needs `Authorization: Bearer <api key>` (scheme in any case); /health stays open."""
+    """ASGI middleware: /v1/* and /metrics need `Authorization: Bearer <api key>` (scheme in any case);
+    /health stays open."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self.expected = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] == "/metrics"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, key = given.strip().partition(b" ")
             # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
@@ -87,6 +90,8 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
         return DiffusionEngine(settings.engine.engine_config(), settings.engine.limits)
 
     scheduler = Scheduler(create_engine, settings.engine.limits, watchdog_interval_s=settings.watchdog_interval_s)
+    server_metrics = ServerMetrics(scheduler)
+    scheduler.observer = server_metrics
     video_store = VideoStore(settings.videos, scheduler)
     video_store.open()
 
@@ -106,10 +111,13 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
     app.state.scheduler = scheduler
     app.state.videos = video_store
     app.state.created = int(time.time())
+    app.state.metrics = server_metrics
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
+    app.add_middleware(CountHTTP, metrics=server_metrics)  # outermost: refusals by the key are counted too
     install_error_handlers(app)
     app.include_router(models.router)
+    app.include_router(metrics.router)
     app.include_router(images.router)
     app.include_router(videos.router)
     return app, scheduler

@@ -54,6 +54,13 @@ ErrorCode = Literal["invalid_request", "server_error", "cancelled", "shutting_do
 MESSAGE_CHARS = 500  # a client's error message is one line, at most this long
 
 
+class Observer(Protocol):
+    """Told of what the metrics count (metrics.ServerMetrics); called on the event loop's thread or the engine's."""
+
+    def job_finished(self, job: Job) -> None: ...
+    def steps_done(self, count: int) -> None: ...
+
+
 class Engine(Protocol):
     """What the scheduler needs of a DiffusionEngine (tests pass a fake)."""
 
@@ -182,8 +189,10 @@ class Scheduler:
         watchdog_interval_s: float = 2.0,
         max_finished_jobs: int = 256,
         on_fatal: Callable[[str], None] = lambda reason: None,
+        observer: Observer | None = None,
     ) -> None:
         self.limits = limits
+        self.observer = observer
         self.watchdog_interval_s = watchdog_interval_s
         self.max_finished_jobs = max_finished_jobs
         self.on_fatal = on_fatal  # the workers are lost for good, or the model cannot load: the server ends
@@ -305,6 +314,14 @@ class Scheduler:
         self._step_thread.shutdown(wait=False, cancel_futures=True)
 
     # ---- state --------------------------------------------------------------------------------
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return 0 if self._running is None else 1
 
     def health(self) -> Health:
         """The server's state: ok only while every worker is up, warm, and work is taken; else why not."""
@@ -436,6 +453,8 @@ class Scheduler:
             job.progress = 100
         job.request.images = None  # the compressed uploads are not needed any more
         job._done.set()
+        if self.observer is not None:
+            self.observer.job_finished(job)
         self._finished.append(job.id)
         while len(self._finished) > self.max_finished_jobs:
             self._jobs.pop(self._finished.popleft(), None)
@@ -493,7 +512,12 @@ class Scheduler:
         if job._cancel_reason is not None:
             raise RequestCancelled(f"request {job.id} cancelled before it started")
 
+        steps = {"done": 0}
+
         def on_progress(done: int, total: int) -> None:
             job.progress = min(99, 100 * done // total) if total else 0  # 100 once the result is in
+            if self.observer is not None and done > steps["done"]:  # progress may repeat (decode heartbeats)
+                self.observer.steps_done(done - steps["done"])
+                steps["done"] = done
 
         return self._engine.step(job.request, on_progress=on_progress)

@@ -1,0 +1,64 @@
+"""GET /metrics on a real server (`vllm-omni serve tiny/qwen-image --api-key ...`): the Prometheus
+text parses with prometheus_client's own parser, it takes the API key like /v1/*, and its counters
+move as requests run (the `openai` client makes them)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import BadRequestError, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+from server_process import HTTP_TIMEOUT_S, start_server
+
+KEY = "metrics-test-key"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-metrics")
+    srv = start_server(["tiny/qwen-image", "--api-key", KEY, "--video-dir", str(root / "videos")], root / "server.log")
+    yield srv
+    srv.close()
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    response = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_need_the_key(server):
+    assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 401
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # still open
+
+
+def test_counters_move_as_requests_run(server):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=HTTP_TIMEOUT_S)
+    before = scrape(server)
+    completed = ("vllm_omni_requests_total", (("kind", "img"), ("outcome", "completed")))
+    route_ok = (
+        "vllm_omni_http_requests_total",
+        (("method", "POST"), ("route", "/v1/images/generations"), ("status", "200")),
+    )
+    route_bad = (
+        "vllm_omni_http_requests_total",
+        (("method", "POST"), ("route", "/v1/images/generations"), ("status", "400")),
+    )
+    client.images.generate(model="tiny/qwen-image", prompt="a fox", size="64x64", extra_body={"num_inference_steps": 3})
+    with pytest.raises(BadRequestError):
+        client.images.generate(model="tiny/qwen-image", prompt="a fox", size="64x64", extra_body={"num_frames": 5})
+    after = scrape(server)
+    assert after[completed] - before.get(completed, 0) == 1
+    assert after[route_ok] - before.get(route_ok, 0) == 1
+    assert after[route_bad] - before.get(route_bad, 0) == 1
+    assert after[("vllm_omni_denoising_steps_total", ())] - before.get(("vllm_omni_denoising_steps_total", ()), 0) == 3
+    total = ("vllm_omni_request_total_seconds_count", (("kind", "img"),))
+    assert after[total] - before.get(total, 0) == 1
+    assert after[("vllm_omni_queue_length", ())] == 0 and after[("vllm_omni_running_requests", ())] == 0
+    assert after[("vllm_omni_server_state", (("state", "ok"),))] == 1
+    assert after[("vllm_omni_server_state", (("state", "loading"),))] == 0
+    assert after[("vllm_omni_worker_restarts_total", ())] == 0

@@ -1,0 +1,124 @@
+"""GET /metrics: the server's Prometheus metrics, through `prometheus_client` (text format 0.0.4).
+
+One registry per app (so servers in one process never share counts). Scraping reads what the
+server already holds and never asks the workers:
+
+- HTTP: `vllm_omni_http_requests_total{route, method, status}`, counted by an ASGI middleware
+  (`route` is the matched path template, `/v1/videos/{video_id}`, not the raw path).
+- Jobs (the scheduler's observer): `vllm_omni_requests_total{kind, outcome}` for every job that
+  finished (kind: the job's id prefix, `img` or `video`; outcome: completed, failed, cancelled),
+  histograms of seconds `vllm_omni_request_queue_seconds`, `..._run_seconds` (in the engine:
+  text encoding, denoising, decode) and `..._total_seconds` per kind, and
+  `vllm_omni_denoising_steps_total` (steps/s is its rate).
+- State, read at each scrape: `vllm_omni_queue_length`, `vllm_omni_running_requests`,
+  `vllm_omni_worker_restarts_total`, `vllm_omni_graph_capture_failures_total`, and
+  `vllm_omni_server_state{state}` (1 for the current one of loading, warming_up, ok, restarting,
+  unhealthy, failed, shutting_down).
+
+The route takes the API key like /v1/* when the server has one (api_server.BearerAuth).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from vllm_omni.entrypoints.openai.scheduler import Job, Scheduler
+
+STATES = ("loading", "warming_up", "ok", "restarting", "unhealthy", "failed", "shutting_down")
+# Seconds, from a tiny model's fraction of a second to a long video's tens of minutes.
+BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+
+router = APIRouter()
+
+
+class ServerMetrics:
+    """The app's registry and metrics; `job_finished` / `steps_done` are the scheduler's observer calls."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.registry = CollectorRegistry()
+        self.http = Counter(
+            "vllm_omni_http_requests", "HTTP requests answered", ["route", "method", "status"], registry=self.registry
+        )
+        self.requests = Counter(
+            "vllm_omni_requests", "generation requests finished", ["kind", "outcome"], registry=self.registry
+        )
+        times = {"queue": "in the queue", "run": "in the engine", "total": "from submit to the end"}
+        self.seconds = {
+            name: Histogram(
+                f"vllm_omni_request_{name}_seconds",
+                f"seconds a request spent {what}",
+                ["kind"],
+                buckets=BUCKETS,
+                registry=self.registry,
+            )
+            for name, what in times.items()
+        }
+        self.steps = Counter("vllm_omni_denoising_steps", "denoising steps run", registry=self.registry)
+        self.registry.register(_StateCollector(scheduler))
+
+    def job_finished(self, job: Job) -> None:
+        kind = job.id.split("-", 1)[0]
+        self.requests.labels(kind, job.status).inc()
+        if job.started_at is not None:
+            self.seconds["queue"].labels(kind).observe(job.started_at - job.created_at)
+            self.seconds["run"].labels(kind).observe(job.completed_at - job.started_at)
+        self.seconds["total"].labels(kind).observe(job.completed_at - job.created_at)
+
+    def steps_done(self, count: int) -> None:
+        self.steps.inc(count)
+
+
+class _StateCollector:
+    """Read at each scrape from the scheduler's own state (no worker is asked)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Any:
+        health = self.scheduler.health()
+        yield GaugeMetricFamily("vllm_omni_queue_length", "requests waiting", value=self.scheduler.queue_length)
+        yield GaugeMetricFamily("vllm_omni_running_requests", "requests running", value=self.scheduler.running)
+        yield CounterMetricFamily("vllm_omni_worker_restarts", "worker-group restarts", value=health.restarts)
+        yield CounterMetricFamily(
+            "vllm_omni_graph_capture_failures", "CUDA graph captures that failed", value=health.graph_capture_failures
+        )
+        state = GaugeMetricFamily("vllm_omni_server_state", "1 for the server's current state", labels=["state"])
+        for name in STATES:
+            state.add_metric([name], 1.0 if health.state == name else 0.0)
+        yield state
+
+
+class CountHTTP:
+    """ASGI middleware: counts every answered request by route template, method and status."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_counting(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.http.labels(path, scope["method"], str(status["code"])).inc()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(http: Request) -> Response:
+    return Response(generate_latest(http.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
