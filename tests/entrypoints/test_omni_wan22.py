@@ -123,3 +123,14 @@ def test_both_experts_run_and_unmasked_padding_is_close_not_equal_and_warns_once
     assert sorted(re.search(r"\[(omni-worker-\d)", w).group(1) for w in warnings) == ["omni-worker-0", "omni-worker-1"]
     served = re.findall(r"Request \S+: 2 step\(s\) in \S+ s \(forwards: (.*)\)", proc.stderr)
     assert served == ["transformer 2, transformer_2 2"] * 3, served
+
+
+def test_the_low_noise_expert_takes_its_own_guidance_scale(engines):
+    model = "tiny/wan2.2-t2v"
+    same = _generate(engines(model), model, guidance_scale=4.0)
+    # The pipeline's default for guidance_scale_2 is guidance_scale: giving it equal changes nothing.
+    np.testing.assert_array_equal(_generate(engines(model), model, guidance_scale=4.0, guidance_scale_2=4.0), same)
+    other = _generate(engines(model), model, guidance_scale=4.0, guidance_scale_2=1.5)  # step 2 is transformer_2's
+    assert np.abs(other - same).max() > 1e-3
+    with pytest.raises(ValueError, match=r"^guidance_scale_2 is not accepted by WanPipeline"):
+        engines("tiny/wan2.2-ti2v").generate(PROMPT, **FIVE_B, num_inference_steps=2, guidance_scale_2=2.0)

@@ -246,6 +246,7 @@ class GenerationParams:
     width: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
     true_cfg_scale: float | None = None
     n: int | None = None
     seed: int | None = None
@@ -271,6 +272,7 @@ class DiffusionRequest:
     width: int | None = None
     num_inference_steps: int = 50
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None  # Wan2.2 A14B's low-noise expert; None: guidance_scale
     true_cfg_scale: float | None = None  # None: the pipeline takes no true CFG
     num_images: int = 1
     seed: int = 0

@@ -125,8 +125,12 @@ class RequestPreprocessor:
         steps = params.num_inference_steps if params.num_inference_steps is not None else spec.default_steps
         steps = check_int("num_inference_steps", steps, spec.min_steps, limits.max_steps)
         n = check_int("n", 1 if params.n is None else params.n, 1, limits.max_n)
-        guidance = (
-            None if params.guidance_scale is None else check_float("guidance_scale", params.guidance_scale, 0, 100)
+        guidance, guidance_2 = (
+            None if value is None else check_float(name, value, 0, 100)
+            for name, value in (
+                ("guidance_scale", params.guidance_scale),
+                ("guidance_scale_2", params.guidance_scale_2),
+            )
         )
         true_cfg = None
         if spec.takes("true_cfg_scale"):
@@ -168,6 +172,7 @@ class RequestPreprocessor:
             width=width,
             num_inference_steps=steps,
             guidance_scale=guidance,
+            guidance_scale_2=guidance_2,
             true_cfg_scale=true_cfg,
             num_images=n,
             seed=seed,

@@ -42,6 +42,12 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
         "--guidance-scale",
     ),
     RequestField(
+        "guidance_scale_2",
+        float,
+        "Wan2.2 A14B: the CFG scale of the low-noise expert (transformer_2); default: guidance_scale",
+        "--guidance-scale-2",
+    ),
+    RequestField(
         "true_cfg_scale",
         float,
         "Qwen-Image's classifier-free guidance scale, used with a negative prompt (default 4.0 with one)",

@@ -91,7 +91,7 @@ class Omni:
         """Images or videos for one prompt.
 
         `fields` are the declared request fields (vllm_omni/diffusion/request_fields.py):
-        negative_prompt, height, width, num_inference_steps, guidance_scale, true_cfg_scale, n,
+        negative_prompt, height, width, num_inference_steps, guidance_scale, guidance_scale_2, true_cfg_scale, n,
         seed, and for video models num_frames and fps. `image` is a path, bytes or a PIL image, or
         a list of them. Returns PIL images (a video: a list of PIL frames), float32 arrays in
         [0, 1] with output_type="np", uint8 arrays with "uint8". The seed used (drawn when not

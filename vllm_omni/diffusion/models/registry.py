@@ -214,12 +214,16 @@ def _hunyuan(diffusers_class: str, fields: frozenset[str], max_input_images: int
     )
 
 
+WAN_EXPERT_FIELDS = {False: frozenset({"guidance_scale_2"}), True: frozenset()}
+
+
 def _wan22(diffusers_class: str, max_input_images: int, five_b: bool = False) -> PipelineSpec:
     return PipelineSpec(
         diffusers_class,
         "wan22",
         "generate",
-        COMMON_FIELDS | VIDEO_FIELDS | {"negative_prompt", "guidance_scale"},
+        # guidance_scale_2 is the low-noise expert's scale, which TI2V-5B (one transformer) has not.
+        COMMON_FIELDS | VIDEO_FIELDS | {"negative_prompt", "guidance_scale"} | WAN_EXPERT_FIELDS[five_b],
         modality="video",
         max_input_images=max_input_images,
         input_image_required=max_input_images > 0,

@@ -48,7 +48,8 @@ class Wan22Family(FamilyPipeline):
             ("height", request.height),
             ("width", request.width),
             ("num_frames", request.num_frames),
-            ("guidance_scale", request.guidance_scale),  # both experts' (guidance_scale_2 follows it)
+            ("guidance_scale", request.guidance_scale),
+            ("guidance_scale_2", request.guidance_scale_2),  # A14B's low-noise expert; the pipeline: guidance_scale
         ):
             if value is not None:
                 kwargs[name] = value
