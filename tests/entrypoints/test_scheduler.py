@@ -97,7 +97,7 @@ class FakeEngine:
 
 
 def scheduler_for(engine: FakeEngine, max_queue: int = 4, **kwargs) -> Scheduler:
-    return Scheduler(lambda: engine, EngineLimits(max_queue=max_queue), **kwargs)
+    return Scheduler(lambda replica: engine, EngineLimits(max_queue=max_queue), **kwargs)
 
 
 async def started(engine: FakeEngine, max_queue: int = 4, **kwargs) -> Scheduler:
@@ -381,7 +381,7 @@ def test_a_model_that_cannot_load_ends_the_server_with_a_one_line_reason():
         lost = asyncio.Event()
         reasons = []
 
-        def broken_engine():
+        def broken_engine(replica):
             raise OSError("no file named model_index.json\n  File ...")
 
         scheduler = Scheduler(broken_engine, EngineLimits(), on_fatal=lambda r: (reasons.append(r), lost.set()))
@@ -390,5 +390,45 @@ def test_a_model_that_cannot_load_ends_the_server_with_a_one_line_reason():
         assert reasons == ["OSError: no file named model_index.json"]
         assert scheduler.health().to_dict() == {"status": "failed", "detail": reasons[0]}
         await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_replicas_run_jobs_at_once_and_one_failing_leaves_the_other_serving():
+    """data_parallel_size=2: two engines behind one queue; a job goes to an idle replica."""
+
+    async def scenario():
+        engines = [FakeEngine(), FakeEngine()]
+        scheduler = Scheduler(lambda replica: engines[replica], EngineLimits(max_queue=4), replicas=2)
+        await scheduler.start()
+        for engine in engines:
+            engine.loaded.set()
+        while not scheduler.ready:
+            await asyncio.sleep(0.001)
+        health = scheduler.health().to_dict()
+        assert health["status"] == "ok" and [r["status"] for r in health["replicas"]] == ["ok", "ok"]
+        first, second = await scheduler.submit(params("one")), await scheduler.submit(params("two"))
+        for job in (first, second):  # both run at once, each on its own replica
+            while job.status != "in_progress":
+                await asyncio.sleep(0.001)
+            await engines[job.replica].running(job.id)
+        assert {first.replica, second.replica} == {0, 1} and scheduler.running == 2
+        # A failure on one replica fails its job only; the other finishes, and the failed one serves again.
+        failing = engines[first.replica]
+        failing.failure = RuntimeError("worker rank 0 died")
+        failing.finish(first.id)
+        assert (await first.wait()).status == "failed"
+        engines[second.replica].finish(second.id)
+        assert (await second.wait()).status == "completed"
+        # One replica restarting: the server still takes work (the other is ok) and says which one is not.
+        failing.state = ("restarting", "worker rank 0 died")
+        health = scheduler.health().to_dict()
+        assert health["status"] == "ok" and sorted(r["status"] for r in health["replicas"]) == ["ok", "restarting"]
+        third = await scheduler.submit(params("three"))
+        for engine in engines:
+            engine.finish(third.id)
+        assert (await third.wait()).status == "completed"
+        await scheduler.stop()
+        assert all(engine.closed for engine in engines)
 
     asyncio.run(scenario())

@@ -59,6 +59,8 @@ class DiffusionParallelConfig:
     machine, or "ray", one Ray actor each, on this machine or across a Ray cluster.
     `vae_parallel`: the VAE decode tiled and split over every rank (vae_parallel.py); None: on
     when there are several ranks and the output is large enough that splitting pays.
+    `data_parallel_size`: replicas, each a group of `world_size` ranks on its own devices, behind
+    one server queue (entrypoints/openai/scheduler.py); the "mp" backend only, for now.
     """
 
     ulysses_degree: int = 1
@@ -69,6 +71,7 @@ class DiffusionParallelConfig:
     trim_sp_padding: bool = True
     distributed_executor_backend: ExecutorBackend = "mp"
     vae_parallel: bool | None = None
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check_positive_int("ulysses_degree", self.ulysses_degree)
@@ -90,6 +93,12 @@ class DiffusionParallelConfig:
         _check_bool("trim_sp_padding", self.trim_sp_padding)
         if self.vae_parallel is not None:
             _check_bool("vae_parallel", self.vae_parallel)
+        _check_positive_int("data_parallel_size", self.data_parallel_size)
+        if self.data_parallel_size > 1 and self.distributed_executor_backend != "mp":
+            raise ValueError(
+                "data_parallel_size > 1 runs replicas with the 'mp' executor backend only (one machine); "
+                f"got distributed_executor_backend={self.distributed_executor_backend!r}"
+            )
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
@@ -164,6 +173,8 @@ class OmniDiffusionConfig:
     # The Ray cluster the "ray" backend joins ("auto": the one `ray start` runs on this machine, or
     # "HEAD_IP:6379"); None: a private Ray instance on this machine, whatever RAY_ADDRESS says.
     ray_address: str | None = None
+    # Which replica this engine is (data_parallel_size): its ranks use the GPUs from replica x world_size.
+    replica: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -172,6 +183,8 @@ class OmniDiffusionConfig:
             self.load_timeout_s = _seconds_from_env("VLLM_OMNI_LOAD_TIMEOUT_S", 600.0)
         if self.stall_timeout_s is None:
             self.stall_timeout_s = _seconds_from_env("VLLM_OMNI_STALL_TIMEOUT_S", 300.0)
+        if isinstance(self.replica, bool) or not isinstance(self.replica, int) or self.replica < 0:
+            raise ValueError(f"replica must be a non-negative integer, got {self.replica!r}")
         _check_seconds("load_timeout_s", self.load_timeout_s)
         _check_seconds("stall_timeout_s", self.stall_timeout_s)
         if self.device not in (None, "cpu", "cuda"):

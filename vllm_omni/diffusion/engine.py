@@ -173,7 +173,7 @@ class DiffusionEngine:
     @staticmethod
     def _configure_device(config: OmniDiffusionConfig, ray_session) -> None:
         """Pick the device (CUDA when the machine, or the Ray cluster, has a GPU per rank) and the dtype."""
-        world_size = config.parallel_config.world_size
+        world_size = (config.replica + 1) * config.parallel_config.world_size  # this replica's GPUs come after others'
         gpus = ray_session.gpu_count() if ray_session is not None else _cuda_device_count()
         where = " in the Ray cluster" if ray_session is not None else ""
         if config.device is None:

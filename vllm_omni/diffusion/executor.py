@@ -490,7 +490,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
         self._procs = [
             self._ctx.Process(
                 target=worker_main,
-                name=f"omni-worker-{rank}",
+                name=f"omni-worker-{rank}" if not self.config.replica else f"omni-worker-r{self.config.replica}-{rank}",
                 args=(
                     rank,
                     self.config,

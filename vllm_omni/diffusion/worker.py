@@ -132,7 +132,8 @@ def worker_main(
     bind_lifetime_to_parent(parent_pid)
     # Ctrl-C reaches the terminal's whole process group; the parent decides how its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_rank(rank, config, model_path, init_method, request_queue, result_queue, cancel_token, cuda_index=rank)
+    gpu = config.replica * config.parallel_config.world_size + rank  # a replica's ranks have GPUs of their own
+    run_rank(rank, config, model_path, init_method, request_queue, result_queue, cancel_token, cuda_index=gpu)
 
 
 def run_rank(

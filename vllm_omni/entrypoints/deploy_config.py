@@ -243,10 +243,12 @@ class EngineSettings:
         """
         if self.devices is None or self.device == "cpu":
             return
-        if len(self.devices) < self.parallel_config.world_size:
+        needed = self.parallel_config.world_size * self.parallel_config.data_parallel_size
+        if len(self.devices) < needed:
             raise ValueError(
-                f"devices lists {len(self.devices)} GPU(s) but the parallel config needs "
-                f"{self.parallel_config.world_size} (world size)"
+                f"devices lists {len(self.devices)} GPU(s) but the parallel config needs {needed} "
+                f"(world size {self.parallel_config.world_size} x data_parallel_size "
+                f"{self.parallel_config.data_parallel_size})"
             )
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         chosen = [str(d) for d in self.devices]
@@ -259,11 +261,12 @@ class EngineSettings:
             chosen = [allocated[d] for d in self.devices]
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
 
-    def engine_config(self) -> Any:
-        """The `OmniDiffusionConfig` for `DiffusionEngine`."""
+    def engine_config(self, replica: int = 0) -> Any:
+        """The `OmniDiffusionConfig` for `DiffusionEngine` (of replica `replica` when data_parallel_size > 1)."""
         from vllm_omni.diffusion.data import OmniDiffusionConfig
 
         return OmniDiffusionConfig(
+            replica=replica,
             model=self.model,
             parallel_config=self.parallel_config,
             device=self.device,

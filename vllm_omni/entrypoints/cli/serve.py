@@ -118,6 +118,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-trim-sp-padding leaves it in unmasked (dense, approximate, warns once) (default: on)",
     )
     par.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="replicas: N groups of cfg_parallel_size x ulysses_degree ranks, each on its own GPUs, behind one "
+        "queue; a request runs on an idle replica (default: 1)",
+    )
+    par.add_argument(
         "--vae-parallel",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -281,6 +289,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> Any:
             "mask_sp_padding": args.mask_sp_padding,
             "trim_sp_padding": args.trim_sp_padding,
             "vae_parallel": args.vae_parallel,
+            "data_parallel_size": args.data_parallel_size,
             "distributed_executor_backend": args.distributed_executor_backend,
         },
         device=args.device,

@@ -83,13 +83,18 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
     Takes the video directory now (a ValueError when another server holds it), before anything starts.
     """
 
-    def create_engine() -> Any:
+    def create_engine(replica: int) -> Any:
         from vllm_omni.diffusion.engine import DiffusionEngine
 
         settings.engine.apply_devices()
-        return DiffusionEngine(settings.engine.engine_config(), settings.engine.limits)
+        return DiffusionEngine(settings.engine.engine_config(replica), settings.engine.limits)
 
-    scheduler = Scheduler(create_engine, settings.engine.limits, watchdog_interval_s=settings.watchdog_interval_s)
+    scheduler = Scheduler(
+        create_engine,
+        settings.engine.limits,
+        watchdog_interval_s=settings.watchdog_interval_s,
+        replicas=settings.engine.parallel_config.data_parallel_size,
+    )
     server_metrics = ServerMetrics(scheduler)
     scheduler.observer = server_metrics
     video_store = VideoStore(settings.videos, scheduler)

@@ -12,8 +12,9 @@ scheduler with a fake engine (tests/entrypoints/test_scheduler.py).
   cannot overfill it; a route that must read a large upload first holds one (`hold_place`)
   (so uploads in flight are bounded by the queue too). A queued job carries the checked
   request, source images still compressed.
-- One consumer runs jobs first in, first out, one at a time (`engine.step` blocks, so it runs in
-  a thread of its own).
+- One consumer per replica (`replicas`, data_parallel_size: engines of their own GPUs) runs jobs
+  first in, first out: a job goes to the first idle replica (`engine.step` blocks, so each runs
+  in a thread of its own). A replica whose workers fail restarts alone while the others serve.
 - A job lives on its own, whether or not anyone waits for it: an id, a status, progress 0-100,
   its times, and in the end a result or an error (`JobError`: a code, a one-line message, the
   field at fault). Callers wait for it (`Job.wait`), poll it (`get`) or cancel it (`cancel`);
@@ -109,6 +110,7 @@ class Job:
     completed_at: float | None = None
     result: DiffusionOutput | None = None
     error: JobError | None = None
+    replica: int | None = None  # the replica that runs it, once it runs
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _cancel_reason: str | None = field(default=None, repr=False)
 
@@ -130,6 +132,7 @@ class Health:
     last_restart_reason: str | None = None
     graph_capture_failures: int = 0  # CUDA graph captures that failed on a rank (that SP group ran eagerly)
     last_graph_capture_failure: str | None = None
+    replicas: tuple[Health, ...] = ()  # each replica's, when there are several
 
     @property
     def ok(self) -> bool:
@@ -144,6 +147,8 @@ class Health:
                 graph_capture_failures=self.graph_capture_failures,
                 last_graph_capture_failure=self.last_graph_capture_failure,
             )
+        if self.replicas:
+            body["replicas"] = [replica.to_dict() for replica in self.replicas]
         return body
 
 
@@ -183,28 +188,30 @@ class QueuePlace:
 class Scheduler:
     def __init__(
         self,
-        engine_factory: Callable[[], Engine],
+        engine_factory: Callable[[int], Engine],
         limits: EngineLimits,
         *,
         watchdog_interval_s: float = 2.0,
         max_finished_jobs: int = 256,
         on_fatal: Callable[[str], None] = lambda reason: None,
         observer: Observer | None = None,
+        replicas: int = 1,
     ) -> None:
         self.limits = limits
         self.observer = observer
+        self.replicas = replicas
         self.watchdog_interval_s = watchdog_interval_s
         self.max_finished_jobs = max_finished_jobs
         self.on_fatal = on_fatal  # the workers are lost for good, or the model cannot load: the server ends
         self._engine_factory = engine_factory
-        self._engine: Engine | None = None  # set once constructed (its workers may still be loading)
+        self._engines: list[Engine | None] = [None] * replicas  # each set once constructed (may still be loading)
         self._engine_lock = threading.Lock()  # engine creation vs. shutdown
         self._loaded = False  # the first load finished; later restarts do not reset it
         self._load_error: str | None = None
-        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._step_thread = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="engine-step")
         self._waiting: deque[Job] = deque()
         self._reserved = 0  # submits past the capacity check, still in the engine's checks
-        self._running: Job | None = None
+        self._running: list[Job | None] = [None] * replicas
         self._jobs: dict[str, Job] = {}
         self._finished: deque[str] = deque()
         self._run_seconds: deque[float] = deque(maxlen=16)  # recent run times, for Retry-After
@@ -221,13 +228,14 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._tasks = [
             asyncio.create_task(self._load_engine(), name="load-engine"),
-            asyncio.create_task(self._consume(), name="consume-queue"),
+            *(asyncio.create_task(self._consume(i), name=f"consume-queue-{i}") for i in range(self.replicas)),
             asyncio.create_task(self._watchdog(), name="watchdog"),
         ]
 
     @property
     def engine(self) -> Engine | None:
-        return self._engine
+        """The first replica's engine (the model's spec, the request checks: the same in every replica)."""
+        return self._engines[0]
 
     @property
     def ready(self) -> bool:
@@ -236,7 +244,7 @@ class Scheduler:
     async def _load_engine(self) -> None:
         started = time.perf_counter()
         try:
-            await asyncio.to_thread(self._create_engine_and_wait)
+            await asyncio.gather(*(asyncio.to_thread(self._create_engine_and_wait, i) for i in range(self.replicas)))
         except Exception as exc:  # noqa: BLE001 - any failure to load ends the server
             if self._shutting_down:
                 return
@@ -244,34 +252,34 @@ class Scheduler:
             self._load_error = one_line(f"{type(exc).__name__}: {exc}")
             self.on_fatal(self._load_error)
             return
-        if self._engine is not None and not self._shutting_down:
+        if all(engine is not None for engine in self._engines) and not self._shutting_down:
             self._loaded = True
             logger.info("Engine ready in %.1f s", time.perf_counter() - started)
 
-    def _create_engine_and_wait(self) -> None:
-        engine = self._engine_factory()
+    def _create_engine_and_wait(self, replica: int) -> None:
+        engine = self._engine_factory(replica)
         with self._engine_lock:
             if self._shutting_down:
                 engine.close()
                 return
-            self._engine = engine
+            self._engines[replica] = engine
         engine.wait_until_ready()
 
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(self.watchdog_interval_s)
-            engine = self._engine
-            if engine is None or not self._loaded or self._shutting_down:
+            if not self._loaded or self._shutting_down:
                 continue
-            try:
-                await asyncio.to_thread(engine.check_workers)
-            except Exception as exc:  # noqa: BLE001 - a failed respawn shows in health_status, handled below
-                logger.error("Respawning the workers failed: %s", exc)
-            state, detail = engine.health_status()
-            if state == "failed" and not self._shutting_down:
-                logger.error("The workers cannot be brought back (%s); shutting down", detail)
-                self.on_fatal(detail or "the workers are lost")
-                return
+            for engine in self._engines:
+                try:
+                    await asyncio.to_thread(engine.check_workers)
+                except Exception as exc:  # noqa: BLE001 - a failed respawn shows in health_status, handled below
+                    logger.error("Respawning the workers failed: %s", exc)
+                state, detail = engine.health_status()
+                if state == "failed" and not self._shutting_down:
+                    logger.error("The workers cannot be brought back (%s); shutting down", detail)
+                    self.on_fatal(detail or "the workers are lost")
+                    return
 
     def begin_shutdown(self) -> None:
         """Refuse new work, end the queued jobs, cancel the running one (it stops at its next step)."""
@@ -283,11 +291,12 @@ class Scheduler:
             job = self._waiting.popleft()
             self._finish(job, "cancelled", error=JobError("shutting_down", "the server is shutting down; not run"))
         with self._engine_lock:
-            engine = self._engine
-        if engine is not None:
-            engine.begin_shutdown()
-            if self._running is not None:
-                engine.cancel(self._running.id)
+            engines = list(self._engines)
+        for engine, running in zip(engines, self._running):
+            if engine is not None:
+                engine.begin_shutdown()
+                if running is not None:
+                    engine.cancel(running.id)
 
     def begin_shutdown_threadsafe(self) -> None:
         """`begin_shutdown` from another thread (a signal handler)."""
@@ -295,21 +304,21 @@ class Scheduler:
             self._loop.call_soon_threadsafe(self.begin_shutdown)
 
     async def stop(self, grace_s: float = 30.0) -> None:
-        """Shut down: give the running job `grace_s` to stop, then close the engine and its workers."""
+        """Shut down: give the running jobs `grace_s` to stop, then close the engines and their workers."""
         self.begin_shutdown()
-        running = self._running
-        if running is not None:
+        running = [job for job in self._running if job is not None]
+        if running:
             try:
-                await asyncio.wait_for(running.wait(), grace_s)
+                await asyncio.wait_for(asyncio.gather(*(job.wait() for job in running)), grace_s)
             except asyncio.TimeoutError:
-                logger.warning("Request %s did not stop within %.0f s", running.id, grace_s)
+                logger.warning("Request(s) %s did not stop within %.0f s", ", ".join(j.id for j in running), grace_s)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with self._engine_lock:
-            engine = self._engine
-        if engine is not None:
-            await asyncio.to_thread(engine.close)
+            engines = [engine for engine in self._engines if engine is not None]
+        if engines:
+            await asyncio.gather(*(asyncio.to_thread(engine.close) for engine in engines))
             logger.info("Workers shut down")
         self._step_thread.shutdown(wait=False, cancel_futures=True)
 
@@ -321,15 +330,27 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return 0 if self._running is None else 1
+        return sum(job is not None for job in self._running)
 
     def health(self) -> Health:
-        """The server's state: ok only while every worker is up, warm, and work is taken; else why not."""
+        """The server's state: ok only while work is taken (one replica up and warm is enough); else why not."""
         if self._shutting_down:
             return Health("shutting_down")
         if self._load_error:
             return Health("failed", self._load_error)
-        engine = self._engine
+        replicas = tuple(self._replica_health(engine) for engine in self._engines)
+        if len(replicas) == 1:
+            return replicas[0]
+        serving = [health for health in replicas if health.ok]
+        first = (serving or list(replicas))[0]
+        return dataclasses.replace(
+            first,
+            restarts=sum(h.restarts for h in replicas),
+            graph_capture_failures=sum(h.graph_capture_failures for h in replicas),
+            replicas=replicas,
+        )
+
+    def _replica_health(self, engine: Engine | None) -> Health:
         if engine is None:
             return Health("loading")
         state, detail = engine.health_status()
@@ -378,8 +399,8 @@ class Scheduler:
     def retry_after_s(self) -> int:
         """Seconds until a place in the queue is likely free: what the running job has left, about."""
         typical = sum(self._run_seconds) / len(self._run_seconds) if self._run_seconds else 1.0
-        running = self._running
-        elapsed = time.time() - running.started_at if running is not None and running.started_at else 0.0
+        started = [job.started_at for job in self._running if job is not None and job.started_at]
+        elapsed = time.time() - min(started) if started else 0.0
         return max(1, min(3600, math.ceil(typical - elapsed)))
 
     def get(self, job_id: str) -> Job | None:
@@ -396,7 +417,7 @@ class Scheduler:
             request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
             try:
                 request = await asyncio.to_thread(
-                    self._engine.preprocess, dataclasses.replace(params, request_id=request_id)
+                    self.engine.preprocess, dataclasses.replace(params, request_id=request_id)
                 )
             except RequestError:
                 raise
@@ -435,7 +456,7 @@ class Scheduler:
             self._finish(job, "cancelled", error=JobError("cancelled", f"cancelled before it ran: {reason}"))
         else:
             logger.info("Request %s: %s, cancelling at the next step", job.id, reason)
-            self._engine.cancel(job.id)
+            self._engines[job.replica].cancel(job.id)
         return job
 
     def forget(self, job_id: str) -> None:
@@ -459,17 +480,18 @@ class Scheduler:
         while len(self._finished) > self.max_finished_jobs:
             self._jobs.pop(self._finished.popleft(), None)
 
-    async def _consume(self) -> None:
-        """The single consumer: first in, first out, one job at a time."""
+    async def _consume(self, replica: int) -> None:
+        """Replica `replica`'s consumer: the next job in the queue, one at a time."""
         loop = asyncio.get_running_loop()
         while True:
             while not self._waiting:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             job = self._waiting.popleft()
-            self._running = job
-            job.status, job.started_at = "in_progress", time.time()
-            logger.info("Request %s running (%.2f s in the queue)", job.id, job.started_at - job.created_at)
+            self._running[replica] = job
+            job.status, job.started_at, job.replica = "in_progress", time.time(), replica
+            where = f" on replica {replica}" if self.replicas > 1 else ""
+            logger.info("Request %s running%s (%.2f s in the queue)", job.id, where, job.started_at - job.created_at)
             try:
                 output = await loop.run_in_executor(self._step_thread, self._step, job)
             except asyncio.CancelledError:
@@ -506,7 +528,7 @@ class Scheduler:
                     job.started_at - job.created_at,
                 )
             finally:
-                self._running = None
+                self._running[replica] = None
 
     def _step(self, job: Job) -> DiffusionOutput:
         if job._cancel_reason is not None:
@@ -520,4 +542,4 @@ class Scheduler:
                 self.observer.steps_done(done - steps["done"])
                 steps["done"] = done
 
-        return self._engine.step(job.request, on_progress=on_progress)
+        return self._engines[job.replica].step(job.request, on_progress=on_progress)
