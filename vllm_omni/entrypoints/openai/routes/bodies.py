@@ -1,6 +1,6 @@
 """Request bodies read against a deadline and one byte limit per field: multipart or url-encoded forms, JSON objects.
 
-Used by the routes that take bodies (images.py, videos.py). The limits are the same in JSON and in forms:
+Used by the routes that take bodies (images.py, chat.py, videos.py). The limits are the same in JSON and in forms:
 - a text field's value: at most `BodyLimits.max_field_bytes`, as UTF-8 (body_limits.py);
 - a file (a form's file part, or a data URL's bytes): at most `EngineLimits.max_upload_bytes`;
 - the whole body: at most `BodySpec.cap`, what the largest valid request needs (413 beyond it).
@@ -18,6 +18,8 @@ rather than a reset.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import math
 import re
@@ -217,10 +219,37 @@ async def read_json_object(http: Request, spec: BodySpec) -> dict[str, Any]:
     value = _parse_json(b"".join(chunks))
     if not isinstance(value, dict):
         raise ApiError(400, NOT_A_JSON_OBJECT)
-    for key, item in value.items():
+    check_text_values(value, spec)
+    return value
+
+
+def check_text_values(fields: dict[str, Any], spec: BodySpec) -> None:
+    """A 400 naming the first text value of `fields` over its limit (also for fields nested in a JSON object)."""
+    for key, item in fields.items():
         if isinstance(item, str) and len(item.encode("utf-8", "surrogatepass")) > spec.limit(key):
             raise spec.too_large(key)
-    return value
+
+
+def decode_data_url(url: Any, spec: BodySpec, param: str) -> bytes:
+    """A file given as a base64 data URL ('data:image/png;base64,...') -> its bytes, within the upload limit; a 400
+    naming `param` otherwise. The server fetches nothing: other URLs are refused."""
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise ApiError(
+            400,
+            f"{param} must be a base64 data URL ('data:image/png;base64,...'); the server fetches nothing from "
+            "the network",
+            param=param,
+        )
+    payload = url.split(";base64,", 1)[1]
+    if len(payload) > spec.file_as_text_chars:  # decoded, it could only be larger than the limit
+        raise ApiError(400, f"{param} is larger than the upload limit of {spec.file_bytes} bytes", param=param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{param} is not valid base64", param=param) from None
+    if len(data) > spec.file_bytes:
+        raise ApiError(400, f"{param} is larger than the upload limit of {spec.file_bytes} bytes", param=param)
+    return data
 
 
 def _parse_json(raw: bytes) -> Any:

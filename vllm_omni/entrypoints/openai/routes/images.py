@@ -1,22 +1,25 @@
 """POST /v1/images/generations (JSON) and /v1/images/edits (multipart): HTTP <-> scheduler jobs.
 
-A request becomes `GenerationParams` (the deploy's defaults filled in, `size` split into width
-and height), is submitted to the scheduler (app.state.scheduler), and the answer waits for the
-job while watching the connection: a client that goes away has its job cancelled (dropped from
-the queue, or stopped at its next denoising step). Bodies are read by routes/bodies.py (a deadline,
-a limit per field). An edit's upload is read only once the queue has a place for it (held while
-it is read and checked), and is passed on as compressed bytes.
+Also the submit/answer path every image route takes (routes/chat.py too): `image_params` makes a
+request's `GenerationParams` (the deploy's defaults filled in, `size` split into width and height),
+`submit_image_job` queues it on the scheduler (app.state.scheduler), and `finish_image_job` waits
+for the job while watching the connection: a client that goes away has its job cancelled (dropped
+from the queue, or stopped at its next denoising step). Bodies are read by routes/bodies.py (a
+deadline, a limit per field). A request that carries images takes its queue place first
+(`hold_queue_place`, held while it is read and checked), and passes them on as compressed bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_omni.diffusion.data import GenerationParams, RequestError
+from vllm_omni.diffusion.data import DiffusionOutput, GenerationParams, RequestError
 from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
 from vllm_omni.entrypoints.openai.errors import ApiError, job_error, request_error, scheduler_error
@@ -39,7 +42,7 @@ from vllm_omni.entrypoints.openai.routes.bodies import (
     read_json_object,
 )
 from vllm_omni.entrypoints.openai.routes.models import check_model
-from vllm_omni.entrypoints.openai.scheduler import InternalError, Job, QueueFull, Scheduler, Unavailable
+from vllm_omni.entrypoints.openai.scheduler import InternalError, Job, QueueFull, QueuePlace, Scheduler, Unavailable
 
 router = APIRouter()
 
@@ -52,35 +55,28 @@ _GENERATION_BODY = {
     }
 }
 
+BadInput = Callable[[RequestError], ApiError]  # the engine's verdict on a request, named as the route's body names it
+
 
 @router.post("/v1/images/generations", response_model=ImageResponse, openapi_extra=_GENERATION_BODY)
 async def generations(http: Request) -> JSONResponse:
     body = parse_fields(ImageGenerationRequest, await read_json_object(http, body_spec(http)))
-    params = _params(http, body, None)
-    return await _answer(http, body, await _submit(http, body, params, place_held=False))
+    _check_image_api_options(body)
+    params = image_params(http, body, body.prompt, None)
+    return await _answer(http, body, await submit_image_job(http, params, _bad_input(body)))
 
 
 @router.post("/v1/images/edits", response_model=ImageResponse)
 async def edits(http: Request) -> JSONResponse:
-    scheduler: Scheduler = http.app.state.scheduler
-    try:
-        # A loading server, or a full queue, says so before a large upload is read; the place
-        # held meanwhile bounds the uploads in flight by the queue's length.
-        place = scheduler.hold_place()
-    except (Unavailable, QueueFull) as exc:
-        raise scheduler_error(exc) from None
-    with place:
+    with hold_queue_place(http):
         body, images = await _read_edit_form(http)
-        params = _params(http, body, images if len(images) > 1 else images[0])
-        job = await _submit(http, body, params, place_held=True)
+        _check_image_api_options(body)
+        params = image_params(http, body, body.prompt, images)
+        job = await submit_image_job(http, params, _bad_input(body), place_held=True)
     return await _answer(http, body, job)
 
 
-def _params(
-    http: Request, body: ImageGenerationRequest | ImageEditRequest, images: bytes | list[bytes] | None
-) -> GenerationParams:
-    settings = http.app.state.settings
-    check_model(http, body.model, "image")
+def _check_image_api_options(body: ImageGenerationRequest | ImageEditRequest) -> None:
     if body.response_format not in (None, "b64_json"):
         raise ApiError(
             400,
@@ -92,55 +88,102 @@ def _params(
         raise ApiError(400, "stream=true is not supported: images come back whole", param="stream")
     if body.background == "transparent":
         raise ApiError(400, "background 'transparent' is not supported: outputs are opaque", param="background")
-    auto = body.size is not None and body.size.strip().lower() == "auto"
-    width = height = None
-    if body.size is not None and not auto:
-        try:
-            width, height = parse_size(body.size, settings.engine.limits.max_image_size)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="size") from None
-    given = {f.name: getattr(body, f.name) for f in SAMPLING_FIELDS if not f.in_size and not f.video_only}
-    values = apply_sampling_defaults(dict(given, height=height, width=width), settings.engine.default_sampling_params)
+
+
+def _bad_input(body: ImageGenerationRequest | ImageEditRequest) -> BadInput:
+    return lambda exc: request_error(exc, body.size)
+
+
+async def _answer(http: Request, body: ImageGenerationRequest | ImageEditRequest, job: Job) -> JSONResponse:
+    fmt = body.output_format or "png"
+    output, encoded = await finish_image_job(http, job, _bad_input(body), fmt, body.output_compression)
+    response = ImageResponse(
+        created=int(time.time()),
+        data=[ImageData(b64_json=b64) for b64 in encoded],
+        output_format=fmt,
+        id=job.id,
+        **result_fields(output),
+    )
+    return JSONResponse(response.model_dump(), headers={"X-Request-Id": job.id})
+
+
+# ---- shared by every image route ----------------------------------------------------------------
+
+
+def hold_queue_place(http: Request) -> QueuePlace:
+    """A place in the queue, for a request whose images are still to be read: a loading server, or a full
+    queue, says so before a large upload is read; the places held bound the uploads in flight by the queue's
+    length. `with` it, and submit with `place_held=True` inside."""
+    scheduler: Scheduler = http.app.state.scheduler
+    try:
+        return scheduler.hold_place()
+    except (Unavailable, QueueFull) as exc:
+        raise scheduler_error(exc) from None
+
+
+def image_params(http: Request, body: Any, prompt: str, images: list[bytes] | None) -> GenerationParams:
+    """The request's GenerationParams: the declared sampling fields `body` has (width and height in its `size`,
+    or apart where the body declares them: chat), the deploy's defaults filled in; a 400 naming `model` or `size`."""
+    settings = http.app.state.settings
+    check_model(http, body.model, "image")
+    given = {f.name: getattr(body, f.name, None) for f in SAMPLING_FIELDS if not f.video_only}
+    size = body.size
+    auto = size is not None and size.strip().lower() == "auto"
+    if size is not None:
+        if given["width"] is not None or given["height"] is not None:
+            raise ApiError(400, "give size ('WIDTHxHEIGHT') or width and height, not both", param="size")
+        if not auto:
+            try:
+                given["width"], given["height"] = parse_size(size, settings.engine.limits.max_image_size)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="size") from None
+    values = apply_sampling_defaults(given, settings.engine.default_sampling_params)
     if auto:
         values["height"] = values["width"] = None  # an explicit "auto" beats the deploy's default size
-    return GenerationParams(prompt=body.prompt, image=images, **values)
+    image = images if images and len(images) > 1 else images[0] if images else None
+    return GenerationParams(prompt=prompt, image=image, **values)
 
 
-async def _submit(
-    http: Request, body: ImageGenerationRequest | ImageEditRequest, params: GenerationParams, place_held: bool
+async def submit_image_job(
+    http: Request, params: GenerationParams, bad_input: BadInput, place_held: bool = False
 ) -> Job:
+    """The queued job; the engine's checks failing are `bad_input`, the scheduler's refusals their answers."""
     try:
         return await http.app.state.scheduler.submit(params, id_prefix="img", place_held=place_held)
     except RequestError as exc:
-        raise request_error(exc, body.size) from None
+        raise bad_input(exc) from None
     except (Unavailable, QueueFull, InternalError) as exc:
         raise scheduler_error(exc) from None
 
 
-async def _answer(http: Request, body: ImageGenerationRequest | ImageEditRequest, job: Job) -> JSONResponse:
-    """Wait for the job (cancelling it if the client leaves) and answer with its images or its error."""
+async def finish_image_job(
+    http: Request, job: Job, bad_input: BadInput, fmt: str, quality: int | None
+) -> tuple[DiffusionOutput, list[str]]:
+    """Wait for the job (cancelling it if the client leaves): its output and its images encoded as base64 `fmt`,
+    or its error raised as the answer."""
     scheduler: Scheduler = http.app.state.scheduler
     try:
         await _wait_watching_client(http, scheduler, job)
     finally:
         scheduler.forget(job.id)  # the answer carries the images; nobody polls an image job
     if job.status != "completed":
-        raise job_error(job.error, body.size)
+        error = job.error
+        if error.code == "invalid_request":  # found in the workers (data that does not decode)
+            raise bad_input(RequestError(error.message, error.param))
+        raise job_error(error)
     output = job.result
-    fmt = body.output_format or "png"
-    encoded = await asyncio.to_thread(encode_images_b64, output.images, fmt, body.output_compression)
-    response = ImageResponse(
-        created=int(time.time()),
-        data=[ImageData(b64_json=b64) for b64 in encoded],
-        output_format=fmt,
-        size=f"{output.width}x{output.height}",
-        width=output.width,
-        height=output.height,
-        seed=output.seed,
-        id=job.id,
-        timings_ms={k: round(v, 2) for k, v in output.timings_ms.items()},
-    )
-    return JSONResponse(response.model_dump(), headers={"X-Request-Id": job.id})
+    return output, await asyncio.to_thread(encode_images_b64, output.images, fmt, quality)
+
+
+def result_fields(output: DiffusionOutput) -> dict[str, Any]:
+    """What every image answer adds to OpenAI's schema: the real size, the seed used, the engine's timings."""
+    return {
+        "size": f"{output.width}x{output.height}",
+        "width": output.width,
+        "height": output.height,
+        "seed": output.seed,
+        "timings_ms": {k: round(v, 2) for k, v in output.timings_ms.items()},
+    }
 
 
 async def _wait_watching_client(http: Request, scheduler: Scheduler, job: Job) -> None:

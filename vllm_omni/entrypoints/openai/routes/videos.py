@@ -17,8 +17,6 @@ it) times `fps`, rounded to the model's frame rule, unless `num_frames` is given
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import math
 from typing import Any
 
@@ -43,6 +41,7 @@ from vllm_omni.entrypoints.openai.routes.bodies import (
     BodySpec,
     FilePart,
     body_spec,
+    decode_data_url,
     is_json,
     media_type,
     parse_fields,
@@ -373,21 +372,5 @@ def _reference_from_object(reference: dict[str, Any], spec: BodySpec) -> bytes:
             f"{REFERENCE}.{key} is not supported: upload the image as a file part, or give image_url as a data URL",
             param=REFERENCE,
         )
-    url = reference.get("image_url")
-    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
-        raise ApiError(
-            400,
-            f"{REFERENCE}.image_url must be a base64 data URL ('data:image/png;base64,...'); "
-            "the server fetches nothing from the network",
-            param=REFERENCE,
-        )
-    payload = url.split(";base64,", 1)[1]
-    if len(payload) > spec.file_as_text_chars:  # decoded, it could only be larger than the limit
-        raise spec.too_large(REFERENCE)
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, f"{REFERENCE}.image_url is not valid base64", param=REFERENCE) from None
-    if len(data) > spec.file_bytes:
-        raise spec.too_large(REFERENCE)
-    return data
+    # Named as the field, not `.image_url`: a data URL over the limit gets the same 400 as a file part.
+    return decode_data_url(reference.get("image_url"), spec, REFERENCE)
