@@ -206,6 +206,13 @@ class RequestPreprocessor:
         if value < multiple:
             raise RequestError(f"{name} must be at least {multiple}, got {value}", name)
         if value % multiple:
+            if self.spec.exact_size:
+                raise RequestError(
+                    f"{name}={value} is not a multiple of {multiple}: {self.spec.diffusers_class} needs both "
+                    f"sides on its {multiple}-pixel grid (ask for {value // multiple * multiple} or "
+                    f"{(value // multiple + 1) * multiple})",
+                    name,
+                )
             rounded = value // multiple * multiple
             logger.warning("%s=%d is not a multiple of %d: rounded down to %d", name, value, multiple, rounded)
             value = rounded
@@ -298,7 +305,7 @@ class RequestPreprocessor:
         if tokens <= limit:
             return
         output = spec.tokens_per_step(width, height, num_frames, [])
-        step = spec.size_multiple
+        step = spec.token_side
         what, grid = f"{width}x{height}", f"{width // step} x {height // step} tokens"
         if num_frames is not None:
             what += f" x {num_frames} frames"

@@ -50,13 +50,33 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | SimulatedGroup) -> li
     return chunks
 
 
+class SourceFailed(RuntimeError):
+    """What `broadcast_tensors`' source raised instead of producing its tensors (`error`, re-raised)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def broadcast_tensors(
-    tensors: dict[str, torch.Tensor] | None, src: int, group: dist.ProcessGroup, control_group: dist.ProcessGroup
+    tensors: dict[str, torch.Tensor] | BaseException | None,
+    src: int,
+    group: dist.ProcessGroup,
+    control_group: dist.ProcessGroup,
 ) -> dict[str, torch.Tensor]:
     """`tensors` from global rank `src` on every rank of `group` (names, shapes and dtypes go over the
-    gloo `control_group` first, so the receivers can allocate); receivers pass None."""
-    meta = [None if tensors is None else {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in tensors.items()}]
+    gloo `control_group` first, so the receivers can allocate); receivers pass None.
+
+    A source that failed to make them passes its exception instead: every rank then raises
+    `SourceFailed` carrying it (the receivers a copy), at this one point all of them reach, so
+    none is left waiting for tensors that will not come."""
+    if isinstance(tensors, BaseException):
+        meta: list = [tensors]
+    else:
+        meta = [None if tensors is None else {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in tensors.items()}]
     dist.broadcast_object_list(meta, src=src, group=control_group)
+    if isinstance(meta[0], BaseException):
+        raise SourceFailed(meta[0])
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     out = {}
     for name, (shape, dtype, _) in meta[0].items():

@@ -15,17 +15,20 @@ runner reads nothing else of a family:
 - `uses_cfg(request)`: whether the request runs two forwards per step (cond, uncond), which CFG
   parallel splits between two rank groups; `default_negative_prompt` is what the pipeline uses
   when such a request gives none (the uncond group's prompt).
-- Text encoded once: `encode_text(pipe, kwargs)` runs the pipeline's own `encode_prompt` on the
-  call kwargs and returns the embeddings, keyed by the `__call__` arguments that take them
-  ({}: this request must be encoded by the pipeline itself, on every rank); `with_text(kwargs,
-  embeds)` is the call with them in place of the prompts, which a pipeline loaded without its
-  `text_encoders` components runs to the same output.
+- Text encoded once: `encode_text(pipe, kwargs, progress=None)` runs the pipeline's own
+  `encode_prompt` on the call kwargs (GLM-Image: its autoregressive stage, which samples the prior
+  token ids) and returns the tensors, keyed by the `__call__` arguments that take them ({}: this
+  request must be encoded by the pipeline itself, on every rank); `with_text(kwargs, embeds)` is
+  the call with them in place of the prompts, which a pipeline loaded without its
+  `text_encoders` components runs to the same output. `progress(done, total)`, where a family
+  reports it (GLM-Image: after every generated token, of the total the AR generates), may raise to
+  stop the stage.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -44,6 +47,9 @@ class FamilyPipeline:
     # pipeline uses those for nothing else): a rank that gets its embeddings from `encode_text` loads
     # the pipeline without them. Empty: every rank encodes.
     text_encoders: ClassVar[tuple[str, ...]] = ()
+    # True: `encode_text` runs for every request, on one process too, so its long stage reports
+    # progress and can be cancelled (GLM-Image's AR); else only when SP peers wait for its output.
+    encodes_first: ClassVar[bool] = False
 
     def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         raise NotImplementedError
@@ -56,10 +62,16 @@ class FamilyPipeline:
         """True when the pipeline runs a conditional and an unconditional forward per step for `request`."""
         return False
 
-    def encode_text(self, pipe: Any, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def encode_text(
+        self, pipe: Any, kwargs: dict[str, Any], progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, torch.Tensor]:
         """The prompt embeddings `pipe(**kwargs)` computes, by its own `encode_prompt`, keyed by the
         `__call__` arguments that take them; the negative ones only where the pipeline encodes them.
-        {}: no embeddings for this call (the pipeline must encode the prompts itself)."""
+        {}: no embeddings for this call (the pipeline must encode the prompts itself).
+
+        `progress(done, total)`: called, where a family has a long stage here (GLM-Image's
+        autoregressive one), as it advances (tokens generated, of the total); an exception it
+        raises stops the stage and propagates. Other families ignore it."""
         return {}
 
     def with_text(self, kwargs: dict[str, Any], embeds: dict[str, torch.Tensor]) -> dict[str, Any]:

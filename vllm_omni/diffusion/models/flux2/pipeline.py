@@ -48,7 +48,7 @@ class Flux2Family(FamilyPipeline):
             kwargs["image"] = list(request.images)
         return kwargs
 
-    def encode_text(self, pipe, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def encode_text(self, pipe, kwargs: dict[str, Any], progress: Any = None) -> dict[str, torch.Tensor]:
         """The prompt's embeddings, one row (the pipeline repeats them num_images_per_prompt times;
         its text ids follow from them). No negative prompt: FLUX.2-dev's guidance is embedded."""
         if kwargs.get("caption_upsample_temperature"):

@@ -78,7 +78,7 @@ class HunyuanVideo15Family(FamilyPipeline):
             pipe.guider = checkpoint_guider.new(guidance_scale=request.guidance_scale)
         return self.pipeline_kwargs(request, spec)
 
-    def encode_text(self, pipe, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def encode_text(self, pipe, kwargs: dict[str, Any], progress: Any = None) -> dict[str, torch.Tensor]:
         """Both encoders' embeddings and masks, one row each (the pipeline repeats them
         num_videos_per_prompt times); the negative prompt's only where the guider that
         `call_kwargs` set runs CFG."""

@@ -47,7 +47,7 @@ class QwenImageFamily(FamilyPipeline):
             kwargs["image"] = request.images if spec.max_input_images > 1 else request.images[0]
         return kwargs
 
-    def encode_text(self, pipe, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def encode_text(self, pipe, kwargs: dict[str, Any], progress: Any = None) -> dict[str, torch.Tensor]:
         """The prompt's embeddings (and the negative prompt's under true CFG), one row each: the
         pipeline repeats given embeddings num_images_per_prompt times itself.
 

@@ -59,7 +59,7 @@ class Wan22Family(FamilyPipeline):
             kwargs["image"] = request.images[0]  # resized to the video's size by the pipeline
         return kwargs
 
-    def encode_text(self, pipe, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def encode_text(self, pipe, kwargs: dict[str, Any], progress: Any = None) -> dict[str, torch.Tensor]:
         """The prompt's embeddings, and the negative prompt's under CFG, num_videos_per_prompt rows
         each: given embeddings, the pipeline takes its batch from them and repeats nothing."""
         prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(

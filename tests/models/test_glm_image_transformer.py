@@ -1,0 +1,205 @@
+"""Our GLM-Image DiT against the diffusers reference, single process and under SP.
+
+Same random weights (a checkpoint saved by the diffusers class and loaded by ours); fp32. The
+pipeline's two passes: cond (the glyph embeddings of the prompt's quoted text, prior tokens kept)
+and uncond (the glyph text "": one token, every prior token dropped). Their text lengths differ,
+so at Ulysses 2 and 3 they pad differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+from diffusers import GlmImageTransformer2DModel as ReferenceTransformer
+from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
+from sp_padding import random_sp_padding
+
+from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
+from vllm_omni.diffusion.models.glm_image import GlmImageTransformer2DModel
+from vllm_omni.logger import reset_warning_once
+
+TEXT_DIM, CODEBOOK, LATENT_CHANNELS = 32, 128, 16
+CONFIG = dict(
+    patch_size=2,
+    in_channels=LATENT_CHANNELS,
+    out_channels=LATENT_CHANNELS,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=6,
+    text_embed_dim=TEXT_DIM,
+    time_embed_dim=32,
+    condition_dim=16,
+    prior_vq_quantizer_codebook_size=CODEBOOK,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One DiT call: latent grid (H/8, W/8), glyph text length, uncond (every prior token dropped), batch."""
+
+    latent: tuple[int, int] = (8, 8)  # 64x64 pixels: 16 image tokens, padded at Ulysses 3
+    text_len: int = 5  # 'OPEN' (4 bytes and </s>): padded at 2 and 3
+    uncond: bool = False
+    batch: int = 1
+
+
+COND = Case()
+UNCOND = Case(text_len=1, uncond=True)  # the glyph text "": one token, padded at 2 and 3
+DIVISIBLE = Case(latent=(8, 12), text_len=6)  # 24 image and 6 text tokens: 2 and 3 divide both
+
+
+def make_inputs(case: Case, seed: int = 1) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    height, width = case.latent
+    tokens = (height // 2) * (width // 2)
+    return dict(
+        hidden_states=torch.randn(case.batch, LATENT_CHANNELS, height, width, generator=gen),
+        encoder_hidden_states=torch.randn(case.batch, case.text_len, TEXT_DIM, generator=gen),
+        prior_token_id=torch.randint(0, CODEBOOK, (case.batch, tokens), generator=gen),
+        prior_token_drop=torch.full((case.batch, tokens), case.uncond),
+        timestep=torch.rand(case.batch, generator=gen) * 1000,
+        target_size=torch.tensor([[height * 8.0, width * 8.0]] * case.batch),
+        crop_coords=torch.zeros(case.batch, 2),
+        # The pipeline passes a cache every time; text-to-image never sets its mode.
+        kv_caches=GlmImageKVCache(num_layers=CONFIG["num_layers"]),
+        return_dict=False,
+    )
+
+
+def run(model, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    ref = ReferenceTransformer(**CONFIG).eval()
+    with torch.no_grad():  # non-trivial modulation and output weights everywhere
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    folder = tmp_path_factory.mktemp("glm_image_dit")
+    ref.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    return ReferenceTransformer.from_pretrained(checkpoint).eval(), GlmImageTransformer2DModel.from_pretrained(
+        checkpoint
+    ).eval()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("case", [COND, UNCOND], ids=["cond", "uncond"])
+def test_matches_diffusers_reference(models, case, batch):
+    ref, ours = models
+    inputs = make_inputs(dataclasses.replace(case, batch=batch))
+    expected = run(ref, inputs)
+    assert expected.shape == inputs["hidden_states"].shape
+    torch.testing.assert_close(run(ours, inputs), expected, rtol=0, atol=1e-5)
+
+
+def test_dropped_prior_tokens_change_the_output(models):
+    """The uncond pass differs from the cond pass through the prior tokens alone (same text)."""
+    _, ours = models
+    inputs = make_inputs(COND)
+    dropped = dict(inputs, prior_token_drop=torch.ones_like(inputs["prior_token_drop"]))
+    assert (run(ours, inputs) - run(ours, dropped)).abs().max() > 1e-3
+
+
+def test_parameter_names_and_config_are_the_checkpoints(models):
+    ref, ours = models
+    assert list(ref.state_dict()) == list(ours.state_dict())
+    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))  # noqa: E731
+    assert public(ours.config) == public(ref.config)
+
+
+def test_a_text_mask_and_image_to_image_caches_are_refused(models):
+    _, ours = models
+    inputs = make_inputs(COND)
+    with pytest.raises(ValueError, match="attention_mask"):
+        run(ours, dict(inputs, attention_mask=torch.ones(1, COND.text_len)))
+    caches = GlmImageKVCache(num_layers=CONFIG["num_layers"])
+    caches.set_mode("write")  # what the pipeline does for a condition image
+    with pytest.raises(ValueError, match="image-to-image"):
+        run(ours, dict(inputs, kv_caches=caches))
+
+
+# ---- under SP (gloo workers) ----------------------------------------------------------------
+
+_MODES = {
+    "mask": DiffusionParallelConfig(mask_sp_padding=True),
+    "trim": DiffusionParallelConfig(),
+    "none": DiffusionParallelConfig(trim_sp_padding=False),
+}
+_worker_models: dict = {}
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def sp_forward(folder: str, case: Case, mode: str, random_padding: bool = False) -> tuple[torch.Tensor, list[str]]:
+    """Worker side: our forward under the worker's SP group in `mode`; the output and the warnings logged.
+
+    With `random_padding`, every padded row is random: image tokens, rotary rows, prior token ids
+    and drop flags, glyph text."""
+    if folder not in _worker_models:
+        _worker_models[folder] = GlmImageTransformer2DModel.from_pretrained(folder).eval()
+    state = get_parallel_state()
+    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
+    warnings, root = _Warnings(), logging.getLogger("vllm_omni")
+    reset_warning_once()
+    root.addHandler(warnings)
+    try:
+        with use_parallel_state(dataclasses.replace(state, config=config)), random_sp_padding(random_padding):
+            return run(_worker_models[folder], make_inputs(case)), warnings.messages
+    finally:
+        root.removeHandler(warnings)
+
+
+SP_CASES = {"cond": COND, "uncond_batch2": dataclasses.replace(UNCOND, batch=2)}
+
+
+@pytest.mark.parametrize("name", list(SP_CASES))
+def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, name):
+    case = SP_CASES[name]
+    expected = run(models[1], make_inputs(case))
+    for mode in ("mask", "trim"):
+        for out, warnings in sp_pool.run(sp_forward, checkpoint, case, mode):
+            torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+            assert warnings == []
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
+    for case in (COND, UNCOND):
+        clean = sp_pool.run(sp_forward, checkpoint, case, mode)
+        noisy = sp_pool.run(sp_forward, checkpoint, case, mode, random_padding=True)
+        for (a, _), (b, _) in zip(clean, noisy):
+            assert torch.equal(a, b)
+
+
+def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, checkpoint):
+    expected = run(models[1], make_inputs(COND))
+    for out, warnings in sp_pool.run(sp_forward, checkpoint, COND, "none"):
+        diff = (out - expected).abs().max().item()
+        assert 0 < diff < 0.5 * expected.abs().max().item()
+        assert len(warnings) == 1 and "unmasked SP padding" in warnings[0]
+        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
+    # Divisible streams have no padding: none mode is exact and silent.
+    expected = run(models[1], make_inputs(DIVISIBLE))
+    for out, warnings in sp_pool.run(sp_forward, checkpoint, DIVISIBLE, "none"):
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+        assert warnings == []

@@ -1,0 +1,199 @@
+"""GLM-Image's DiT with Ulysses sequence parallelism.
+
+`GlmImageTransformer2DModel` is diffusers' class of the same name (same config, same parameter
+names, so `from_pretrained` reads the diffusers checkpoint as is) with a new forward:
+
+- Joint attention over `[glyph text, image]` (text in front) through the shared Ulysses layer
+  (`JointAttention`): both streams are sharded, each padded at its own tail, so the cond pass
+  (the prompt's quoted text) and the uncond pass (the glyph text of "", one token) pad
+  differently and both stay exact under trim and mask. q, k and v of both streams come from the
+  same projections (the reference concatenates the streams before projecting); the 2D rotary
+  rows apply to the image tokens only and are sharded with them.
+- The prior tokens (the AR stage's ids, one per image token) are embedded per token:
+  `prior_token_id` and `prior_token_drop` are sharded with the image stream before the
+  embedding, so each rank embeds its own tokens. Padded rows get id 0, not dropped: finite.
+- Each stream has its own AdaLN and both share the feed-forward weights; both work token by
+  token, so the reference's block runs unchanged on a rank's shards.
+
+The reference's `attention_mask` adds a 0/1 float mask to the logits (the pipeline never passes
+one) and its `kv_caches` serve image-to-image (the condition image's keys and values): both are
+refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers import transformer_glm_image as reference
+from diffusers.utils import apply_lora_scale
+
+from vllm_omni.diffusion.attention.layer import JointAttention
+from vllm_omni.diffusion.distributed.sequence_parallel import (
+    IMAGE,
+    TEXT,
+    gather_sequence,
+    sequence_parallel_context,
+    shard_with_auto_pad,
+)
+
+MASK_REFUSED = "attention_mask is not supported (the pipeline passes none; the reference's mask path is broken)"
+KV_CACHE_REFUSED = "image-to-image (the condition image's K/V cache) is not supported"
+
+
+class GlmImageSPAttnProcessor:
+    """Projections, QK LayerNorm and the image's 2D rotary as in the reference, per stream, then
+    the shared (Ulysses) attention layer over [text, image]."""
+
+    def __init__(self) -> None:
+        self.attention = JointAttention(text_position="front")
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_cache: reference.GlmImageLayerKVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if attention_mask is not None:
+            raise ValueError(MASK_REFUSED)
+        if kv_cache is not None and kv_cache.mode is not None:
+            raise ValueError(KV_CACHE_REFUSED)
+        dtype = encoder_hidden_states.dtype
+        img_q, img_k, img_v = _qkv(attn, hidden_states, dtype)
+        txt_q, txt_k, txt_v = _qkv(attn, encoder_hidden_states, dtype)
+        if image_rotary_emb is not None:
+            img_q = apply_rotary_emb(img_q, image_rotary_emb, sequence_dim=1, use_real_unbind_dim=-2)
+            img_k = apply_rotary_emb(img_k, image_rotary_emb, sequence_dim=1, use_real_unbind_dim=-2)
+        img_out, txt_out = self.attention(img_q, img_k, img_v, text_qkv=(txt_q, txt_k, txt_v))
+        return _out(attn, img_out, img_q.dtype), _out(attn, txt_out, img_q.dtype)
+
+
+def _qkv(attn, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stream's q, k, v [B, S, H, D] (the projections are shared by both streams)."""
+    query = attn.to_q(x).unflatten(2, (attn.heads, -1))
+    key = attn.to_k(x).unflatten(2, (attn.heads, -1))
+    value = attn.to_v(x).unflatten(2, (attn.heads, -1))
+    if attn.norm_q is not None:
+        query = attn.norm_q(query).to(dtype=dtype)
+    if attn.norm_k is not None:
+        key = attn.norm_k(key).to(dtype=dtype)
+    return query, key, value
+
+
+def _out(attn, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return attn.to_out[1](attn.to_out[0](x.flatten(2, 3).to(dtype)))
+
+
+def _patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H/p * W/p, C * p * p], the layout of the reference's image projector."""
+    batch, channels, height, width = latents.shape
+    patches = latents.reshape(batch, channels, height // p, p, width // p, p)
+    return patches.permute(0, 2, 4, 1, 3, 5).flatten(3, 5).flatten(1, 2)
+
+
+class GlmImageTransformer2DModel(reference.GlmImageTransformer2DModel):
+    """Diffusers' GLM-Image DiT, sequence-parallel under an SP process group (text-to-image)."""
+
+    @functools.wraps(reference.GlmImageTransformer2DModel.__init__)  # keeps the config signature
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for block in self.transformer_blocks:
+            block.attn1.set_processor(GlmImageSPAttnProcessor())
+        # The last grid's rotary tables on the forward's device: the reference rebuilds them on the
+        # host at every forward (and copies them to the device in every layer).
+        self._rotary_key: tuple | None = None
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rotary_tables(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's 2D rotary cos/sin [N, head_dim] for this latent grid, on its device (fp32)."""
+        key = (tuple(latents.shape[-2:]), latents.device)
+        if self._rotary_key != key:
+            self._rotary = tuple(table.to(latents.device) for table in self.rope(latents))
+            self._rotary_key = key
+        return self._rotary
+
+    @apply_lora_scale("attention_kwargs")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        prior_token_id: torch.Tensor,
+        prior_token_drop: torch.Tensor,
+        timestep: torch.LongTensor,
+        target_size: torch.Tensor,
+        crop_coords: torch.Tensor,
+        attention_kwargs: dict[str, Any] | None = None,
+        return_dict: bool = True,
+        attention_mask: torch.Tensor | None = None,
+        kv_caches: reference.GlmImageKVCache | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor] | Transformer2DModelOutput:
+        """Same arguments and outputs as the diffusers reference (text-to-image: no mask, no K/V cache)."""
+        if attention_mask is not None:
+            raise ValueError(MASK_REFUSED)
+        # The pipeline always passes a cache; text-to-image never gives it a mode.
+        if kv_caches is not None and any(cache.mode is not None for cache in kv_caches.caches):
+            raise ValueError(KV_CACHE_REFUSED)
+        # Computed here, not in the graphed forward_sharded: a CUDA graph must own what it reads
+        # (as arguments, it copies them).
+        rotary_cos, rotary_sin = image_rotary_emb if image_rotary_emb is not None else self.rotary_tables(hidden_states)
+        output = self.forward_sharded(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            prior_token_id=prior_token_id,
+            prior_token_drop=prior_token_drop,
+            timestep=timestep,
+            target_size=target_size,
+            crop_coords=crop_coords,
+            rotary_cos=rotary_cos.to(hidden_states.device),
+            rotary_sin=rotary_sin.to(hidden_states.device),
+            attention_kwargs=attention_kwargs,
+        )
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+    def forward_sharded(
+        self,
+        *,
+        hidden_states: torch.Tensor,  # latents [B, C, H, W]
+        encoder_hidden_states: torch.Tensor,  # glyph embeddings [B, L, text_embed_dim]
+        prior_token_id: torch.Tensor,  # [B, N] one per image token
+        prior_token_drop: torch.Tensor,  # [B, N] bool: True zeroes the token's prior embedding
+        timestep: torch.Tensor,
+        target_size: torch.Tensor,
+        crop_coords: torch.Tensor,
+        rotary_cos: torch.Tensor,  # [N, head_dim]
+        rotary_sin: torch.Tensor,
+        attention_kwargs: dict[str, Any] | None,
+    ) -> torch.Tensor:
+        """The per-step work on this rank's shards, tensors in and out (the runner may replay it as
+        a CUDA graph)."""
+        batch, _, height, width = hidden_states.shape
+        p = self.config.patch_size
+        with sequence_parallel_context():
+            image = self.image_projector.proj(shard_with_auto_pad(_patchify(hidden_states, p), 1, IMAGE))
+            prior = self.prior_token_embedding(shard_with_auto_pad(prior_token_id, 1, IMAGE))
+            # x * 0.0 as the reference's in-place `prior[drop] *= 0.0`, without its host sync.
+            prior = prior * ~shard_with_auto_pad(prior_token_drop, 1, IMAGE).unsqueeze(-1)
+            image = image + self.prior_projector(prior)
+            rotary = (shard_with_auto_pad(rotary_cos, 0, IMAGE), shard_with_auto_pad(rotary_sin, 0, IMAGE))
+            text = self.glyph_projector(shard_with_auto_pad(encoder_hidden_states, 1, TEXT))
+            temb = self.time_condition_embed(timestep, target_size, crop_coords, image.dtype)
+
+            for block in self.transformer_blocks:
+                if torch.is_grad_enabled() and self.gradient_checkpointing:
+                    image, text = self._gradient_checkpointing_func(
+                        block, image, text, temb, rotary, None, attention_kwargs
+                    )
+                else:
+                    image, text = block(image, text, temb, rotary, None, attention_kwargs)
+
+            image = gather_sequence(self.proj_out(self.norm_out(image, temb)), 1, IMAGE)
+
+        image = image.reshape(batch, height // p, width // p, -1, p, p)
+        return image.permute(0, 3, 1, 4, 2, 5).flatten(4, 5).flatten(2, 3)
