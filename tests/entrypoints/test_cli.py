@@ -120,6 +120,23 @@ def test_generate_with_bad_input_says_which_field(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "model,flags,message",
+    [
+        # The flag reaches the engine (not a silent bf16 run): FP8 needs CUDA GPUs, these workers run on the CPU.
+        (MODEL, ["--quantization", "fp8"], "quantization='fp8' needs CUDA GPUs of compute capability 8.9"),
+        # GLM-Image runs CFG, but its branches cannot be split: the refusal says why.
+        ("tiny/glm-image", ["--cfg-parallel-size", "2"], "GlmImagePipeline runs classifier-free guidance, but"),
+    ],
+    ids=["fp8-on-cpu", "glm-image-cfg-parallel"],
+)
+def test_generate_refuses_what_the_engine_cannot_run_before_any_worker_starts(tmp_path, model, flags, message):
+    output = tmp_path / "x.png"
+    result = run(omni_command("generate", model, "--prompt", "x", *flags, "--device", "cpu", "--output", str(output)))
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-4000:]
+    assert "Starting" not in result.stderr and not output.exists()
+
+
+@pytest.mark.parametrize(
     "yaml_text,key",
     [
         ("stages:\n  - stage_id: 0\n    parallel_config: {ulysses_degre: 2}\n", "ulysses_degre"),

@@ -315,3 +315,24 @@ def test_warmup_runs_once_before_ready_and_requests_follow(capfd):
         # On the CPU nothing compiles: one request at the default size (with compiled blocks, a second one).
         assert err.count("Warm-up done in") == 1 and "(1 request(s): 1024x1024)" in err
         assert omni.generate(PROMPT, height=32, width=32, num_inference_steps=2, seed=0)[0].size == (32, 32)
+
+
+def test_data_parallel_replicas_run_calls_from_two_threads_at_once():
+    """Omni(data_parallel_size=2): a short call from a second thread finishes on the idle replica
+    while a long one still runs on the other (one replica would run it after the long one)."""
+    with Omni("tiny/qwen-image", data_parallel_size=2) as omni:
+        assert [e.config.replica for e in omni.engines] == [0, 1]
+        done: dict[str, list] = {}
+
+        def long_call() -> None:
+            done["long"] = omni.generate(PROMPT, height=32, width=32, num_inference_steps=60, seed=1, output_type="np")
+
+        thread = threading.Thread(target=long_call)
+        thread.start()
+        while omni._idle.qsize() != 1:  # the long call holds one replica
+            time.sleep(0.001)
+        short = omni.generate(PROMPT, height=32, width=32, num_inference_steps=2, seed=4, output_type="np")[0]
+        assert thread.is_alive() and "long" not in done  # finished while the long call still ran
+        thread.join()
+        again = omni.generate(PROMPT, height=32, width=32, num_inference_steps=2, seed=4, output_type="np")[0]
+        np.testing.assert_array_equal(short, again)

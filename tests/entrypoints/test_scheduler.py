@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_omni.diffusion.data import (
+    BatchingConfig,
     DiffusionOutput,
     DiffusionRequest,
     EngineLimits,
@@ -430,5 +431,119 @@ def test_replicas_run_jobs_at_once_and_one_failing_leaves_the_other_serving():
         assert (await third.wait()).status == "completed"
         await scheduler.stop()
         assert all(engine.closed for engine in engines)
+
+    asyncio.run(scenario())
+
+
+class BatchingEngine(FakeEngine):
+    """FakeEngine whose requests may share a call: `calls` records each call's request ids; a call runs
+    until the test finishes its first request."""
+
+    spec = SimpleNamespace(task="generate", batchable=True)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[list[str]] = []
+
+    def preprocess(self, params: GenerationParams) -> DiffusionRequest:
+        request = super().preprocess(params)
+        request.height = request.width = params.height  # requests of other sizes never share a call
+        return request
+
+    def step(self, request: DiffusionRequest, on_progress=None) -> DiffusionOutput:
+        self.calls.append([request.request_id])
+        return super().step(request, on_progress)
+
+    def step_batch(self, requests: list[DiffusionRequest], on_progress=None) -> list[DiffusionOutput]:
+        self.calls.append([request.request_id for request in requests])
+        first = super().step(requests[0], on_progress)  # waits for finish(first id); raises when cancelled
+        return [first] + [DiffusionOutput(r.request_id, [r.prompt], r.seed, 16, 16) for r in requests[1:]]
+
+
+async def batching_scheduler(max_batch_size: int, batch_wait_ms: float = 0.0) -> tuple[BatchingEngine, Scheduler]:
+    engine = BatchingEngine()
+    scheduler = await started(engine, 8, batching=BatchingConfig(max_batch_size, batch_wait_ms))
+    return engine, scheduler
+
+
+def test_queued_requests_that_can_share_a_forward_run_as_one_call_each_with_its_own_result():
+    async def scenario():
+        engine, scheduler = await batching_scheduler(max_batch_size=3)
+        alone = await scheduler.submit(GenerationParams("first", height=32))
+        await engine.running(alone.id)  # the queue fills behind it
+        b, c = (
+            await scheduler.submit(GenerationParams("b", height=32)),
+            await scheduler.submit(GenerationParams("c", height=32)),
+        )
+        other = await scheduler.submit(GenerationParams("other size", height=64))  # never with b, c, e
+        e = await scheduler.submit(GenerationParams("e", height=32))
+        late = await scheduler.submit(GenerationParams("late", height=32))  # beyond max_batch_size
+        engine.finish(alone.id)
+        await engine.running(b.id)
+        assert engine.calls == [[alone.id], [b.id, c.id, e.id]]  # first in, first out among those that match
+        assert {job.status for job in (b, c, e)} == {"in_progress"} and scheduler.running == 3
+        engine.finish(b.id)
+        for job, prompt in ((b, "b"), (c, "c"), (e, "e")):
+            assert (await job.wait()).status == "completed" and job.result.images == [prompt]
+        await engine.running(other.id)
+        engine.finish(other.id)
+        await engine.running(late.id)
+        engine.finish(late.id)
+        await asyncio.gather(other.wait(), late.wait())
+        assert engine.calls[2:] == [[other.id], [late.id]]
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_cancelling_one_request_of_a_batch_ends_it_at_once_and_leaves_the_others():
+    async def scenario():
+        engine, scheduler = await batching_scheduler(max_batch_size=2)
+        blocker = await scheduler.submit(GenerationParams("blocker", height=32))
+        await engine.running(blocker.id)
+        b, c = (
+            await scheduler.submit(GenerationParams("b", height=32)),
+            await scheduler.submit(GenerationParams("c", height=32)),
+        )
+        engine.finish(blocker.id)
+        await engine.running(b.id)
+        scheduler.cancel(b.id, "client disconnected")  # the first row: the call carries its id
+        assert b.status == "cancelled" and "client disconnected" in b.error.message
+        assert engine.cancelled == []  # the call goes on for c
+        engine.finish(b.id)
+        assert (await c.wait()).status == "completed" and c.result.images == ["c"]
+        assert b.result is None
+        # Once every request of a call is cancelled, the call itself is.
+        blocker = await scheduler.submit(GenerationParams("blocker", height=32))
+        await engine.running(blocker.id)
+        d, e = (
+            await scheduler.submit(GenerationParams("d", height=32)),
+            await scheduler.submit(GenerationParams("e", height=32)),
+        )
+        engine.finish(blocker.id)
+        await engine.running(d.id)
+        assert engine.calls[-1] == [d.id, e.id]
+        scheduler.cancel(e.id)
+        assert engine.cancelled == []
+        scheduler.cancel(d.id)
+        assert engine.cancelled == [d.id]
+        await asyncio.gather(d.wait(), e.wait())
+        assert d.status == e.status == "cancelled"
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_waits_up_to_batch_wait_ms_for_company():
+    async def scenario():
+        # A long wait: the call starts as soon as its second request arrives (the batch is full), not at the deadline.
+        engine, scheduler = await batching_scheduler(max_batch_size=2, batch_wait_ms=60_000)
+        first = await scheduler.submit(GenerationParams("first", height=32))
+        second = await scheduler.submit(GenerationParams("second", height=32))
+        await engine.running(first.id)
+        assert engine.calls == [[first.id, second.id]]
+        engine.finish(first.id)
+        await asyncio.gather(first.wait(), second.wait())
+        await scheduler.stop()
 
     asyncio.run(scenario())

@@ -261,6 +261,8 @@ def test_models_lists_the_served_model_with_its_effective_config(server):
     assert card["parallel_config"]["mask_sp_padding"] is False and card["parallel_config"]["trim_sp_padding"] is True
     assert card["limits"]["max_steps"] == LONG_STEPS
     assert card["limits"]["max_tokens_per_step"] == 81920  # the model's default, as the engine applies it
+    assert card["batching"] == {"max_batch_size": 1, "batch_wait_ms": 0.0}  # off: no --max-batch-size given
+    assert card["quantization"] is None
 
 
 def _queued_id(server, start: int, steps: int) -> str:

@@ -16,7 +16,8 @@ KEY = "metrics-test-key"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-metrics")
-    srv = start_server(["tiny/qwen-image", "--api-key", KEY, "--video-dir", str(root / "videos")], root / "server.log")
+    args = ["tiny/qwen-image", "--api-key", KEY, "--video-dir", str(root / "videos"), "--max-batch-size", "4"]
+    srv = start_server(args, root / "server.log")
     yield srv
     srv.close()
 
@@ -62,3 +63,16 @@ def test_counters_move_as_requests_run(server):
     assert after[("vllm_omni_server_state", (("state", "ok"),))] == 1
     assert after[("vllm_omni_server_state", (("state", "loading"),))] == 0
     assert after[("vllm_omni_worker_restarts_total", ())] == 0
+    # The phases inside the workers, the steps per second and the batch size, per completed request.
+    for name in ("preprocess", "denoise", "decode"):
+        count = (f"vllm_omni_request_{name}_seconds_count", (("kind", "img"),))
+        assert after[count] - before.get(count, 0) == 1, name
+    assert after[("vllm_omni_request_denoise_seconds_sum", (("kind", "img"),))] > 0
+    rate = ("vllm_omni_request_steps_per_second_count", (("kind", "img"),))
+    assert after[rate] - before.get(rate, 0) == 1
+    batch = ("vllm_omni_batch_size_sum", ())
+    assert after[batch] - before.get(batch, 0) == 1  # alone: a batch of one
+    # One replica: its own series agree with the server's.
+    assert after[("vllm_omni_replica_running_requests", (("replica", "0"),))] == 0
+    assert after[("vllm_omni_replica_state", (("replica", "0"), ("state", "ok")))] == 1
+    assert after[("vllm_omni_replica_worker_restarts_total", (("replica", "0"),))] == 0

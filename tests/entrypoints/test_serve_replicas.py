@@ -9,13 +9,16 @@ equals the one-replica engine's. Shutting the server down cancels the held reque
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
+import time
 
 import httpx
 import numpy as np
 import pytest
-from openai import OpenAI
+from openai import InternalServerError, OpenAI
 from server_process import HTTP_TIMEOUT_S, decode_image, start_server
 
 HOLD = "rank 0 holds this replica"
@@ -38,6 +41,40 @@ def server(tmp_path_factory):
 def test_health_reports_each_replica(server):
     body = httpx.get(f"{server.url}/health", timeout=30).json()
     assert body["status"] == "ok" and [r["status"] for r in body["replicas"]] == ["ok", "ok"]
+
+
+def test_killing_a_replicas_worker_fails_only_its_request_and_the_replica_comes_back(server):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
+    held: dict = {}
+
+    def hold() -> None:
+        try:
+            client.images.generate(model="tiny/qwen-image", prompt=HOLD, **ARGS)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            held["error"] = exc
+
+    start = server.log_size()
+    thread = threading.Thread(target=hold)
+    thread.start()
+    replica = server.wait_for_log(r"Request img-\w+ running on replica (\d)", start).group(1)
+    # The held request's rank 0 (worker processes are named omni-worker-r<replica>-<rank>).
+    pid = int(re.search(rf"omni-worker-r{replica}-0 .*?Worker rank 0 loaded .*?pid (\d+)", server.log()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=HTTP_TIMEOUT_S)
+    assert isinstance(held.get("error"), InternalServerError), held
+    assert "worker died" in str(held["error"])
+    # The other replica serves meanwhile, and the dead one loads again alone.
+    response = client.images.generate(model="tiny/qwen-image", prompt="a red fox", **ARGS)
+    assert response.data[0].b64_json
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while True:
+        body = httpx.get(f"{server.url}/health", timeout=30).json()
+        states = [(r["status"], r.get("restarts", 0)) for r in body["replicas"]]
+        if states[int(replica)] == ("ok", 1):
+            break
+        assert time.monotonic() < deadline, body
+        time.sleep(0.1)  # polling a condition: the respawned group loads in the background
+    assert body["status"] == "ok" and states[1 - int(replica)] == ("ok", 0)
 
 
 def test_a_busy_replica_leaves_the_other_serving_and_results_equal_one_replicas(server):

@@ -75,6 +75,9 @@ def swap_prompts(kwargs: dict[str, Any], default_negative: str) -> dict[str, Any
     """Group 1's pipeline arguments: its "prompt" is the negative prompt, so its first call is uncond."""
     swapped = dict(kwargs)
     negative = kwargs.get("negative_prompt")
-    swapped["prompt"] = default_negative if negative is None else negative
+    if negative is None:  # a batch's prompts are a list: one default per row
+        prompt = kwargs["prompt"]
+        negative = [default_negative] * len(prompt) if isinstance(prompt, list) else default_negative
+    swapped["prompt"] = negative
     swapped["negative_prompt"] = kwargs["prompt"]
     return swapped

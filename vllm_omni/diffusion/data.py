@@ -147,6 +147,7 @@ class DiffusionParallelConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATION_METHODS = ("fp8",)
 
 
 @dataclass
@@ -159,6 +160,8 @@ class OmniDiffusionConfig:
     dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
     attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode
     enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)
+    # "fp8": the denoisers' large linear layers run FP8 matmuls (diffusion/quantization.py); None: as loaded.
+    quantization: Literal["fp8"] | None = None
     # Deadlines on the workers (executor.py); None: env VLLM_OMNI_LOAD_TIMEOUT_S / _STALL_TIMEOUT_S,
     # else 600 / 300 s. Loading: every rank must report ready within this.
     load_timeout_s: float | None = None
@@ -187,6 +190,10 @@ class OmniDiffusionConfig:
             raise ValueError(f"replica must be a non-negative integer, got {self.replica!r}")
         _check_seconds("load_timeout_s", self.load_timeout_s)
         _check_seconds("stall_timeout_s", self.stall_timeout_s)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or unset, got {self.quantization!r}"
+            )
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype is not None:
@@ -242,6 +249,21 @@ class EngineLimits:
         return dataclasses.replace(self, max_tokens_per_step=spec.max_tokens_per_step)
 
 
+@dataclass
+class BatchingConfig:
+    """Request batching in the server's scheduler: queued requests that can share a forward run as one
+    pipeline call of up to `max_batch_size` rows (1: off), the first waiting up to `batch_wait_ms` for company."""
+
+    max_batch_size: int = 1
+    batch_wait_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_batch_size", self.max_batch_size)
+        value = self.batch_wait_ms
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"batch_wait_ms must be a number of milliseconds >= 0, got {value!r}")
+
+
 OutputType = Literal["pil", "np", "uint8"]
 
 
@@ -294,6 +316,32 @@ class DiffusionRequest:
     cancel_token: int = 0  # the executor's number for this request; cancelling flags it
     output_type: OutputType = "pil"
     preprocess_ms: float = 0.0  # time validation took (the server validates before queueing)
+    # Request batching: the requests whose rows follow this one's in every pipeline call (they share
+    # its forwards; `batch_key` says which may). This request carries the run's id and cancel token.
+    batch: list[DiffusionRequest] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[DiffusionRequest]:
+        """This request and those batched with it, in row order."""
+        return [self, *self.batch]
+
+
+# DiffusionRequest fields that may differ between requests that share a forward: each row has its own.
+PER_ROW_FIELDS = frozenset(
+    {"request_id", "prompt", "negative_prompt", "seed", "cancel_token", "preprocess_ms", "batch"}
+)
+
+
+def batch_key(request: DiffusionRequest, spec: PipelineSpec) -> tuple | None:
+    """What must be equal for requests to share a forward (model, size, frames, steps, guidance mode),
+    None when this one never shares: source images (each pipeline call encodes its own), several
+    images (a batch of its own already), a pipeline that batches no prompts (`PipelineSpec.batchable`)."""
+    if not spec.batchable or request.images or request.num_images != 1 or request.batch:
+        return None
+    shared = tuple(
+        (f.name, getattr(request, f.name)) for f in dataclasses.fields(request) if f.name not in PER_ROW_FIELDS
+    )
+    return (*shared, ("has_negative_prompt", request.negative_prompt is not None))
 
 
 @dataclass
@@ -312,6 +360,7 @@ class DiffusionOutput:
     num_frames: int | None = None  # videos only
     fps: int | None = None
     timings_ms: dict[str, float] = field(default_factory=dict)
+    batch_size: int = 1  # requests that shared its pipeline call (request batching), itself included
 
 
 class RequestError(ValueError):

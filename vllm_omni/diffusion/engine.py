@@ -9,6 +9,7 @@ class and by the HTTP server's scheduler, which reads the workers' state only th
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import threading
@@ -27,11 +28,13 @@ from vllm_omni.diffusion.data import (
     GenerationParams,
     OmniDiffusionConfig,
     RequestCancelled,
+    batch_key,
 )
 from vllm_omni.diffusion.executor import MultiprocExecutor, WorkerGroupExecutor
 from vllm_omni.diffusion.loader import check_ulysses_degree, read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.models.registry import PipelineSpec
 from vllm_omni.diffusion.preprocess import RequestPreprocessor
+from vllm_omni.diffusion.quantization import check_quantization
 from vllm_omni.diffusion.weight_prefetch import WeightPrefetch
 from vllm_omni.logger import init_logger
 
@@ -52,7 +55,9 @@ def _cuda_device_count() -> int:
         return 0
 
 
-ProgressCallback = Callable[[int, int], None]  # (denoising steps done, total steps)
+# (denoising steps done, total steps), or (done, total, "encode") as a family's long encode stage
+# advances (GLM-Image's AR tokens, before any step).
+ProgressCallback = Callable[..., None]
 
 
 WARMUP_PROMPT = "a warm-up request"
@@ -124,13 +129,18 @@ class DiffusionEngine:
         self.spec = read_pipeline_spec(self.model_path)
         check_ulysses_degree(self.model_path, parallel.ulysses_degree)  # before any GPU loads a weight
         if parallel.cfg_parallel_size > 1 and not self.spec.cfg_parallel:
+            why = (
+                self.spec.cfg_parallel_refusal
+                or "runs no classifier-free guidance branches to split (one forward per step)"
+            )
             raise ValueError(
-                f"cfg_parallel_size={parallel.cfg_parallel_size}: {self.spec.diffusers_class} runs no classifier-free "
-                "guidance branches to split (one forward per step); use cfg_parallel_size=1"
+                f"cfg_parallel_size={parallel.cfg_parallel_size}: {self.spec.diffusers_class} {why}; "
+                "use cfg_parallel_size=1"
             )
         ray_session = _join_ray(config) if parallel.distributed_executor_backend == "ray" else None
         try:
             self._configure_device(config, ray_session)
+            check_quantization(config.quantization, config.device, config.dtype)  # before any worker starts
         except BaseException:
             if ray_session is not None:
                 ray_session.release()
@@ -143,13 +153,14 @@ class DiffusionEngine:
         self._preprocessor = RequestPreprocessor(self.spec, self.limits, self.model_path)
         self._stopping = False
         logger.info(
-            "Starting %d worker(s) for %s (%s) on %s, %s, ulysses_degree=%d, cfg_parallel_size=%d, padding=%s, "
-            "executor=%s",
+            "Starting %d worker(s) for %s (%s) on %s, %s, quantization=%s, ulysses_degree=%d, cfg_parallel_size=%d, "
+            "padding=%s, executor=%s",
             parallel.world_size,
             config.model,
             self.spec.diffusers_class,
             config.device,
             config.dtype,
+            config.quantization or "none",
             parallel.ulysses_degree,
             parallel.cfg_parallel_size,
             parallel.padding_mode,
@@ -243,6 +254,12 @@ class DiffusionEngine:
     def last_graph_capture_failure(self) -> str | None:
         return self.executor.last_graph_capture_failure
 
+    @property
+    def peak_memory_bytes(self) -> dict[int, int]:
+        """Each CUDA rank's peak allocated memory during its last request (none on the CPU)."""
+        stats = self.executor.rank_stats
+        return {rank: s["peak_memory_bytes"] for rank, s in sorted(stats.items()) if "peak_memory_bytes" in s}
+
     def check_workers(self) -> None:
         """Respawn the group if a worker died while idle; the server's watchdog calls it."""
         self.executor.check_workers()
@@ -297,19 +314,40 @@ class DiffusionEngine:
         (0) and as the workers report finished denoising steps.
         """
         request = params if isinstance(params, DiffusionRequest) else self.preprocess(params)
+        return self._run(request, on_progress)[0]
+
+    def step_batch(
+        self, requests: list[DiffusionRequest], on_progress: ProgressCallback | None = None
+    ) -> list[DiffusionOutput]:
+        """Run checked requests that share a forward (equal `batch_key`) as one pipeline call, one row
+        each; one output per request, in order. Cancelling any of them cancels the call (the server's
+        scheduler cancels it only once every request in it was cancelled)."""
+        keys = {batch_key(request, self.spec) for request in requests}
+        if None in keys or len(keys) != 1:
+            raise ValueError("step_batch: these requests cannot share a forward (batch_key differs)")
+        return self._run(dataclasses.replace(requests[0], batch=list(requests[1:])), on_progress)
+
+    def _run(self, request: DiffusionRequest, on_progress: ProgressCallback | None) -> list[DiffusionOutput]:
         preprocessed = time.perf_counter()
+        ids = [row.request_id for row in request.rows]
         with self._id_lock:
             if self._stopping:
                 raise RequestCancelled(f"request {request.request_id} not started: the engine is shutting down")
             if self._cancelled_early.pop(request.request_id, False) is None:
                 raise RequestCancelled(f"request {request.request_id} cancelled before it started")
-            self._cancel_tokens[request.request_id] = request.cancel_token
+            self._cancel_tokens.update(dict.fromkeys(ids, request.cancel_token))
         try:
             images = self.executor.execute(request, on_progress)
         finally:
-            self._cancel_tokens.pop(request.request_id, None)
+            for request_id in ids:
+                self._cancel_tokens.pop(request_id, None)
         waited = time.perf_counter()
-        output = self.postprocess(request, images, request.output_type)
+        # The rows in request order: a request's n images, then the next request's.
+        starts = np.cumsum([0] + [row.num_images for row in request.rows])
+        outputs = [
+            self.postprocess(row, images[start:end], row.output_type)
+            for row, start, end in zip(request.rows, starts[:-1], starts[1:])
+        ]
         done = time.perf_counter()
         timings = {
             "preprocess": request.preprocess_ms,
@@ -317,13 +355,20 @@ class DiffusionEngine:
             "postprocess": (done - waited) * 1e3,
             "total": request.preprocess_ms + (done - preprocessed) * 1e3,
         }
+        # Inside the workers (rank 0's): encode (text encoded once per SP group), denoise, decode.
+        phases = self.executor.rank_stats.get(0, {}).get("phase_seconds", {})
+        timings.update({name: seconds * 1e3 for name, seconds in phases.items()})
         logger.info(
             "DiffusionEngine.step breakdown: preprocess=%.2f ms, add_req_and_wait=%.2f ms, "
-            "postprocess=%.2f ms, total=%.2f ms",
-            *timings.values(),
+            "postprocess=%.2f ms, total=%.2f ms%s%s",
+            *(timings[name] for name in ("preprocess", "add_req_and_wait", "postprocess", "total")),
+            "".join(f", {name}={timings[name]:.2f} ms" for name in phases),
+            f" (a batch of {len(ids)} requests)" if request.batch else "",
         )
-        output.timings_ms = timings
-        return output
+        for output in outputs:
+            output.timings_ms = dict(timings)
+            output.batch_size = len(ids)
+        return outputs
 
     def postprocess(self, request: DiffusionRequest, frames: np.ndarray, output_type: str) -> DiffusionOutput:
         """The workers' array (uint8, or float32 for "np"; [n, H, W, 3], video [n, F, H, W, 3]) -> output."""

@@ -53,7 +53,9 @@ POLL_S = 0.2
 STUCK_AFTER_ERROR_S = 30.0  # ranks still busy this long after another rank failed are stuck (capped by stall)
 IDLE_EXIT_S = 10.0  # at shutdown, idle workers get this long to leave their loop before they are killed
 
-ProgressCallback = Callable[[int, int], None]  # (denoising steps done, total steps)
+# (denoising steps done, total steps), or (done, total, "encode") as a family's long encode stage
+# advances (GLM-Image's AR tokens, before any step).
+ProgressCallback = Callable[..., None]
 
 
 def _free_port() -> int:
@@ -136,6 +138,9 @@ class WorkerGroupExecutor:
         self._last_warmup_failed = False
         self.graph_capture_failures = 0
         self.last_graph_capture_failure: str | None = None
+        # Each rank's figures from its last finished request: "phase_seconds" (encode, denoise,
+        # decode) and, on CUDA, "peak_memory_bytes" (the metrics read them; no worker is asked).
+        self.rank_stats: dict[int, dict[str, Any]] = {}
 
     # ---- what a kind of group supplies -------------------------------------------------------
 
@@ -438,6 +443,9 @@ class WorkerGroupExecutor:
                 self.last_graph_capture_failure = f"rank {rank}: {payload}"
                 logger.warning("CUDA graph capture failed on rank %d during %s: %s", rank, request_id, payload)
                 continue
+            if kind == "stats":
+                self.rank_stats[rank] = payload
+                continue
             if kind == "progress":
                 steps[rank] = payload
                 if rank == 0 and on_progress is not None:
@@ -490,7 +498,9 @@ class MultiprocExecutor(WorkerGroupExecutor):
         self._procs = [
             self._ctx.Process(
                 target=worker_main,
-                name=f"omni-worker-{rank}" if not self.config.replica else f"omni-worker-r{self.config.replica}-{rank}",
+                name=f"omni-worker-r{self.config.replica}-{rank}"
+                if self.config.parallel_config.data_parallel_size > 1
+                else f"omni-worker-{rank}",
                 args=(
                     rank,
                     self.config,
@@ -550,5 +560,7 @@ def _request_shape(request: DiffusionRequest) -> str:
     return size + (f"x{request.num_frames}" if request.num_frames else "")
 
 
-def _step_text(step: tuple[int, int] | None) -> str:
-    return "had not started" if step is None else f"at step {step[0]}/{step[1]}"
+def _step_text(step: tuple | None) -> str:
+    if step is None:
+        return "had not started"
+    return f"encoding at {step[0]}/{step[1]}" if step[2:] == ("encode",) else f"at step {step[0]}/{step[1]}"

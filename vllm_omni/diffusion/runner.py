@@ -21,6 +21,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -34,11 +35,12 @@ from diffusers.hooks import HookRegistry, ModelHook
 from vllm_omni.diffusion.cfg_parallel import CFGParallel, CFGParallelHook, swap_prompts
 from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, SimulatedGraphs, compile_repeated_blocks
 from vllm_omni.diffusion.data import DiffusionRequest
-from vllm_omni.diffusion.distributed.comm import broadcast_tensors
+from vllm_omni.diffusion.distributed.comm import SourceFailed, broadcast_tensors
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, undeclared_denoisers
 from vllm_omni.diffusion.models.registry import PipelineSpec
+from vllm_omni.diffusion.quantization import quantize_denoisers
 from vllm_omni.diffusion.vae_parallel import install_decode_split
 from vllm_omni.logger import init_logger
 
@@ -101,14 +103,18 @@ class PipelineRunner:
         dtype: torch.dtype,
         rank: int,
         enforce_eager: bool = False,
+        quantization: str | None = None,
     ) -> None:
         self.spec = spec
+        self.device = device
+        self.phase_seconds: dict[str, float] = {}  # the last request's: encode (text once), denoise, decode
         self.family: FamilyPipeline = spec.family_pipeline()
         # Straight onto the device, without a random initialisation first (accelerate's meta-device load).
         self.denoisers: dict[str, torch.nn.Module] = {
             name: self.family.denoisers[name].from_pretrained(path, subfolder=name, dtype=dtype, device_map=str(device))
             for name in present_components(path, self.family.denoisers)
         }
+        quantize_denoisers(self.denoisers, quantization)  # before compile and graphs: they see the FP8 layers
         # Text encoded once per SP group: its rank 0 encodes and broadcasts the embeddings; its peers
         # load the pipeline without the text encoder(s) (Qwen2.5-VL-7B is about 16 GB a rank).
         state = get_parallel_state()
@@ -172,10 +178,13 @@ class PipelineRunner:
         request: DiffusionRequest,
         on_step_end: StepCallback,
         on_decode_tile: Callable[[int], None] | None = None,
+        on_encode_progress: Callable[[int, int], None] | None = None,
     ) -> np.ndarray:
         """Run one request; `on_step_end(step)` is called after every denoising step and may raise to stop.
 
-        `on_decode_tile(tile)`, likewise, at every tile of a split VAE decode, on every rank.
+        `on_decode_tile(tile)`, likewise, at every tile of a split VAE decode, on every rank;
+        `on_encode_progress(done, total)` as a family's long encode stage advances (GLM-Image's AR
+        tokens), on the rank that runs it (the SP group's rank 0), and may raise to stop it.
 
         Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np".
         """
@@ -185,20 +194,32 @@ class PipelineRunner:
             request = dataclasses.replace(
                 request, images=[decode_image(image, name) for image, name in zip(request.images, names)]
             )
-        kwargs = self.family.call_kwargs(self.pipe, request, self.spec)
-        # One CPU generator on every rank: identical latents everywhere, on any device.
-        kwargs.update(generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np")
+        kwargs = self._call_kwargs(request)
+        # CPU generators on every rank: identical latents everywhere, on any device. A batch has one per
+        # row, so a request's latents (and image) do not depend on what it was batched with.
+        generators = [torch.Generator("cpu").manual_seed(row.seed) for row in request.rows]
+        kwargs.update(generator=generators if request.batch else generators[0], output_type="np")
         if self.cfg is not None:
             self.cfg.start_request(self.family.uses_cfg(request))
             if self.cfg.active and self.cfg_rank == 1:
                 kwargs = swap_prompts(kwargs, self.family.default_negative_prompt)
-        if self.text_peers:
-            kwargs = self._with_shared_text(kwargs)
+        started = time_now = time.perf_counter()
+        encodes_first = self.text_peers or self.family.encodes_first
+        if encodes_first:
+            kwargs = self._with_shared_text(kwargs, on_encode_progress)
+            time_now = time.perf_counter()
+        self.phase_seconds = {"encode": time_now - started} if encodes_first else {}
+        called = time_now
+        denoised = {"at": called}
         self.forwards.clear()
+        last_step = request.num_inference_steps - 1
 
         def step_end(step: int) -> None:
             if self.cfg is not None:
                 self.cfg.end_step()
+            if step >= last_step and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the phases end where the GPU's work ends, once a request
+            denoised["at"] = time.perf_counter()
             on_step_end(step)
 
         self._on_decode_tile = on_decode_tile
@@ -207,6 +228,9 @@ class PipelineRunner:
                 result = self.pipe(**kwargs)
         finally:
             self._on_decode_tile = None
+        # Denoising: from the pipeline call to its last step (the pipeline's own prompt encoding and
+        # latent preparation included unless the text was encoded first); decode: the rest.
+        self.phase_seconds.update(denoise=denoised["at"] - called, decode=time.perf_counter() - denoised["at"])
         logger.debug("Request %s: forwards per denoiser %s", request.request_id, dict(self.forwards))
         frames = result.frames if self.spec.modality == "video" else result.images
         array = np.asarray(frames, dtype=np.float32)
@@ -217,18 +241,43 @@ class PipelineRunner:
         # Pictures and files need only uint8: a 121-frame video crosses the worker pipe at a quarter the size.
         return (array.clip(0, 1) * 255).round().astype(np.uint8)
 
-    def _with_shared_text(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _call_kwargs(self, request: DiffusionRequest) -> dict[str, Any]:
+        """The family's call arguments; for a batch, each row's prompts as lists (the rest is shared:
+        `data.batch_key` let only requests whose other arguments are equal share a call)."""
+        kwargs = self.family.call_kwargs(self.pipe, request, self.spec)
+        if not request.batch:
+            return kwargs
+        rows = [kwargs, *(self.family.call_kwargs(self.pipe, row, self.spec) for row in request.batch)]
+        texts = [name for name in ("prompt", "negative_prompt") if kwargs.get(name) is not None]
+        shared = [{k: v for k, v in row.items() if k not in texts} for row in rows]
+        if any(other != shared[0] for other in shared[1:]):
+            raise ValueError(f"request {request.request_id}: batched requests differ beyond their prompts")
+        return {**kwargs, **{name: [row[name] for row in rows] for name in texts}}
+
+    def _with_shared_text(self, kwargs: dict[str, Any], progress: Callable[[int, int], None] | None) -> dict[str, Any]:
         """The call with the prompt embeddings that rank 0 of this SP group encoded (the same prompts
-        on every rank of the group: under CFG parallel each group encodes its own, swapped ones)."""
-        state = get_parallel_state()
-        embeds = None
+        on every rank of the group: under CFG parallel each group encodes its own, swapped ones).
+
+        Where rank 0 fails (a cancel from `progress` included), its peers, waiting in the broadcast,
+        raise the same error there: the whole group stops at that one point."""
+        embeds: dict[str, torch.Tensor] | BaseException | None = None
         if self.encodes_text:
-            with torch.inference_mode():
-                embeds = self.family.encode_text(self.pipe, kwargs)
-            if not embeds:
-                raise RuntimeError(f"{self.spec.family} gave no prompt embeddings to share; its SP peers cannot encode")
-        src = state.cfg_rank * state.sp_world_size  # the group's SP rank 0, as a global rank
-        embeds = broadcast_tensors(embeds, src, state.sp_group, state.sp_control_group)
+            try:
+                with torch.inference_mode():
+                    embeds = self.family.encode_text(self.pipe, kwargs, progress=progress)
+                if not embeds:
+                    raise RuntimeError(f"{self.spec.family} gave no embeddings to share; its SP peers cannot encode")
+            except Exception as exc:  # noqa: BLE001 - the peers are told, then every rank raises it
+                embeds = exc
+        if self.text_peers:
+            state = get_parallel_state()
+            src = state.cfg_rank * state.sp_world_size  # the group's SP rank 0, as a global rank
+            try:
+                embeds = broadcast_tensors(embeds, src, state.sp_group, state.sp_control_group)
+            except SourceFailed as failed:
+                raise failed.error from None
+        elif isinstance(embeds, BaseException):
+            raise embeds
         return self.family.with_text(kwargs, embeds)
 
     @contextlib.contextmanager

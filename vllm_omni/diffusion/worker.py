@@ -75,7 +75,8 @@ class InjectedFault:
     rank 1 block forever (or raise, with "raise"; or, with "pause", wait until the request is
     cancelled) at the end of denoising step 1 (0-based) of every request whose prompt is "stall
     here" (every request when "prompt" is left out), before the group agrees on the step: its peers
-    then wait in a collective. With "phase": "decode", "step" is a tile of the split VAE decode.
+    then wait in a collective. With "phase": "decode", "step" is a tile of the split VAE decode; with
+    "encode", a token of a family's encode stage (GLM-Image's AR), on the rank that runs it.
     A JSON list sets several faults. The
     deadline tests (tests/diffusion/test_worker_deadlines.py, tests/entrypoints/test_serve_lifetime.py)
     use it.
@@ -85,7 +86,7 @@ class InjectedFault:
     rank: int
     step: int
     prompt: str | None = None
-    phase: str = "step"  # or "decode": `step` is then the tile of a split VAE decode
+    phase: str = "step"  # "decode": `step` is a tile of a split VAE decode; "encode": a token of an encode stage
 
     @classmethod
     def from_env(cls) -> list[InjectedFault]:
@@ -97,8 +98,8 @@ class InjectedFault:
         for fault in faults:
             if fault.kind not in ("hang", "raise", "pause"):
                 raise ValueError(f"{TEST_FAULT_ENV}: kind must be 'hang', 'raise' or 'pause', got {fault.kind!r}")
-            if fault.phase not in ("step", "decode"):
-                raise ValueError(f"{TEST_FAULT_ENV}: phase must be 'step' or 'decode', got {fault.phase!r}")
+            if fault.phase not in ("step", "decode", "encode"):
+                raise ValueError(f"{TEST_FAULT_ENV}: phase must be 'step', 'decode' or 'encode', got {fault.phase!r}")
         return faults
 
     def trigger(
@@ -186,16 +187,19 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
 
     spec = read_pipeline_spec(Path(model_path))
     dtype = getattr(torch, config.dtype)
-    runner = PipelineRunner(model_path, spec, device, dtype, rank, enforce_eager=config.enforce_eager)
+    runner = PipelineRunner(
+        model_path, spec, device, dtype, rank, enforce_eager=config.enforce_eager, quantization=config.quantization
+    )
     for name, heads in runner.attention_heads.items():  # the engine checked the configs; these are the models
         if heads % parallel.ulysses_degree:
             raise ValueError(f"{name}: {ulysses_degree_error(parallel.ulysses_degree, heads)}")
     logger.info(
-        "Worker rank %d loaded %s (%s, %s) in %.1f s: %s MiB of weights%s",
+        "Worker rank %d loaded %s (%s, %s, pid %d) in %.1f s: %s MiB of weights%s",
         rank,
         model_path,
         device,
         config.dtype,
+        os.getpid(),
         time.perf_counter() - start,
         f"{runner.weight_bytes / 2**20:,.1f}",
         f", without {', '.join(runner.skipped)} (its SP group's rank 0 encodes the prompts)" if runner.skipped else "",
@@ -230,10 +234,24 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
                 raise RequestCancelled(f"request {request.request_id} cancelled while decoding (tile {tile + 1})")
             reports.put(("progress", rank, request.request_id, (total, total)))  # alive: the stall deadline
 
+        encoded: list[tuple[int, int]] = []
+
+        def on_encode_progress(
+            done: int, total: int, request: DiffusionRequest = request, encoded: list = encoded
+        ) -> None:
+            for fault in faults:
+                fault.trigger(rank, done, request, "encode", lambda: cancel_token.value == request.cancel_token)
+            # Only this rank runs the stage (its SP peers wait in the broadcast of its output, where the
+            # runner tells them it stopped): its own cancel check decides.
+            if cancel_token.value == request.cancel_token:
+                raise RequestCancelled(f"request {request.request_id} cancelled while encoding ({done}/{total})")
+            encoded[:] = [(done, total)]
+            reports.put(("progress", rank, request.request_id, (done, total, "encode")))
+
         start = time.perf_counter()
         try:
             try:
-                images = runner.run(request, on_step_end, on_decode_tile)
+                images = runner.run(request, on_step_end, on_decode_tile, on_encode_progress)
             finally:
                 # Before the request's last report: the executor stops reading once every rank answered.
                 while runner.graph_capture_failures:
@@ -248,16 +266,31 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
             reports.put(("error", rank, request.request_id, exc))  # pickles with its param
             continue
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
-            logger.warning("Request %s failed on rank %d: %s: %s", request.request_id, rank, type(exc).__name__, exc)
+            logger.warning(
+                "Request %s failed on rank %d: %s: %s", request.request_id, rank, type(exc).__name__, exc, exc_info=True
+            )
             reports.put(("error", rank, request.request_id, f"{type(exc).__name__}: {exc}"))
             continue
         if rank == 0:
+            batched = f" (batched with {', '.join(row.request_id for row in request.batch)})" if request.batch else ""
             logger.info(
-                "Request %s: %d step(s) in %.2f s (forwards: %s)",
+                "Request %s%s: %s%d step(s) in %.2f s (forwards: %s)",
                 request.request_id,
+                batched,
+                "".join(
+                    f"encode {done}/{total} token(s) in {runner.phase_seconds['encode']:.2f} s, "
+                    for done, total in encoded
+                ),
                 request.num_inference_steps,
                 time.perf_counter() - start,
                 ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
             )
+        stats: dict[str, Any] = {"phase_seconds": runner.phase_seconds}
+        if runner.device.type == "cuda":
+            import torch
+
+            stats["peak_memory_bytes"] = torch.cuda.max_memory_allocated(runner.device)
+            torch.cuda.reset_peak_memory_stats(runner.device)
+        reports.put(("stats", rank, request.request_id, stats))
         reports.put(("done", rank, request.request_id, images if rank == 0 else None))
     destroy_parallel_state()

@@ -8,6 +8,8 @@ A deploy file fixes a model's parallel layout and its request defaults:
         parallel_config: {ulysses_degree: 8, mask_sp_padding: false}
         default_sampling_params: {num_inference_steps: 50, true_cfg_scale: 4.0}
         limits: {max_image_size: 2048}    # any EngineLimits field
+        batching: {max_batch_size: 4, batch_wait_ms: 0}   # request batching (BatchingConfig)
+        quantization: fp8                 # FP8 matmuls in the denoisers (diffusion/quantization.py)
 
 `load_deploy_config` reads and checks one (unknown keys anywhere are errors naming the key);
 `EngineSettings.resolve` lays the command-line flags the user actually gave on top of it.
@@ -22,13 +24,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import DiffusionParallelConfig, EngineLimits, normalize_dtype_name
+from vllm_omni.diffusion.data import (
+    QUANTIZATION_METHODS,
+    BatchingConfig,
+    DiffusionParallelConfig,
+    EngineLimits,
+    normalize_dtype_name,
+)
 from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "deploy"
 
 _TOP_KEYS = ("stages",)
-_STAGE_KEYS = ("stage_id", "devices", "parallel_config", "default_sampling_params", "limits")
+_STAGE_KEYS = (
+    "stage_id",
+    "devices",
+    "parallel_config",
+    "default_sampling_params",
+    "limits",
+    "batching",
+    "quantization",
+)
+_BATCHING_KEYS = tuple(f.name for f in dataclasses.fields(BatchingConfig))
 _LIMIT_KEYS = tuple(f.name for f in dataclasses.fields(EngineLimits))
 
 # Request fields a deploy may give defaults for, with their types: all of them.
@@ -47,6 +64,8 @@ class DeployConfig:
     parallel_config: dict[str, Any] = field(default_factory=dict)  # as written; checked by from_dict
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, int] = field(default_factory=dict)  # EngineLimits fields; flags override them
+    batching: dict[str, Any] = field(default_factory=dict)  # BatchingConfig fields; flags override them
+    quantization: str | None = None  # one of QUANTIZATION_METHODS; --quantization overrides it
 
 
 def resolve_deploy_path(name: str) -> Path:
@@ -117,6 +136,19 @@ def load_deploy_config(name: str | os.PathLike) -> DeployConfig:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise fail(f"stages[0].limits.{key} must be a positive integer, got {value!r}")
 
+    batching = stage.get("batching") or {}
+    if not isinstance(batching, dict):
+        raise fail(f"stages[0].batching must be a mapping, got {type(batching).__name__}")
+    _reject_unknown(batching, _BATCHING_KEYS, "stages[0].batching", fail)
+    try:
+        BatchingConfig(**batching)
+    except ValueError as exc:
+        raise fail(f"stages[0].batching: {exc}") from None
+
+    quantization = stage.get("quantization")
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise fail(f"stages[0].quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
+
     return DeployConfig(
         path=path,
         stage_id=stage_id,
@@ -124,6 +156,8 @@ def load_deploy_config(name: str | os.PathLike) -> DeployConfig:
         parallel_config=dict(parallel),
         default_sampling_params=dict(defaults),
         limits=dict(limits),
+        batching=dict(batching),
+        quantization=quantization,
     )
 
 
@@ -183,8 +217,10 @@ class EngineSettings:
     dtype: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    quantization: str | None = None
     ray_address: str | None = None
     limits: EngineLimits = field(default_factory=EngineLimits)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     devices: list[int] | None = None
     deploy_config: Path | None = None
@@ -204,8 +240,10 @@ class EngineSettings:
         dtype: str | None = None,
         attention_backend: str | None = None,
         enforce_eager: bool = False,
+        quantization: str | None = None,
         ray_address: str | None = None,
         limit_overrides: dict[str, Any] | None = None,
+        batching_overrides: dict[str, Any] | None = None,
         warmup: bool | None = None,
         load_timeout_s: float | None = None,
         stall_timeout_s: float | None = None,
@@ -218,6 +256,8 @@ class EngineSettings:
             parallel = parallel.replace(**given)
         given_limits = {k: v for k, v in (limit_overrides or {}).items() if v is not None}
         limits = EngineLimits(**{**(deploy.limits if deploy else {}), **given_limits})  # checks its values
+        given_batching = {k: v for k, v in (batching_overrides or {}).items() if v is not None}
+        batching = BatchingConfig(**{**(deploy.batching if deploy else {}), **given_batching})
         return cls(
             model=model,
             parallel_config=parallel,
@@ -225,8 +265,10 @@ class EngineSettings:
             dtype=None if dtype is None else normalize_dtype_name(dtype),
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            quantization=quantization if quantization is not None else deploy.quantization if deploy else None,
             ray_address=ray_address,
             limits=limits,
+            batching=batching,
             default_sampling_params=dict(deploy.default_sampling_params) if deploy else {},
             devices=deploy.devices if deploy else None,
             deploy_config=deploy.path if deploy else None,
@@ -273,6 +315,7 @@ class EngineSettings:
             dtype=self.dtype,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            quantization=self.quantization,
             warmup=self.warmup,
             warmup_size=self._warmup_size(),
             ray_address=self.ray_address,

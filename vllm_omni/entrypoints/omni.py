@@ -6,6 +6,8 @@ with Omni("tiny/qwen-image", ulysses_degree=2) as omni:
 
 from __future__ import annotations
 
+import dataclasses
+import queue
 from typing import Any
 
 from vllm_omni.diffusion.data import (
@@ -23,7 +25,10 @@ class Omni:
 
     `distributed_executor_backend="ray"` runs the ranks as Ray actors: this process's Ray
     connection if it has one, else the cluster at `ray_address` ("auto" or "HEAD_IP:6379"), else
-    a private Ray instance on this machine (docs/multinode.md).
+    a private Ray instance on this machine (docs/multinode.md). `data_parallel_size=N` starts N
+    replicas, each a group of its own ranks (and GPUs): `generate` is thread-safe, and calls made
+    at once from N threads run at once, each on an idle replica. `quantization="fp8"`: FP8 matmuls in
+    the denoisers' large linear layers (CUDA GPUs of compute capability 8.9+, `pip install 'vllm_omni[fp8]'`).
     """
 
     def __init__(
@@ -40,9 +45,11 @@ class Omni:
         dtype: Any = None,
         attention_backend: str | None = None,
         enforce_eager: bool = False,
+        quantization: str | None = None,
         warmup: bool | None = None,
         warmup_size: tuple[int, int] | None = None,
         distributed_executor_backend: str = "mp",
+        data_parallel_size: int = 1,
         ray_address: str | None = None,
         limits: EngineLimits | None = None,
         load_timeout_s: float | None = None,
@@ -58,6 +65,7 @@ class Omni:
             trim_sp_padding=trim_sp_padding,
             vae_parallel=vae_parallel,
             distributed_executor_backend=distributed_executor_backend,
+            data_parallel_size=data_parallel_size,
         )
         config = OmniDiffusionConfig(
             model=model,
@@ -66,18 +74,26 @@ class Omni:
             dtype=None if dtype is None else normalize_dtype_name(dtype),
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            quantization=quantization,
             warmup=warmup,
             warmup_size=warmup_size,
             ray_address=ray_address,
             load_timeout_s=load_timeout_s,  # None: the env var, else the default
             stall_timeout_s=stall_timeout_s,
         )
-        self.engine = DiffusionEngine(config, limits)
+        self.engines: list[DiffusionEngine] = []
         try:
-            self.engine.wait_until_ready()
+            for replica in range(data_parallel_size):  # each loads in the background while the next starts
+                self.engines.append(DiffusionEngine(dataclasses.replace(config, replica=replica), limits))
+            for engine in self.engines:
+                engine.wait_until_ready()
         except BaseException:
-            self.engine.close()
+            self.close()
             raise
+        self.engine = self.engines[0]
+        self._idle: queue.Queue[DiffusionEngine] = queue.Queue()
+        for engine in self.engines:
+            self._idle.put(engine)
         self.last_output = None
 
     def generate(
@@ -103,11 +119,17 @@ class Omni:
                 f"generate() got unknown argument(s) {', '.join(unknown)}; request fields: {', '.join(FIELDS_BY_NAME)}"
             )
         params = GenerationParams(prompt=prompt, image=image, output_type=output_type, **fields)
-        self.last_output = self.engine.step(params)
-        return self.last_output.images
+        engine = self._idle.get()  # waits while every replica runs another thread's request
+        try:
+            output = engine.step(params)
+        finally:
+            self._idle.put(engine)
+        self.last_output = output  # with several threads: the latest call's
+        return output.images
 
     def close(self) -> None:
-        self.engine.close()
+        for engine in self.engines:
+            engine.close()
 
     def __enter__(self) -> Omni:
         return self

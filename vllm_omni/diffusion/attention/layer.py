@@ -74,13 +74,18 @@ def attend_joint(recv: torch.Tensor, layout: JointLayout, backend: AttentionBack
     H/P, D] buffer the reverse all-to-all sends.
     """
     world, _, batch, local_len, heads, head_dim = recv.shape
-    joint = recv.new_empty(3, batch, layout.query_len, heads, head_dim)
+    # A stream's padding and filler rows are copied too and overwritten by the next stream's rows;
+    # where they reach past every real row (text filler longer than a tiny image) the buffer grows.
+    joint_len = max(layout.query_len, *(s.joint_offset + world * s.shard.local_seq_len for s in layout.slots))
+    joint = recv.new_empty(3, batch, joint_len, heads, head_dim)
     for slot in layout.slots:
         n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset
         dst = joint[:, :, offset : offset + world * n].view(3, batch, world, n, heads, head_dim)
         dst.copy_(recv[:, :, :, start : start + n].permute(1, 2, 0, 3, 4, 5))
     kv = joint[1:, :, : layout.kv_len]
-    out = backend(joint[0], kv[0], kv[1], layout.key_mask)
+    out = backend(joint[0, :, : layout.query_len], kv[0], kv[1], layout.key_mask)
+    if joint_len > layout.query_len:  # rows read back for the dropped tail: any values do
+        out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, joint_len - layout.query_len))
 
     send = out.new_empty(world, batch, local_len, heads, head_dim)
     for slot in layout.slots:

@@ -36,12 +36,20 @@ class PipelineSpec:
     # Pixels per token side, the VAE's compression times the patch (8 x 2 for the image models, 16 x 1 for
     # HunyuanVideo 1.5): sizes are rounded down to it.
     size_multiple: int = 16
+    # Where sizes follow a coarser grid than the tokens, the pixels per token side (GLM-Image: 16-pixel DiT
+    # tokens, sides on its AR's 32-pixel grid, size_multiple 32); None: size_multiple.
+    token_pixels: int | None = None
+    # Refuse sizes that are not multiples of size_multiple rather than round them down (GLM-Image: diffusers
+    # checks only part of its rule and fails late, in the DiT, with a tensor-size error).
+    exact_size: bool = False
     frame_multiple: int = 1  # video: num_frames is k * frame_multiple + 1 (the VAE's temporal compression)
     default_steps: int = 50
     min_steps: int = 1
     default_true_cfg_scale: float | None = None  # used when a negative prompt is given (Qwen-Image true CFG)
     default_fps: int = 24
     cfg_parallel: bool = False  # the pipeline runs CFG as two forwards per step (cfg_parallel_size=2 splits them)
+    # Why cfg_parallel is False although the pipeline runs CFG (the engine's refusal); None: it runs none.
+    cfg_parallel_refusal: str | None = None
     # Compile the repeated blocks on GPUs: only where it was measured on one (benchmarks/*_sp.py --compile).
     compile_blocks: bool = True
     # Sizes the pipeline picks by itself, restated so the engine can check them against its limits
@@ -76,6 +84,8 @@ class PipelineSpec:
     # model_index.json values that select this spec over its class's first one: one diffusers class can
     # serve checkpoints of different geometry (WanPipeline: A14B, and TI2V-5B with `expand_timesteps`).
     model_index: tuple[tuple[str, object], ...] = ()
+    # Requests may share a pipeline call (request batching: a list of prompts, one generator per row).
+    batchable: bool = True
 
     def family_module(self, name: str) -> ModuleType:
         """`vllm_omni.diffusion.models.<family>.<name>` (imports torch: workers and tests only)."""
@@ -87,6 +97,11 @@ class PipelineSpec:
 
     def takes(self, field_name: str) -> bool:
         return field_name in self.fields
+
+    @property
+    def token_side(self) -> int:
+        """Pixels per token side of the output (the latent grid the transformer sees)."""
+        return self.token_pixels or self.size_multiple
 
     def source_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) at which the pipeline encodes a source image of width x height (not for buckets)."""
@@ -117,10 +132,10 @@ class PipelineSpec:
 
     def tokens_per_step(self, width: int, height: int, num_frames: int | None, sources: list[tuple[int, int]]) -> int:
         """Image (video) tokens in one denoising forward: the output's latent grid, one token per
-        `size_multiple` pixels a side (VAE and patch together), times its latent frames, plus the tokens
+        `token_side` pixels a side (VAE and patch together), times its latent frames, plus the tokens
         of each encoded source where they join the sequence. Text tokens (bounded by the prompt limit,
         fixed per model) and `n` (a batch of independent sequences) are not counted."""
-        step = self.size_multiple
+        step = self.token_side
         frames = 1 if num_frames is None else (num_frames - 1) // self.frame_multiple + 1
         tokens = (width // step) * (height // step) * frames
         if self.sources_in_sequence:
@@ -301,6 +316,32 @@ FAMILIES: tuple[Family, ...] = (
             "tiny/wan2.2-i2v": "WanImageToVideoPipeline",
             "tiny/wan2.2-ti2v": "WanPipeline",
         },
+    ),
+    Family(
+        "glm_image",
+        # The AR stage samples the prior tokens once (family.encode_text), then the DiT runs with CFG.
+        # No negative prompt (the uncond pass's glyph text is always ""); text-to-image only: the
+        # image-to-image path (the condition image's K/V cache) is not served, so images are refused.
+        (
+            PipelineSpec(
+                "GlmImagePipeline",
+                "glm_image",
+                "generate",
+                COMMON_FIELDS | {"guidance_scale"},
+                # 8x VAE and 2x2 patches: 16-pixel DiT tokens; the AR generates one token per 32x32 pixels.
+                size_multiple=32,
+                token_pixels=16,
+                exact_size=True,
+                # default_sample_size 128 x the VAE's 8; the pipeline's AR stage needs a size, so one is always given.
+                default_size=(1024, 1024),
+                cfg_parallel_refusal="runs classifier-free guidance, but its uncond pass also drops the prior tokens, "
+                "which CFG parallel's prompt swap cannot express",
+                # A list of prompts shares one AR sampling seed and left-pads the glyph texts: a request's
+                # image would depend on its company.
+                batchable=False,
+            ),
+        ),
+        {"tiny/glm-image": "GlmImagePipeline"},
     ),
 )
 

@@ -93,6 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype=settings.dtype,
         attention_backend=settings.attention_backend,
         enforce_eager=settings.enforce_eager,
+        quantization=settings.quantization,
         warmup=False,  # one request: warming up first would only double the work
         limits=settings.limits,
         load_timeout_s=settings.load_timeout_s,

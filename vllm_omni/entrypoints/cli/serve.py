@@ -14,12 +14,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import DTYPES, EXECUTOR_BACKENDS, EngineLimits
+from vllm_omni.diffusion.data import DTYPES, EXECUTOR_BACKENDS, QUANTIZATION_METHODS, BatchingConfig, EngineLimits
 from vllm_omni.diffusion.models.registry import FAMILIES, TINY_MODELS
 from vllm_omni.entrypoints.openai.body_limits import BodyLimits
 from vllm_omni.entrypoints.openai.video_store import VideoStorageSettings
 
 DEFAULT_LIMITS = EngineLimits()
+DEFAULT_BATCHING = BatchingConfig()
 DEFAULT_BODY_LIMITS = BodyLimits()
 DEFAULT_VIDEO_STORAGE = VideoStorageSettings()
 
@@ -66,6 +67,16 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return value
 
 
@@ -160,6 +171,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"weights and activations: {', '.join(DTYPES)} (default: bfloat16 on cuda, float32 on cpu)",
     )
     eng.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="fp8: the denoisers' large linear layers run FP8 matmuls (torchao float8 dynamic activation and "
+        "weight, row-wise scales; CUDA GPUs of compute capability 8.9+, bfloat16; pip install 'vllm_omni[fp8]'); "
+        "YAML stages[0].quantization (default: none)",
+    )
+    eng.add_argument(
         "--attention-backend",
         default=None,
         help="attention kernel: sdpa (dense) or sdpa_masked (default: sdpa_masked when the padding is "
@@ -231,6 +250,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help=f"requests that may wait behind the running one; more get 429 (default: {DEFAULT_LIMITS.max_queue})",
     )
     srv.add_argument(
+        "--max-batch-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="request batching: up to N queued requests that can share a forward (same size, frames, steps and "
+        "guidance; n=1, no source images) run as one pipeline call, each with its own seed (default: "
+        f"{DEFAULT_BATCHING.max_batch_size}, off; YAML stages[0].batching)",
+    )
+    srv.add_argument(
+        "--batch-wait-ms",
+        type=non_negative_float,
+        default=None,
+        metavar="MS",
+        help="how long a request that could be batched waits for company before it runs alone "
+        f"(default: {DEFAULT_BATCHING.batch_wait_ms:g})",
+    )
+    srv.add_argument(
         "--body-read-timeout",
         type=positive_seconds,
         default=DEFAULT_BODY_LIMITS.read_timeout_s,
@@ -296,8 +332,13 @@ def engine_settings_from_args(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
         ray_address=args.ray_address,
         limit_overrides=limit_overrides,
+        batching_overrides={
+            "max_batch_size": getattr(args, "max_batch_size", None),
+            "batch_wait_ms": getattr(args, "batch_wait_ms", None),
+        },
         warmup=args.warmup,
         load_timeout_s=args.load_timeout,
         stall_timeout_s=args.stall_timeout,

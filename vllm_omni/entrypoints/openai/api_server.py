@@ -27,7 +27,7 @@ from vllm_omni.entrypoints.openai import metrics
 from vllm_omni.entrypoints.openai.body_limits import BodyLimits
 from vllm_omni.entrypoints.openai.errors import ApiError, install_error_handlers
 from vllm_omni.entrypoints.openai.metrics import CountHTTP, ServerMetrics
-from vllm_omni.entrypoints.openai.routes import images, models, videos
+from vllm_omni.entrypoints.openai.routes import chat, images, models, videos
 from vllm_omni.entrypoints.openai.scheduler import Scheduler
 from vllm_omni.entrypoints.openai.video_store import VideoStorageSettings, VideoStore
 from vllm_omni.logger import init_logger
@@ -94,6 +94,7 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
         settings.engine.limits,
         watchdog_interval_s=settings.watchdog_interval_s,
         replicas=settings.engine.parallel_config.data_parallel_size,
+        batching=settings.engine.batching,
     )
     server_metrics = ServerMetrics(scheduler)
     scheduler.observer = server_metrics
@@ -124,6 +125,7 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
     app.include_router(models.router)
     app.include_router(metrics.router)
     app.include_router(images.router)
+    app.include_router(chat.router)
     app.include_router(videos.router)
     return app, scheduler
 

@@ -7,13 +7,21 @@ server already holds and never asks the workers:
   (`route` is the matched path template, `/v1/videos/{video_id}`, not the raw path).
 - Jobs (the scheduler's observer): `vllm_omni_requests_total{kind, outcome}` for every job that
   finished (kind: the job's id prefix, `img` or `video`; outcome: completed, failed, cancelled),
-  histograms of seconds `vllm_omni_request_queue_seconds`, `..._run_seconds` (in the engine:
-  text encoding, denoising, decode) and `..._total_seconds` per kind, and
-  `vllm_omni_denoising_steps_total` (steps/s is its rate).
-- State, read at each scrape: `vllm_omni_queue_length`, `vllm_omni_running_requests`,
-  `vllm_omni_worker_restarts_total`, `vllm_omni_graph_capture_failures_total`, and
-  `vllm_omni_server_state{state}` (1 for the current one of loading, warming_up, ok, restarting,
-  unhealthy, failed, shutting_down).
+  histograms of seconds `vllm_omni_request_queue_seconds`, `..._run_seconds` (in the engine)
+  and `..._total_seconds` per kind; of the phases inside the workers, per completed request
+  (rank 0's figures, engine.py): `vllm_omni_request_preprocess_seconds`, `..._encode_seconds`
+  (text encoded once per SP group, before the pipeline call), `..._denoise_seconds` (the call up to
+  its last step) and `..._decode_seconds` (the rest: the VAE); `vllm_omni_request_steps_per_second`
+  (denoising steps over denoise seconds), `vllm_omni_batch_size` (requests per pipeline call,
+  request batching), and `vllm_omni_denoising_steps_total` (steps/s of the server is its rate).
+- State, read at each scrape: `vllm_omni_queue_length` (the one queue every replica takes from),
+  `vllm_omni_running_requests`, `vllm_omni_worker_restarts_total`,
+  `vllm_omni_graph_capture_failures_total`, `vllm_omni_server_state{state}` (1 for the current one
+  of loading, warming_up, ok, restarting, unhealthy, failed, shutting_down); per replica
+  (data_parallel_size): `vllm_omni_replica_running_requests{replica}`,
+  `vllm_omni_replica_state{replica, state}`, `vllm_omni_replica_worker_restarts_total{replica}`;
+  and on CUDA `vllm_omni_gpu_memory_peak_bytes{replica, rank}`, each rank's peak allocated memory
+  in its last request (reported by the rank with its result).
 
 The route takes the API key like /v1/* when the server has one (api_server.BearerAuth).
 """
@@ -59,6 +67,35 @@ class ServerMetrics:
             )
             for name, what in times.items()
         }
+        phases = {
+            "preprocess": "in the engine's checks",
+            "encode": "encoding its text (once per SP group)",
+            "denoise": "denoising (the pipeline call up to its last step)",
+            "decode": "decoding (after its last step)",
+        }
+        self.phase_seconds = {
+            name: Histogram(
+                f"vllm_omni_request_{name}_seconds",
+                f"seconds a completed request spent {what}",
+                ["kind"],
+                buckets=BUCKETS,
+                registry=self.registry,
+            )
+            for name, what in phases.items()
+        }
+        self.steps_per_second = Histogram(
+            "vllm_omni_request_steps_per_second",
+            "a completed request's denoising steps per second",
+            ["kind"],
+            buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128),
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "vllm_omni_batch_size",
+            "requests that shared a pipeline call, per completed request",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+            registry=self.registry,
+        )
         self.steps = Counter("vllm_omni_denoising_steps", "denoising steps run", registry=self.registry)
         self.registry.register(_StateCollector(scheduler))
 
@@ -69,6 +106,15 @@ class ServerMetrics:
             self.seconds["queue"].labels(kind).observe(job.started_at - job.created_at)
             self.seconds["run"].labels(kind).observe(job.completed_at - job.started_at)
         self.seconds["total"].labels(kind).observe(job.completed_at - job.created_at)
+        if job.status != "completed" or job.result is None:
+            return
+        timings = job.result.timings_ms
+        for name, histogram in self.phase_seconds.items():
+            if name in timings:
+                histogram.labels(kind).observe(timings[name] / 1e3)
+        if timings.get("denoise"):
+            self.steps_per_second.labels(kind).observe(job.request.num_inference_steps / (timings["denoise"] / 1e3))
+        self.batch_size.observe(job.result.batch_size)
 
     def steps_done(self, count: int) -> None:
         self.steps.inc(count)
@@ -92,6 +138,23 @@ class _StateCollector:
         for name in STATES:
             state.add_metric([name], 1.0 if health.state == name else 0.0)
         yield state
+        running = GaugeMetricFamily("vllm_omni_replica_running_requests", "requests running", labels=["replica"])
+        states = GaugeMetricFamily("vllm_omni_replica_state", "1 for each replica's state", labels=["replica", "state"])
+        restarts = CounterMetricFamily("vllm_omni_replica_worker_restarts", "worker-group restarts", labels=["replica"])
+        memory = GaugeMetricFamily(
+            "vllm_omni_gpu_memory_peak_bytes",
+            "peak allocated GPU memory in the rank's last request",
+            labels=["replica", "rank"],
+        )
+        for replica, (health, jobs, engine) in enumerate(self.scheduler.replica_states()):
+            label = str(replica)
+            running.add_metric([label], len(jobs))
+            for name in STATES:
+                states.add_metric([label, name], 1.0 if health.state == name else 0.0)
+            restarts.add_metric([label], health.restarts)
+            for rank, peak in getattr(engine, "peak_memory_bytes", {}).items():
+                memory.add_metric([label, str(rank)], peak)
+        yield from (running, states, restarts, memory)
 
 
 class CountHTTP:

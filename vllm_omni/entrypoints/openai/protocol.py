@@ -1,11 +1,12 @@
-"""Request and response bodies of the OpenAI-style image and video APIs, and the size parser.
+"""Request and response bodies of the OpenAI-style image, chat-completion and video APIs, and the size parser.
 
 The image generation body is JSON; the edit body is the same fields as multipart form values
-(routes/images.py validates both with these models). The video body is JSON or a multipart
-form (routes/videos.py). The sampling fields come from the one declaration in
-diffusion/request_fields.py. Responses follow OpenAI's schemas (images: `created`,
-`data[].b64_json`; videos: the `video` job object, its list and its deletion) and add the seed
-used and the real output size. Used by the routes, the error handlers (errors.py) and the
+(routes/images.py validates both with these models); the chat completion body is JSON with
+`messages` (routes/chat.py); the video body is JSON or a multipart form (routes/videos.py). The
+sampling fields come from the one declaration in diffusion/request_fields.py. Responses follow
+OpenAI's schemas (images: `created`, `data[].b64_json`; chat: `choices[].message.content`, here
+a list of image parts; videos: the `video` job object, its list and its deletion) and add the
+seed used and the real output size. Used by the routes, the error handlers (errors.py) and the
 one-shot CLI (cli/generate.py, for `parse_size`).
 """
 
@@ -54,16 +55,22 @@ class _StrictBody(BaseModel):
         return value
 
 
-class _ImageRequestBase(_StrictBody):
-    """Image API fields besides the declared sampling ones. None: "the deploy's default, else the model's"."""
+class _ImageOutputFields(_StrictBody):
+    """What every image request may say besides the declared sampling fields and its prompt (the image APIs and
+    chat completions). None: "the deploy's default, else the model's"."""
 
-    prompt: str
     model: str | None = None
     size: str | None = Field(None, description="'WIDTHxHEIGHT', or 'auto'")
-    response_format: str | None = Field("b64_json", description="only 'b64_json'")
     output_format: Literal["png", "jpeg", "webp"] | None = Field(None, description="default 'png'")
     output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100")
     stream: bool | None = None  # only false: images come back whole
+
+
+class _ImageRequestBase(_ImageOutputFields):
+    """Image API fields besides the declared sampling ones."""
+
+    prompt: str
+    response_format: str | None = Field("b64_json", description="only 'b64_json'")
     background: str | None = None  # only "auto" / "opaque": no transparent output
     # Sent by some OpenAI clients; accepted and ignored.
     user: str | None = None
@@ -74,15 +81,21 @@ class _ImageRequestBase(_StrictBody):
 
 
 def _with_sampling_fields(
-    name: str, base: type[BaseModel], video: bool, exclude: frozenset[str] = frozenset()
+    name: str,
+    base: type[BaseModel],
+    video: bool,
+    exclude: frozenset[str] = frozenset(),
+    sizes_apart: bool = False,
+    extra: dict[str, Any] | None = None,
 ) -> type[BaseModel]:
-    """`base` plus the declared request fields (request_fields.py); width and height travel in `size`."""
+    """`base` plus the declared request fields (request_fields.py) and `extra`; width and height travel in
+    `size`, and also apart with `sizes_apart`."""
     fields = {
         f.name: (f.type | None, Field(None, description=f.help))
         for f in SAMPLING_FIELDS
-        if not f.in_size and (video or not f.video_only) and f.name not in exclude
+        if (sizes_apart or not f.in_size) and (video or not f.video_only) and f.name not in exclude
     }
-    return create_model(name, __base__=base, **fields)
+    return create_model(name, __base__=base, **fields, **(extra or {}))
 
 
 _SamplingFields = _with_sampling_fields("_SamplingFields", _ImageRequestBase, video=False)
@@ -112,6 +125,107 @@ class ImageResponse(BaseModel):
     height: int
     seed: int  # the seed used (drawn by the server when the request gave none)
     id: str  # the request id, also in the server log
+    timings_ms: dict[str, float]
+
+
+# ---- chat completions -----------------------------------------------------------------------------
+
+# Chat keys that steer an LLM's text and change nothing an image model makes: accepted and ignored.
+CHAT_IGNORED_FIELDS = (
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "logit_bias",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "modalities",
+    "stream_options",
+    "parallel_tool_calls",
+    "tool_choice",
+    "function_call",
+    "reasoning_effort",
+)
+
+
+class _ChatRequestBase(_ImageOutputFields):
+    """Chat fields besides the declared sampling ones; routes/chat.py reads `messages` and refuses the others
+    when they are set (they ask for what an image model cannot give)."""
+
+    messages: list[Any] = Field(
+        description="the prompt is the last user message: a string, or text and image_url (base64 data URL) parts"
+    )
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    audio: Any = None
+    response_format: Any = None  # only {"type": "text"}
+
+
+_ChatSamplingFields = _with_sampling_fields(
+    "_ChatSamplingFields",
+    _ChatRequestBase,
+    video=False,
+    sizes_apart=True,  # upstream's clients send height and width
+    extra={name: (Any, Field(None, description="accepted and ignored")) for name in CHAT_IGNORED_FIELDS},
+)
+
+
+class ChatCompletionRequest(_ChatSamplingFields):
+    """POST /v1/chat/completions for image models. The sampling fields may also come nested in an
+    `extra_body` object (merged into the top level by routes/chat.py)."""
+
+
+class ChatImageURL(BaseModel):
+    url: str  # "data:image/png;base64,..."
+
+
+class ChatImagePart(BaseModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: ChatImageURL
+
+
+class ChatAssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: list[ChatImagePart]  # one part per image
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatAssistantMessage
+    finish_reason: Literal["stop"] = "stop"
+
+
+class ChatUsage(BaseModel):
+    """No tokens are sampled: the counts are 0 (clients that read `usage` find it)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChatCompletion(BaseModel):
+    """OpenAI's chat completion, its message's content the images; plus, as ImageResponse, what a diffusion client
+    needs to reproduce the result."""
+
+    id: str  # the request id, also in the server log
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: ChatUsage = Field(default_factory=ChatUsage)
+    size: str  # the real output size, "WIDTHxHEIGHT"
+    width: int
+    height: int
+    seed: int
     timings_ms: dict[str, float]
 
 
@@ -222,6 +336,8 @@ class ModelCard(BaseModel):
     parallel_config: dict[str, Any]  # the effective one: deploy YAML with the flags applied
     default_sampling_params: dict[str, Any]
     limits: dict[str, int]
+    batching: dict[str, Any]  # BatchingConfig: max_batch_size (1: off), batch_wait_ms
+    quantization: str | None = None  # "fp8", or None (unquantized)
 
 
 class ModelList(BaseModel):

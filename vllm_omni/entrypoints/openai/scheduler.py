@@ -15,6 +15,12 @@ scheduler with a fake engine (tests/entrypoints/test_scheduler.py).
 - One consumer per replica (`replicas`, data_parallel_size: engines of their own GPUs) runs jobs
   first in, first out: a job goes to the first idle replica (`engine.step` blocks, so each runs
   in a thread of its own). A replica whose workers fail restarts alone while the others serve.
+- Request batching (`batching`, off by default): the job at the head of the queue takes with it
+  the queued jobs that can share its forwards (`data.batch_key`), up to `max_batch_size`, waiting
+  at most `batch_wait_ms` for them; they run as one pipeline call (`engine.step_batch`), each with
+  its own seed, result and progress. Cancelling one of them ends that job at once; its rows keep
+  computing to the end of the call (dropping them would change the call's shapes mid-run), and the
+  call itself is cancelled only once all of its jobs are.
 - A job lives on its own, whether or not anyone waits for it: an id, a status, progress 0-100,
   its times, and in the end a result or an error (`JobError`: a code, a one-line message, the
   field at fault). Callers wait for it (`Job.wait`), poll it (`get`) or cancel it (`cancel`);
@@ -39,12 +45,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from vllm_omni.diffusion.data import (
+    BatchingConfig,
     DiffusionOutput,
     DiffusionRequest,
     EngineLimits,
     GenerationParams,
     RequestCancelled,
     RequestError,
+    batch_key,
 )
 from vllm_omni.logger import init_logger
 
@@ -69,6 +77,9 @@ class Engine(Protocol):
 
     def preprocess(self, params: GenerationParams) -> DiffusionRequest: ...
     def step(self, request: DiffusionRequest, on_progress: Callable[[int, int], None] | None = None) -> Any: ...
+    def step_batch(
+        self, requests: list[DiffusionRequest], on_progress: Callable[[int, int], None] | None = None
+    ) -> list[Any]: ...
     def cancel(self, request_id: str) -> None: ...
     def wait_until_ready(self) -> None: ...
     def health_status(self) -> tuple[str, str | None]: ...
@@ -104,13 +115,15 @@ class Job:
     id: str  # also the engine's request id, in every log line about it
     request: DiffusionRequest
     status: JobStatus = "queued"
-    progress: int = 0  # percent of the denoising steps done
+    progress: int = 0  # percent of `phase` done: its denoising steps (or of an encode stage's tokens)
+    phase: str = "denoise"  # "encode" while a family's long encode stage runs (GLM-Image's AR tokens)
     created_at: float = field(default_factory=time.time)  # Unix times
     started_at: float | None = None
     completed_at: float | None = None
     result: DiffusionOutput | None = None
     error: JobError | None = None
     replica: int | None = None  # the replica that runs it, once it runs
+    batch_key: tuple | None = None  # jobs with equal keys may share a forward (None: never batched)
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _cancel_reason: str | None = field(default=None, repr=False)
 
@@ -196,8 +209,10 @@ class Scheduler:
         on_fatal: Callable[[str], None] = lambda reason: None,
         observer: Observer | None = None,
         replicas: int = 1,
+        batching: BatchingConfig | None = None,
     ) -> None:
         self.limits = limits
+        self.batching = batching or BatchingConfig()
         self.observer = observer
         self.replicas = replicas
         self.watchdog_interval_s = watchdog_interval_s
@@ -211,7 +226,7 @@ class Scheduler:
         self._step_thread = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="engine-step")
         self._waiting: deque[Job] = deque()
         self._reserved = 0  # submits past the capacity check, still in the engine's checks
-        self._running: list[Job | None] = [None] * replicas
+        self._running: list[list[Job]] = [[] for _ in range(replicas)]  # each replica's jobs (a batch: several)
         self._jobs: dict[str, Job] = {}
         self._finished: deque[str] = deque()
         self._run_seconds: deque[float] = deque(maxlen=16)  # recent run times, for Retry-After
@@ -295,8 +310,8 @@ class Scheduler:
         for engine, running in zip(engines, self._running):
             if engine is not None:
                 engine.begin_shutdown()
-                if running is not None:
-                    engine.cancel(running.id)
+                if running:
+                    engine.cancel(running[0].id)
 
     def begin_shutdown_threadsafe(self) -> None:
         """`begin_shutdown` from another thread (a signal handler)."""
@@ -306,7 +321,7 @@ class Scheduler:
     async def stop(self, grace_s: float = 30.0) -> None:
         """Shut down: give the running jobs `grace_s` to stop, then close the engines and their workers."""
         self.begin_shutdown()
-        running = [job for job in self._running if job is not None]
+        running = [job for jobs in self._running for job in jobs]
         if running:
             try:
                 await asyncio.wait_for(asyncio.gather(*(job.wait() for job in running)), grace_s)
@@ -330,7 +345,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return sum(job is not None for job in self._running)
+        return sum(len(jobs) for jobs in self._running)
 
     def health(self) -> Health:
         """The server's state: ok only while work is taken (one replica up and warm is enough); else why not."""
@@ -349,6 +364,12 @@ class Scheduler:
             graph_capture_failures=sum(h.graph_capture_failures for h in replicas),
             replicas=replicas,
         )
+
+    def replica_states(self) -> list[tuple[Health, list[Job], Engine | None]]:
+        """Each replica's health, running jobs and engine (None while it is created), for the metrics."""
+        return [
+            (self._replica_health(engine), list(jobs), engine) for engine, jobs in zip(self._engines, self._running)
+        ]
 
     def _replica_health(self, engine: Engine | None) -> Health:
         if engine is None:
@@ -399,7 +420,7 @@ class Scheduler:
     def retry_after_s(self) -> int:
         """Seconds until a place in the queue is likely free: what the running job has left, about."""
         typical = sum(self._run_seconds) / len(self._run_seconds) if self._run_seconds else 1.0
-        started = [job.started_at for job in self._running if job is not None and job.started_at]
+        started = [job.started_at for jobs in self._running for job in jobs if job.started_at]
         elapsed = time.time() - min(started) if started else 0.0
         return max(1, min(3600, math.ceil(typical - elapsed)))
 
@@ -426,7 +447,8 @@ class Scheduler:
                 message = one_line(f"{type(exc).__name__}: {exc}")
                 raise InternalError(f"could not check the request: {message}") from None
         self.check_accepting()  # shutdown may have begun meanwhile
-        job = Job(request.request_id, request)
+        key = batch_key(request, self.engine.spec) if self.batching.max_batch_size > 1 else None
+        job = Job(request.request_id, request, batch_key=key)
         self._jobs[job.id] = job
         self._waiting.append(job)
         self._wakeup.set()
@@ -455,8 +477,14 @@ class Scheduler:
             logger.info("Request %s dropped from the queue: %s", job.id, reason)
             self._finish(job, "cancelled", error=JobError("cancelled", f"cancelled before it ran: {reason}"))
         else:
-            logger.info("Request %s: %s, cancelling at the next step", job.id, reason)
-            self._engines[job.replica].cancel(job.id)
+            batch = self._running[job.replica]
+            if any(other._cancel_reason is None for other in batch):
+                # Its batch goes on for the others: this job ends now, its rows are dropped from the call's answer.
+                logger.info("Request %s: %s; its batch goes on without it", job.id, reason)
+                self._finish(job, "cancelled", error=JobError("cancelled", f"cancelled: {reason}"))
+            else:
+                logger.info("Request %s: %s, cancelling at the next step", job.id, reason)
+                self._engines[job.replica].cancel(batch[0].id)
         return job
 
     def forget(self, job_id: str) -> None:
@@ -481,65 +509,116 @@ class Scheduler:
             self._jobs.pop(self._finished.popleft(), None)
 
     async def _consume(self, replica: int) -> None:
-        """Replica `replica`'s consumer: the next job in the queue, one at a time."""
+        """Replica `replica`'s consumer: the next job in the queue (and those batched with it), one call at a time."""
         loop = asyncio.get_running_loop()
+        while True:
+            jobs = await self._next_jobs()
+            self._running[replica] = jobs
+            started = time.time()
+            for job in jobs:
+                job.status, job.started_at, job.replica = "in_progress", started, replica
+            where = f" on replica {replica}" if self.replicas > 1 else ""
+            batched = f" with {', '.join(job.id for job in jobs[1:])} (a batch of {len(jobs)})" if len(jobs) > 1 else ""
+            logger.info(
+                "Request %s running%s%s (%.2f s in the queue)", jobs[0].id, where, batched, started - jobs[0].created_at
+            )
+            try:
+                outputs = await loop.run_in_executor(self._step_thread, self._step, jobs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the jobs fail, the scheduler goes on
+                for job in jobs:
+                    if not job.finished:
+                        self._fail(job, exc)
+            else:
+                self._run_seconds.append(time.time() - started)
+                for job, output in zip(jobs, outputs):
+                    if job.finished:  # cancelled while its batch ran
+                        continue
+                    self._finish(job, "completed", result=output)
+                    logger.info(
+                        "Request %s done: size=%dx%d, steps=%d, seed=%d, n=%d, %.2f s (%.2f s queued)",
+                        job.id,
+                        output.width,
+                        output.height,
+                        job.request.num_inference_steps,
+                        output.seed,
+                        len(output.images),
+                        job.completed_at - job.created_at,
+                        job.started_at - job.created_at,
+                    )
+            finally:
+                self._running[replica] = []
+
+    async def _next_jobs(self) -> list[Job]:
+        """Take the job at the head of the queue and the queued jobs that can share its forwards
+        (up to max_batch_size, waiting up to batch_wait_ms for them)."""
         while True:
             while not self._waiting:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            job = self._waiting.popleft()
-            self._running[replica] = job
-            job.status, job.started_at, job.replica = "in_progress", time.time(), replica
-            where = f" on replica {replica}" if self.replicas > 1 else ""
-            logger.info("Request %s running%s (%.2f s in the queue)", job.id, where, job.started_at - job.created_at)
-            try:
-                output = await loop.run_in_executor(self._step_thread, self._step, job)
-            except asyncio.CancelledError:
-                raise
-            except RequestCancelled as exc:
-                logger.info("Request %s cancelled: %s", job.id, exc)
-                if job._cancel_reason is not None:
-                    error = JobError("cancelled", f"cancelled: {job._cancel_reason}")
-                elif self._shutting_down:
-                    error = JobError("shutting_down", "the server is shutting down; the request was cancelled")
-                else:
-                    error = JobError("cancelled", "cancelled")
-                self._finish(job, "cancelled", error=error)
-            except RequestError as exc:
-                logger.info("Request %s refused: %s", job.id, exc)
-                self._finish(job, "failed", error=JobError("invalid_request", one_line(exc), exc.param))
-            except Exception as exc:  # noqa: BLE001 - the job fails, the scheduler goes on
-                # The whole text (a worker's traceback, say) goes to the log; the client gets its first line.
-                logger.error("Request %s failed: %s: %s", job.id, type(exc).__name__, exc, exc_info=exc)
-                message = f"generation failed: {one_line(exc)}"
-                self._finish(job, "failed", error=JobError("server_error", message))
-            else:
-                self._run_seconds.append(time.time() - job.started_at)
-                self._finish(job, "completed", result=output)
-                logger.info(
-                    "Request %s done: size=%dx%d, steps=%d, seed=%d, n=%d, %.2f s (%.2f s queued)",
-                    job.id,
-                    output.width,
-                    output.height,
-                    job.request.num_inference_steps,
-                    output.seed,
-                    len(output.images),
-                    job.completed_at - job.created_at,
-                    job.started_at - job.created_at,
-                )
-            finally:
-                self._running[replica] = None
+            head = self._waiting[0]
+            jobs = self._company(head)
+            deadline = time.monotonic() + self.batching.batch_wait_ms / 1e3
+            while head.batch_key is not None and len(jobs) < self.batching.max_batch_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._wakeup.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                if not self._waiting or self._waiting[0] is not head:
+                    break  # another replica took it, or it was cancelled
+                jobs = self._company(head)
+            if not self._waiting or self._waiting[0] is not head:
+                continue
+            for job in jobs:
+                self._waiting.remove(job)
+            return jobs
 
-    def _step(self, job: Job) -> DiffusionOutput:
-        if job._cancel_reason is not None:
-            raise RequestCancelled(f"request {job.id} cancelled before it started")
+    def _company(self, head: Job) -> list[Job]:
+        """`head` and the queued jobs, in queue order, that may share its forwards (up to max_batch_size)."""
+        if head.batch_key is None:
+            return [head]
+        same = [job for job in self._waiting if job.batch_key == head.batch_key]
+        return same[: self.batching.max_batch_size]
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        """Finish `job` with what its run raised."""
+        if isinstance(exc, RequestCancelled):
+            logger.info("Request %s cancelled: %s", job.id, exc)
+            if job._cancel_reason is not None:
+                error = JobError("cancelled", f"cancelled: {job._cancel_reason}")
+            elif self._shutting_down:
+                error = JobError("shutting_down", "the server is shutting down; the request was cancelled")
+            else:
+                error = JobError("cancelled", "cancelled")
+            self._finish(job, "cancelled", error=error)
+        elif isinstance(exc, RequestError):
+            logger.info("Request %s refused: %s", job.id, exc)
+            self._finish(job, "failed", error=JobError("invalid_request", one_line(exc), exc.param))
+        else:
+            # The whole text (a worker's traceback, say) goes to the log; the client gets its first line.
+            logger.error("Request %s failed: %s: %s", job.id, type(exc).__name__, exc, exc_info=exc)
+            self._finish(job, "failed", error=JobError("server_error", f"generation failed: {one_line(exc)}"))
+
+    def _step(self, jobs: list[Job]) -> list[DiffusionOutput]:
+        if all(job._cancel_reason is not None for job in jobs):
+            raise RequestCancelled(f"request {jobs[0].id} cancelled before it started")
 
         steps = {"done": 0}
 
-        def on_progress(done: int, total: int) -> None:
-            job.progress = min(99, 100 * done // total) if total else 0  # 100 once the result is in
+        def on_progress(done: int, total: int, phase: str = "denoise") -> None:
+            for job in jobs:
+                job.phase = phase
+                job.progress = min(99, 100 * done // total) if total else 0  # 100 once the result is in
+            if phase != "denoise":
+                return
             if self.observer is not None and done > steps["done"]:  # progress may repeat (decode heartbeats)
                 self.observer.steps_done(done - steps["done"])
                 steps["done"] = done
 
-        return self._engines[job.replica].step(job.request, on_progress=on_progress)
+        engine = self._engines[jobs[0].replica]
+        if len(jobs) == 1:
+            return [engine.step(jobs[0].request, on_progress=on_progress)]
+        return engine.step_batch([job.request for job in jobs], on_progress=on_progress)

@@ -38,6 +38,8 @@ async def models(http: Request) -> ModelList:
         parallel_config=settings.engine.parallel_config.to_dict(),
         default_sampling_params=settings.engine.default_sampling_params,
         limits={k: v for k, v in asdict(limits).items() if v is not None},  # None: the model's, not known yet
+        batching=asdict(settings.engine.batching),
+        quantization=settings.engine.quantization,
     )
     return ModelList(data=[card])
 

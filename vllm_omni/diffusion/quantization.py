@@ -1,0 +1,174 @@
+"""FP8 matmuls for the denoisers (`quantization="fp8"`), through torchao.
+
+torchao's float8 dynamic-activation / float8-weight quantization with row-wise scales: each weight row
+is stored as e4m3 with its own scale, and each token's activations are quantized with their own scale
+at every call, so a token's output depends on no other token and the SP properties (trim equals U1,
+padding content never reaches real tokens) hold as in bf16. `FP8Rule` picks the linear layers it
+converts; the rest stay bf16. The runner converts each denoiser right after loading it, before its
+blocks are compiled and graphs captured (`quantize_denoisers`); the engine refuses a device that
+cannot run FP8 before any worker starts (`check_quantization`). torchao is optional
+(`pip install 'vllm_omni[fp8]'`) and is imported only when FP8 is asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from vllm_omni.diffusion.data import QUANTIZATION_METHODS
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+TORCHAO_PIN = "torchao==0.18.0"  # pyproject.toml's `fp8` extra
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and newer
+
+# Layers that stay bf16 whatever their size: what the pattern (a regular expression searched in each
+# dotted part of the module's name) matches -> why FP8 does not pay there. Each of these runs on one
+# row per sample (the conditioning embedding) or once on the prompt, or outside the compiled blocks,
+# where the activation quantization cannot fuse into the op before it and costs more than it saves.
+KEEP_BF16: Mapping[str, str] = {
+    "embedder": "embed",  # timestep / guidance / text / image embedders (and their projections, refiners)
+    # Latents, prompt or other conditioning into the model width, once per forward, outside the compiled
+    # blocks. `*_projector`s: latent patches, a glyph text's few tokens, prior tokens (one per image token,
+    # yet a 4096-wide MLP there is 1/180 of the GEMM work of 30 blocks).
+    "input projection": r"^(img_in|txt_in|proj_in)$|_projector$",
+    "final projection": r"^(proj_out|norm_out)$",  # the output norm's AdaLN and the projection to latents
+    "modulation": r"_mod$|modulation|^norm",  # AdaLN: one row per sample; its shift/scale/gate reach every token
+}
+# The smaller side of a linear layer below which it stays bf16. Measured on an H200 (issue 21): the four
+# image-stream GEMMs of a Qwen-Image layer at 1328x1328 (6919 tokens, width 3072) took 1.24 ms in FP8
+# against 2.02 ms in bf16 (torch._scaled_mm, row-wise scales). Nothing between 256 and 2048 was measured:
+# every block GEMM of the served families is at least 2048 wide, every small projection (latent channels,
+# the 256 sinusoidal timestep features) at most 256 on one side, and the floor lies between. The ablation
+# of benchmarks/speed_levers.py times this rule against FP8 on every linear layer, and with the
+# modulation linears in FP8 too.
+MIN_FEATURES = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Rule:
+    """Which linear layers of a denoiser run FP8 matmuls; one rule for every family (names and shapes)."""
+
+    min_features: int = MIN_FEATURES
+    keep_bf16: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(KEEP_BF16))
+
+    def bf16_reason(self, name: str, module: torch.nn.Module) -> str | None:
+        """Why the module `name` stays bf16 (a `keep_bf16` key, "small", ...); None when it runs FP8."""
+        if not isinstance(module, torch.nn.Linear):
+            return "not linear"
+        parts = name.split(".")
+        for what, pattern in self.keep_bf16.items():
+            if any(re.search(pattern, part) for part in parts):
+                return what
+        if min(module.in_features, module.out_features) < self.min_features:
+            return "small"
+        if module.in_features % 16 or module.out_features % 16:
+            return "not a multiple of 16"  # torchao's FP8 GEMM needs both sides multiples of 16
+        return None
+
+    def fp8_layers(self, model: torch.nn.Module) -> list[str]:
+        """Names of the linear layers of `model` this rule converts, in module order."""
+        return [name for name, module in model.named_modules() if self.bf16_reason(name, module) is None]
+
+
+FP8_RULE = FP8Rule()
+
+
+def check_quantization(method: str | None, device: str | None, dtype: str | None) -> None:
+    """The engine's check before any worker starts (no CUDA context in this process): the device, the
+    dtype, torchao installed. The workers check the GPU's compute capability (`quantize_denoiser`)."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or unset, got {method!r}")
+    if device != "cuda":
+        raise ValueError(
+            f"quantization={method!r} needs CUDA GPUs of compute capability {'.'.join(map(str, MIN_CAPABILITY))} "
+            f"or newer (Ada, Hopper, Blackwell), but the workers would run on device={device!r}: FP8 matmuls do not "
+            "run there. Leave quantization unset to run unquantized, or run on such GPUs (device='cuda')."
+        )
+    if dtype != "bfloat16":
+        raise ValueError(
+            f"quantization={method!r} converts bfloat16 weights (row-wise FP8 scales), got dtype={dtype!r}; "
+            "use dtype bfloat16 (the CUDA default)"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ImportError(f"quantization={method!r} needs torchao: pip install 'vllm_omni[fp8]' ({TORCHAO_PIN})")
+
+
+def quantize_denoisers(denoisers: Mapping[str, torch.nn.Module], method: str | None) -> None:
+    """Convert every denoiser with `method` (None: nothing changes); the runner calls it once, after loading."""
+    if method is None:
+        return
+    for name, model in denoisers.items():
+        converted = set(quantize_denoiser(model, method))
+        if not converted:  # a run that claims FP8 and has none
+            raise ValueError(
+                f"quantization={method!r}: no linear layer of {name} is large enough for FP8 (the rule keeps layers "
+                f"narrower than {FP8_RULE.min_features} in bf16: diffusion/quantization.py); leave quantization unset"
+            )
+        kept = Counter(
+            FP8_RULE.bf16_reason(layer, module)
+            for layer, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and layer not in converted
+        )
+        logger.info(
+            "%s: FP8 matmuls in %d linear layer(s) (torchao float8 dynamic activation + weight, row-wise); "
+            "bf16 kept in %s",
+            name,
+            len(converted),
+            ", ".join(f"{count} {what}" for what, count in sorted(kept.items())) or "none",
+        )
+
+
+def quantize_denoiser(model: torch.nn.Module, method: str) -> list[str]:
+    """Convert `model` in place with `method` by `FP8_RULE`, on its device; returns the converted layers.
+
+    Raises ValueError on a device or dtype that cannot run it, ImportError without torchao.
+    """
+    param = next(model.parameters())
+    dtype = str(param.dtype).removeprefix("torch.")
+    check_quantization(method, param.device.type, dtype)
+    capability = torch.cuda.get_device_capability(param.device)
+    if capability < MIN_CAPABILITY:
+        raise ValueError(
+            f"quantization={method!r} needs compute capability {'.'.join(map(str, MIN_CAPABILITY))} or newer "
+            f"(FP8 tensor cores: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(param.device)} "
+            f"({param.device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
+        )
+    return fp8_quantize(model, FP8_RULE.fp8_layers(model))
+
+
+def fp8_quantize(model: torch.nn.Module, layers: Iterable[str]) -> list[str]:
+    """torchao's FP8 conversion of the linear layers named `layers`, in place, without the device checks
+    (the CPU tests and the benchmark's per-rule ablation call it directly); returns the names."""
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+        from torchao.utils import TorchAOBaseTensor
+    except ImportError as exc:
+        raise ImportError(f"FP8 needs torchao: pip install 'vllm_omni[fp8]' ({TORCHAO_PIN}): {exc}") from exc
+    names = list(layers)
+    chosen = set(names)
+    # set_inductor_config=False: compile with the engine's inductor settings, not torchao's (its
+    # coordinate-descent tuning lengthens every compile, and bf16 and FP8 should compile alike).
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    quantize_(model, config, filter_fn=lambda module, name: name in chosen)
+    missed = [name for name in names if not isinstance(model.get_submodule(name).weight, TorchAOBaseTensor)]
+    if missed:  # torchao skips some layers silently: never claim FP8 for a layer that runs bf16
+        raise RuntimeError(f"torchao left {len(missed)} layer(s) unconverted that were to run FP8: {missed[:5]}")
+    return names
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes `tensor` holds: for a torchao tensor those of its parts (FP8 data and scales), not numel x 2."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor.numel() * tensor.element_size()
+    names, _ = flatten()
+    return sum(stored_bytes(getattr(tensor, name)) for name in names)
