@@ -57,6 +57,7 @@ def test_cfg_groups_missing_their_graphs_at_different_requests_agree_and_match_o
     with Omni("tiny/qwen-image", ulysses_degree=degree, cfg_parallel_size=2, stall_timeout_s=120) as omni:
         outputs = _generate_all(omni)
         failures = omni.engine.graph_capture_failures
+        reported = omni.engine.rank_counts("graph_captures")  # what /metrics exports, from each rank's report
     err = capfd.readouterr().err
     for actual, expected in zip(outputs, reference):
         np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
@@ -67,6 +68,7 @@ def test_cfg_groups_missing_their_graphs_at_different_requests_agree_and_match_o
     # Every rank captured twice: group 0 (ranks below `degree`) for the two prompts, group 1 for the
     # two negative prompts, each at a request where the other group replayed.
     assert captures == dict.fromkeys(range(2 * degree), 2), captures
+    assert reported == captures
 
 
 def test_a_failed_capture_is_reported_and_retried_by_the_restarted_group_after_its_warm_up(capfd):

@@ -1,8 +1,8 @@
 """`POST /v1/chat/completions` over real HTTP, on a text-to-image and an edit model.
 
-Two servers for the module, started together (one worker each: the route is the images routes'
-path, the SP core is tested elsewhere): `tiny/qwen-image` and `tiny/qwen-image-edit` (a 1 MB upload
-limit, so an oversized data URL is cheap to send). The same request through chat and through
+Three servers for the module, started together (one worker each: the route is the images routes'
+path, the SP core is tested elsewhere): `tiny/qwen-image`, `tiny/qwen-image-edit` (a 1 MB upload
+limit, so an oversized data URL is cheap to send) and `tiny/glm-image` (an AR stage, then its DiT). The same request through chat and through
 /v1/images/generations or /v1/images/edits must give the same pixels; bad messages and parts are a
 400 naming them; `stream: true` is a 400; a client that disconnects has its request cancelled.
 """
@@ -24,7 +24,7 @@ from server_process import HTTP_TIMEOUT_S, ServerProcess, decode_image, omni_com
 from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
 
-T2I, EDIT = "tiny/qwen-image", "tiny/qwen-image-edit"
+T2I, EDIT, GLM = "tiny/qwen-image", "tiny/qwen-image-edit", "tiny/glm-image"
 PROMPT = "A cat holding a sign that says hello world."
 EDIT_PROMPT = "Add a cool hat to the cat."
 SIZE = {"height": 48, "width": 64}  # 4x3 tokens: the smallest useful run
@@ -42,6 +42,7 @@ def servers(tmp_path_factory):
         EDIT: ServerProcess(
             omni_command("serve", EDIT, "--max-upload-bytes", str(UPLOAD_LIMIT)), logs / "edit.log", server_env()
         ),
+        GLM: ServerProcess(omni_command("serve", GLM), logs / "glm.log", server_env()),
     }
     try:
         for server in started.values():
@@ -104,6 +105,25 @@ def test_openai_client_chat_gives_the_image_of_images_generations_for_the_same_s
     assert response.model_extra["seed"] == 7 and response.model_extra["size"] == "64x48"
     reference = images_generation(server, prompt=PROMPT, size="64x48", num_inference_steps=2, seed=7)
     np.testing.assert_array_equal(image, reference)
+
+
+def test_glm_image_through_chat_equals_images_generations_and_refuses_an_image_part(servers):
+    server = servers[GLM]
+    prompt = "a poster with the title 'OPEN'"
+    response = client_of(server).chat.completions.create(
+        model=GLM,
+        messages=[{"role": "user", "content": prompt}],
+        extra_body={"size": "64x64", "num_inference_steps": 2, "seed": 7},
+    )
+    image = pixels_of_url(response.choices[0].message.content[0]["image_url"]["url"])
+    reference = images_generation(server, prompt=prompt, size="64x64", num_inference_steps=2, seed=7)
+    np.testing.assert_array_equal(image, reference)
+    parts = [{"type": "text", "text": prompt}, {"type": "image_url", "image_url": {"url": png_data_url(64, 64)}}]
+    refused = chat(server, model=GLM, messages=[{"role": "user", "content": parts}], size="64x64")
+    assert refused.status_code == 400, refused.text  # image-to-image (the condition image's K/V) is not served
+    assert refused.json()["error"]["param"].startswith("messages[0].content[1]"), refused.text
+    off_grid = chat(server, model=GLM, messages=[{"role": "user", "content": prompt}], size="80x64")
+    assert off_grid.status_code == 400 and off_grid.json()["error"]["param"] == "size", off_grid.text
 
 
 def test_the_prompt_is_the_last_user_message_and_a_literal_extra_body_is_read(servers):

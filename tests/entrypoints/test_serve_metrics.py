@@ -76,3 +76,6 @@ def test_counters_move_as_requests_run(server):
     assert after[("vllm_omni_replica_running_requests", (("replica", "0"),))] == 0
     assert after[("vllm_omni_replica_state", (("replica", "0"), ("state", "ok")))] == 1
     assert after[("vllm_omni_replica_worker_restarts_total", (("replica", "0"),))] == 0
+    # Each rank's counts as of its last request: a CPU worker captures no CUDA graph and compiles nothing.
+    assert after[("vllm_omni_graph_captures", (("rank", "0"), ("replica", "0")))] == 0
+    assert after[("vllm_omni_compiles", (("rank", "0"), ("replica", "0")))] == 0

@@ -38,13 +38,8 @@ def server(tmp_path_factory):
     srv.close()
 
 
-def test_health_reports_each_replica(server):
-    body = httpx.get(f"{server.url}/health", timeout=30).json()
-    assert body["status"] == "ok" and [r["status"] for r in body["replicas"]] == ["ok", "ok"]
-
-
-def test_killing_a_replicas_worker_fails_only_its_request_and_the_replica_comes_back(server):
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
+def hold_a_replica(client: OpenAI, server) -> tuple[threading.Thread, dict, str]:
+    """A HOLD request in a thread, once it runs: the thread, where its error will be, its replica."""
     held: dict = {}
 
     def hold() -> None:
@@ -56,7 +51,17 @@ def test_killing_a_replicas_worker_fails_only_its_request_and_the_replica_comes_
     start = server.log_size()
     thread = threading.Thread(target=hold)
     thread.start()
-    replica = server.wait_for_log(r"Request img-\w+ running on replica (\d)", start).group(1)
+    return thread, held, server.wait_for_log(r"Request img-\w+ running on replica (\d)", start).group(1)
+
+
+def test_health_reports_each_replica(server):
+    body = httpx.get(f"{server.url}/health", timeout=30).json()
+    assert body["status"] == "ok" and [r["status"] for r in body["replicas"]] == ["ok", "ok"]
+
+
+def test_killing_a_replicas_worker_fails_only_its_request_and_the_replica_comes_back(server):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
+    thread, held, replica = hold_a_replica(client, server)
     # The held request's rank 0 (worker processes are named omni-worker-r<replica>-<rank>).
     pid = int(re.search(rf"omni-worker-r{replica}-0 .*?Worker rank 0 loaded .*?pid (\d+)", server.log()).group(1))
     os.kill(pid, signal.SIGKILL)
@@ -79,20 +84,11 @@ def test_killing_a_replicas_worker_fails_only_its_request_and_the_replica_comes_
 
 def test_a_busy_replica_leaves_the_other_serving_and_results_equal_one_replicas(server):
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
-    held: dict = {}
-
-    def hold() -> None:
-        try:
-            client.images.generate(model="tiny/qwen-image", prompt=HOLD, **ARGS)
-        except Exception as exc:  # noqa: BLE001 - the test reads it
-            held["error"] = exc
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    server.wait_for_log(r"Request img-\w+ running on replica \d")  # the held one
+    start = server.log_size()
+    thread, held, _ = hold_a_replica(client, server)
     response = client.images.generate(model="tiny/qwen-image", prompt="a red fox", **ARGS)
     image = np.asarray(decode_image(response.data[0].b64_json).convert("RGB"), dtype=np.int16)
-    replicas = set(re.findall(r"Request img-\w+ running on replica (\d)", server.log()))
+    replicas = set(re.findall(r"Request img-\w+ running on replica (\d)", server.log(start)))
     assert replicas == {"0", "1"}, server.log()[-2000:]
     assert thread.is_alive() and "error" not in held  # still held on its replica while the other served
 

@@ -254,6 +254,10 @@ class DiffusionEngine:
     def last_graph_capture_failure(self) -> str | None:
         return self.executor.last_graph_capture_failure
 
+    def rank_counts(self, name: str) -> dict[int, int]:
+        """Each rank's `name` ("graph_captures", "compiles") since its group started, as of its last request."""
+        return {rank: s[name] for rank, s in sorted(self.executor.rank_stats.items()) if name in s}
+
     @property
     def peak_memory_bytes(self) -> dict[int, int]:
         """Each CUDA rank's peak allocated memory during its last request (none on the CPU)."""

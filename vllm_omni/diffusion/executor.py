@@ -139,7 +139,8 @@ class WorkerGroupExecutor:
         self.graph_capture_failures = 0
         self.last_graph_capture_failure: str | None = None
         # Each rank's figures from its last finished request: "phase_seconds" (encode, denoise,
-        # decode) and, on CUDA, "peak_memory_bytes" (the metrics read them; no worker is asked).
+        # decode), "graph_captures" and "compiles" so far (since the group started) and, on CUDA,
+        # "peak_memory_bytes" (the metrics read them; no worker is asked).
         self.rank_stats: dict[int, dict[str, Any]] = {}
 
     # ---- what a kind of group supplies -------------------------------------------------------

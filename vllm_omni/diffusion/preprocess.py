@@ -235,7 +235,11 @@ class RequestPreprocessor:
         sources = image if isinstance(image, (list, tuple)) else [image]
         sources = [s for s in sources if s is not None]
         if spec.max_input_images == 0 and sources:
-            raise RequestError(f"image is not accepted by {spec.diffusers_class} (it takes no input image)", "image")
+            raise RequestError(
+                f"image is not accepted by {spec.diffusers_class}: it takes a text prompt only "
+                f"(image-to-{spec.modality} is not served by it)",
+                "image",
+            )
         if spec.input_image_required and not sources:
             raise RequestError(f"image is required by {spec.diffusers_class}", "image")
         if not sources:

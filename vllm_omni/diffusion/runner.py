@@ -169,6 +169,19 @@ class PipelineRunner:
         return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
     @property
+    def graph_captures(self) -> int:
+        """CUDA graphs this rank captured so far (one per shape of each denoiser's sharded forward)."""
+        wrappers = [d.forward_sharded for d in self.denoisers.values()]
+        return sum(w.captures for w in wrappers if isinstance(w, CUDAGraphForward))
+
+    @staticmethod
+    def compiles() -> int:
+        """Graphs torch.compile compiled in this process so far (its blocks, each new shape class)."""
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    @property
     def attention_heads(self) -> dict[str, int]:
         """Attention heads of each denoiser (the Ulysses degree must divide every one)."""
         return {name: model.config.num_attention_heads for name, model in self.denoisers.items()}

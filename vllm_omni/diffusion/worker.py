@@ -285,7 +285,11 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
                 time.perf_counter() - start,
                 ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
             )
-        stats: dict[str, Any] = {"phase_seconds": runner.phase_seconds}
+        stats: dict[str, Any] = {
+            "phase_seconds": runner.phase_seconds,
+            "graph_captures": runner.graph_captures,
+            "compiles": runner.compiles(),
+        }
         if runner.device.type == "cuda":
             import torch
 

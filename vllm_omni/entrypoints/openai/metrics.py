@@ -20,8 +20,9 @@ server already holds and never asks the workers:
   of loading, warming_up, ok, restarting, unhealthy, failed, shutting_down); per replica
   (data_parallel_size): `vllm_omni_replica_running_requests{replica}`,
   `vllm_omni_replica_state{replica, state}`, `vllm_omni_replica_worker_restarts_total{replica}`;
-  and on CUDA `vllm_omni_gpu_memory_peak_bytes{replica, rank}`, each rank's peak allocated memory
-  in its last request (reported by the rank with its result).
+  `vllm_omni_graph_captures{replica, rank}` and `vllm_omni_compiles{replica, rank}` (since the
+  rank's group started), and on CUDA `vllm_omni_gpu_memory_peak_bytes{replica, rank}`, each rank's
+  peak allocated memory in its last request (all reported by the rank with its result).
 
 The route takes the API key like /v1/* when the server has one (api_server.BearerAuth).
 """
@@ -141,6 +142,13 @@ class _StateCollector:
         running = GaugeMetricFamily("vllm_omni_replica_running_requests", "requests running", labels=["replica"])
         states = GaugeMetricFamily("vllm_omni_replica_state", "1 for each replica's state", labels=["replica", "state"])
         restarts = CounterMetricFamily("vllm_omni_replica_worker_restarts", "worker-group restarts", labels=["replica"])
+        counts = {
+            name: GaugeMetricFamily(f"vllm_omni_{name}", what, labels=["replica", "rank"])
+            for name, what in (
+                ("graph_captures", "CUDA graphs the rank captured since its group started"),
+                ("compiles", "graphs torch.compile compiled in the rank since its group started"),
+            )
+        }
         memory = GaugeMetricFamily(
             "vllm_omni_gpu_memory_peak_bytes",
             "peak allocated GPU memory in the rank's last request",
@@ -154,7 +162,10 @@ class _StateCollector:
             restarts.add_metric([label], health.restarts)
             for rank, peak in getattr(engine, "peak_memory_bytes", {}).items():
                 memory.add_metric([label, str(rank)], peak)
-        yield from (running, states, restarts, memory)
+            for name, family in counts.items():
+                for rank, count in (engine.rank_counts(name) if hasattr(engine, "rank_counts") else {}).items():
+                    family.add_metric([label, str(rank)], count)
+        yield from (running, states, restarts, memory, *counts.values())
 
 
 class CountHTTP:
