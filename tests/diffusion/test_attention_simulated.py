@@ -26,15 +26,17 @@ def _exchange(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.stack([buf[rank] for buf in buffers]) for rank in range(len(buffers))]
 
 
-def simulated_ulysses(image, text, world, mode, order, pad_noise=None):
-    """Run every rank's attention; return the gathered (image, text) outputs without padding."""
+def simulated_ulysses(image, text, world, mode, order, pad_noise=None, text_valid_len=None):
+    """Run every rank's attention; return the gathered (image, text) outputs without padding.
+
+    `text_valid_len`: the text's first tokens, the rest bucket filler (text compaction's)."""
     ctxs = [SequenceParallelContext(None, world, rank, world, 1, mode) for rank in range(world)]
     local = []
     for ctx in ctxs:
         with use_sp_context(ctx):
             streams = {
                 IMAGE: [shard_with_auto_pad(t, 1, IMAGE) for t in image],
-                TEXT: [shard_with_auto_pad(t, 1, TEXT) for t in text],
+                TEXT: [shard_with_auto_pad(t, 1, TEXT, valid_len=text_valid_len) for t in text],
             }
         if pad_noise is not None:
             for name, tensors in streams.items():
@@ -85,6 +87,17 @@ def test_simulated_degrees_4_and_8_match_reference(world, order):
             torch.testing.assert_close(txt, ref_txt, rtol=0, atol=1e-5)
         img, _ = simulated_ulysses(image, text, world, "none", order)
         assert (img - ref_img).abs().max() > 0 or (image_len % world == 0 and text_len % world == 0)
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_text_filler_longer_than_the_image_in_front_stays_exact(mode):
+    # 8 valid text tokens and 26 of filler (a 34-token bucket) in front of a 15-token image: the text
+    # stream's filler rows reach past every real row of the joint sequence (a batch's long prompt row).
+    image, text = _inputs(15, 34, "cpu", torch.float32)
+    ref_img, ref_txt = reference(image, [t[:, :8] for t in text], [TEXT, IMAGE])
+    img, txt = simulated_ulysses(image, text, 2, mode, [TEXT, IMAGE], text_valid_len=8)
+    torch.testing.assert_close(img, ref_img, rtol=0, atol=1e-5)
+    torch.testing.assert_close(txt[:, :8], ref_txt, rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
