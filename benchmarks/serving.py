@@ -386,9 +386,9 @@ def server_summary(server: dict[str, Any]) -> str:
     for key, name in (("cfg_parallel_size", "CFG"), ("data_parallel_size", "DP")):
         if (_find(card, key) or 1) > 1:
             parts.append(f"{name}{_find(card, key)}")
-    for key, name in (("max_batch_size", "batch"), ("batch_wait_ms", "wait ms")):
-        if _find(card, key) is not None:
-            parts.append(f"{name} {_find(card, key)}")
+    batch, wait = _find(card, "max_batch_size") or 1, _find(card, "batch_wait_ms") or 0
+    if batch > 1:  # request batching on (/v1/models' `batching`)
+        parts.append(f"batch {batch}" + (f" wait {wait:g} ms" if wait else ""))
     return " ".join(parts)
 
 
