@@ -119,3 +119,26 @@ def test_two_http_requests_sent_at_once_share_a_call_and_each_gets_its_own_image
         params = GenerationParams(PROMPTS[i], height=48, width=80, num_inference_steps=2, seed=SEEDS[i])
         alone = engine.step(engine.preprocess(dataclasses.replace(params, output_type="uint8"))).images[0]
         assert np.abs(image - alone.astype(np.int16)).max() <= 1  # PNG of uint8 pixels; 1: rounding
+
+
+@pytest.mark.parametrize(
+    ("model", "size"),
+    [
+        ("tiny/flux2", dict(height=48, width=64)),
+        ("tiny/wan2.2-t2v", dict(height=48, width=80, num_frames=5)),  # both experts, CFG
+        ("tiny/hunyuan-video-1.5", dict(height=144, width=208, num_frames=5)),  # the guider, two text encoders
+    ],
+)
+def test_every_other_batchable_family_gives_each_row_its_request_alone(model, size):
+    with Omni(model) as omni:
+        engine = omni.engine
+
+        def rows():
+            return [
+                engine.preprocess(GenerationParams(prompt, num_inference_steps=2, seed=seed, output_type="np", **size))
+                for prompt, seed in zip(PROMPTS[:2], SEEDS[:2])
+            ]
+
+        assert engine.spec.batchable
+        for request, out in zip(rows(), engine.step_batch(rows())):
+            np.testing.assert_allclose(out.images[0], engine.step(request).images[0], atol=1e-5, rtol=0)
