@@ -2,7 +2,8 @@
 
 Three servers for the module, started together (one worker each: the route is the images routes'
 path, the SP core is tested elsewhere): `tiny/qwen-image`, `tiny/qwen-image-edit` (a 1 MB upload
-limit, so an oversized data URL is cheap to send) and `tiny/glm-image` (an AR stage, then its DiT). The same request through chat and through
+limit, so an oversized data URL is cheap to send) and `tiny/glm-image` (an AR stage, then its DiT).
+The same request through chat and through
 /v1/images/generations or /v1/images/edits must give the same pixels; bad messages and parts are a
 400 naming them; `stream: true` is a 400; a client that disconnects has its request cancelled.
 """

@@ -15,7 +15,6 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -30,7 +29,7 @@ from vllm_omni.diffusion.data import (
     RequestCancelled,
     batch_key,
 )
-from vllm_omni.diffusion.executor import MultiprocExecutor, WorkerGroupExecutor
+from vllm_omni.diffusion.executor import MultiprocExecutor, ProgressCallback, WorkerGroupExecutor
 from vllm_omni.diffusion.loader import check_ulysses_degree, read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.models.registry import PipelineSpec
 from vllm_omni.diffusion.preprocess import RequestPreprocessor
@@ -53,11 +52,6 @@ def _cuda_device_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
         return 0
-
-
-# (denoising steps done, total steps), or (done, total, "encode") as a family's long encode stage
-# advances (GLM-Image's AR tokens, before any step).
-ProgressCallback = Callable[..., None]
 
 
 WARMUP_PROMPT = "a warm-up request"

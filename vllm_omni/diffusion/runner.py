@@ -40,7 +40,7 @@ from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, undeclared_denoisers
 from vllm_omni.diffusion.models.registry import PipelineSpec
-from vllm_omni.diffusion.quantization import quantize_denoisers
+from vllm_omni.diffusion.quantization import quantize_denoisers, stored_bytes
 from vllm_omni.diffusion.vae_parallel import install_decode_split
 from vllm_omni.logger import init_logger
 
@@ -166,7 +166,7 @@ class PipelineRunner:
     def weight_bytes(self) -> int:
         """Bytes of the weights this rank holds (every torch module of its pipeline)."""
         modules = [c for c in self.pipe.components.values() if isinstance(c, torch.nn.Module)]
-        return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+        return sum(stored_bytes(t) for m in modules for t in (*m.parameters(), *m.buffers()))  # FP8: as stored
 
     @property
     def graph_captures(self) -> int:
