@@ -58,6 +58,7 @@ from vllm_omni.diffusion.quantization import (  # noqa: E402
     FP8Rule,
     check_quantization,
     fp8_quantize,
+    move_bias_out,
     quantize_denoiser,
 )
 
@@ -141,7 +142,10 @@ def fp8_models(ours: torch.nn.Module, labels: list[str]) -> dict[str, torch.nn.M
         fp8_quantize(model, new)
         weights.update((name, model.get_submodule(name).weight) for name in new)
         for name in layers:
-            model.get_submodule(name).weight = weights[name]
+            linear = model.get_submodule(name)
+            if name not in new:
+                move_bias_out(linear)  # as fp8_quantize did to the layer whose FP8 weight it shares
+            linear.weight = weights[name]
         models[label] = model
     return {label: model for label, model in models.items() if label in labels}
 
@@ -251,7 +255,7 @@ def fp8_section(phase: dict[str, Any]) -> str:
     lines += ["", "| model | variant | ms | vs ours bf16 |", "|---|---|---|---|"]
     for model in models:
         for name, row in model["variants"].items():
-            ms = f"{row['ms']:.1f}" if row["ms"] is not None else row["error"] or "not timed"
+            ms = f"{row['ms']:.1f}" if row["ms"] is not None else "failed" if row["error"] else "not timed"
             close = "n/a" if row.get("rel_l2") is None else f"{row['max_abs_diff']:.3g} / {row['rel_l2']:.2e}"
             if row.get("psnr_db") is not None:
                 close += f" / {row['psnr_db']:.1f} dB"
@@ -270,6 +274,9 @@ def fp8_section(phase: dict[str, Any]) -> str:
             if label != "linear_layers"
         ]
         lines.append(f"- {model['title']}, {layers['linear_layers']} linear layers: " + "; ".join(picks))
+    failed = [(m["title"], name, row["error"]) for m in models for name, row in m["variants"].items() if row["error"]]
+    if failed:
+        lines += ["", "Failed variants:", ""] + [f"- {title}, {name}: `{error[:300]}`" for title, name, error in failed]
     return "\n".join(lines)
 
 

@@ -187,6 +187,13 @@ class CUDAGraphForward:
         entry.graph.replay()
         return entry.output.clone()
 
+    def key(self, kwargs: dict[str, Any]) -> tuple | None:
+        """The graph a call with `kwargs` replays (its key in `graphs`); None for a call that runs eagerly."""
+        try:
+            return self._key(kwargs, allow_cpu=self.simulated is not None)
+        except _NotReplayable:
+            return None
+
     @staticmethod
     def _key(kwargs: dict[str, Any], allow_cpu: bool = False) -> tuple:
         """Shapes and dtypes of the tensor arguments, the other arguments' values, the SP layout.

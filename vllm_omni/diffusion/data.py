@@ -148,6 +148,55 @@ class DiffusionParallelConfig:
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("fp8",)
+CACHE_POLICIES = ("first_block",)
+
+
+@dataclass(frozen=True)
+class StepCacheConfig:
+    """Step caching in the denoisers (diffusion/step_cache.py): `first_block` is diffusers' First-Block-Cache.
+
+    Every step runs the first transformer block; when its output changed by less than `threshold`
+    (relative mean absolute change of its residual since the last computed step, over the whole SP
+    group) the remaining blocks are skipped and their last residual reused. Higher skips more.
+    """
+
+    policy: Literal["first_block"] = "first_block"
+    threshold: float = 0.08  # a starting point: where picture quality holds depends on the checkpoint
+
+    def __post_init__(self) -> None:
+        if self.policy not in CACHE_POLICIES:
+            raise ValueError(f"cache must be one of {', '.join(CACHE_POLICIES)}, got {self.policy!r}")
+        value = self.threshold
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"cache_threshold must be a number > 0, got {value!r}")
+
+
+def step_cache_report(config: StepCacheConfig, records: list[dict[str, dict[int, bool]]]) -> dict[str, Any]:
+    """The ranks' cache records (branch -> {step: computed}) merged into what a response reports.
+
+    Every rank of an SP group decides alike; under CFG parallel each group records its own branch.
+    """
+    steps: dict[str, dict[int, bool]] = {}
+    for record in records:
+        for branch, decisions in record.items():
+            steps.setdefault(branch, {}).update(decisions)
+    computed = sum(c for decisions in steps.values() for c in decisions.values())
+    return {
+        "policy": config.policy,
+        "threshold": config.threshold,
+        "forwards_computed": computed,
+        "forwards_skipped": sum(len(decisions) for decisions in steps.values()) - computed,
+        "skipped_steps": {b: sorted(s for s, c in d.items() if not c) for b, d in sorted(steps.items())},
+    }
+
+
+def step_cache_line(report: dict[str, Any]) -> str:
+    """The step log's words for a cache report."""
+    skipped = ", ".join(f"{branch} {steps}" for branch, steps in report["skipped_steps"].items() if steps)
+    return (
+        f"step cache {report['policy']} (threshold {report['threshold']:g}): {report['forwards_computed']} "
+        f"forward(s) computed, {report['forwards_skipped']} skipped" + (f" (steps {skipped})" if skipped else "")
+    )
 
 
 @dataclass
@@ -162,6 +211,7 @@ class OmniDiffusionConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)
     # "fp8": the denoisers' large linear layers run FP8 matmuls (diffusion/quantization.py); None: as loaded.
     quantization: Literal["fp8"] | None = None
+    cache: StepCacheConfig | None = None  # step caching in the denoisers; None: every step computes every block
     # Deadlines on the workers (executor.py); None: env VLLM_OMNI_LOAD_TIMEOUT_S / _STALL_TIMEOUT_S,
     # else 600 / 300 s. Loading: every rank must report ready within this.
     load_timeout_s: float | None = None
@@ -361,6 +411,7 @@ class DiffusionOutput:
     fps: int | None = None
     timings_ms: dict[str, float] = field(default_factory=dict)
     batch_size: int = 1  # requests that shared its pipeline call (request batching), itself included
+    step_cache: dict[str, Any] | None = None  # step_cache_report: forwards computed and skipped; None: no cache
 
 
 class RequestError(ValueError):

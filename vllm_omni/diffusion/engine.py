@@ -28,6 +28,7 @@ from vllm_omni.diffusion.data import (
     OmniDiffusionConfig,
     RequestCancelled,
     batch_key,
+    step_cache_report,
 )
 from vllm_omni.diffusion.executor import MultiprocExecutor, ProgressCallback, WorkerGroupExecutor
 from vllm_omni.diffusion.loader import check_ulysses_degree, read_pipeline_spec, resolve_model_path
@@ -131,6 +132,8 @@ class DiffusionEngine:
                 f"cfg_parallel_size={parallel.cfg_parallel_size}: {self.spec.diffusers_class} {why}; "
                 "use cfg_parallel_size=1"
             )
+        if config.cache is not None and self.spec.step_cache_refusal:
+            raise ValueError(f"cache={config.cache.policy}: {self.spec.diffusers_class} {self.spec.step_cache_refusal}")
         ray_session = _join_ray(config) if parallel.distributed_executor_backend == "ray" else None
         try:
             self._configure_device(config, ray_session)
@@ -147,14 +150,15 @@ class DiffusionEngine:
         self._preprocessor = RequestPreprocessor(self.spec, self.limits, self.model_path)
         self._stopping = False
         logger.info(
-            "Starting %d worker(s) for %s (%s) on %s, %s, quantization=%s, ulysses_degree=%d, cfg_parallel_size=%d, "
-            "padding=%s, executor=%s",
+            "Starting %d worker(s) for %s (%s) on %s, %s, quantization=%s, cache=%s, ulysses_degree=%d, "
+            "cfg_parallel_size=%d, padding=%s, executor=%s",
             parallel.world_size,
             config.model,
             self.spec.diffusers_class,
             config.device,
             config.dtype,
             config.quantization or "none",
+            f"{config.cache.policy} (threshold {config.cache.threshold:g})" if config.cache else "none",
             parallel.ulysses_degree,
             parallel.cfg_parallel_size,
             parallel.padding_mode,
@@ -363,9 +367,14 @@ class DiffusionEngine:
             "".join(f", {name}={timings[name]:.2f} ms" for name in phases),
             f" (a batch of {len(ids)} requests)" if request.batch else "",
         )
+        cache = None
+        if self.config.cache is not None:  # every rank's record: under CFG parallel each group has one branch
+            records = [s["step_cache"] for s in self.executor.rank_stats.values() if "step_cache" in s]
+            cache = step_cache_report(self.config.cache, records)
         for output in outputs:
             output.timings_ms = dict(timings)
             output.batch_size = len(ids)
+            output.step_cache = cache
         return outputs
 
     def postprocess(self, request: DiffusionRequest, frames: np.ndarray, output_type: str) -> DiffusionOutput:

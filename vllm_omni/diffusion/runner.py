@@ -34,13 +34,14 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from vllm_omni.diffusion.cfg_parallel import CFGParallel, CFGParallelHook, swap_prompts
 from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, SimulatedGraphs, compile_repeated_blocks
-from vllm_omni.diffusion.data import DiffusionRequest
+from vllm_omni.diffusion.data import DiffusionRequest, StepCacheConfig
 from vllm_omni.diffusion.distributed.comm import SourceFailed, broadcast_tensors
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, undeclared_denoisers
 from vllm_omni.diffusion.models.registry import PipelineSpec
 from vllm_omni.diffusion.quantization import quantize_denoisers, stored_bytes
+from vllm_omni.diffusion.step_cache import CachedForward, CacheRecord, install_step_cache
 from vllm_omni.diffusion.vae_parallel import install_decode_split
 from vllm_omni.logger import init_logger
 
@@ -69,15 +70,19 @@ def install_forward_chain(
     cfg: CFGParallel | None,
     counts: Counter,
     name: str,
+    cache: CacheRecord | None = None,
 ) -> None:
     """Install, on one denoiser, every wrapper a forward goes through; nowhere else installs one.
 
     pipeline -> `forward`: diffusers hooks, outermost first: CountForwards, then CFGParallelHook
-        (computes one branch, exchanges it with the other group) -> the model's own forward (host-side
-        preparation: text compaction, rotary tables) -> `forward_sharded`: CUDAGraphForward (capture
-        once per shape, replay) -> the blocks under the SP context -> attention/layer.py.
-    `graphs`: CUDAGraphForward's keyword arguments, None for eager.
+        (computes one branch, exchanges it with the other group), then BranchContext (the step
+        cache's context) -> the model's own forward (host-side preparation: text compaction, rotary
+        tables) -> `forward_sharded`: CachedForward (the step cache's decision, with graphs) ->
+        CUDAGraphForward (capture once per shape, replay) -> the blocks under the SP context, the
+        first one with the step cache's hook (step_cache.py) -> attention/layer.py.
+    `graphs`: CUDAGraphForward's keyword arguments, None for eager. `cache`: the step cache's record, None for none.
     """
+    head = install_step_cache(denoiser, cache.config, cache) if cache is not None else None  # innermost hook
     registry = HookRegistry.check_if_exists_or_initialize(denoiser)
     if cfg is not None:
         registry.register_hook(CFGParallelHook(cfg), CFGParallelHook.NAME)
@@ -85,7 +90,10 @@ def install_forward_chain(
     if graphs is not None:
         # Only the sharded part is replayed: the host-side preparation in `forward` decides shapes
         # and runs eagerly before it.
-        denoiser.forward_sharded = CUDAGraphForward(denoiser.forward_sharded, **graphs)
+        eager = denoiser.forward_sharded
+        denoiser.forward_sharded = CUDAGraphForward(eager, **graphs)
+        if head is not None:  # a graph cannot branch on the host: the cache decides before it replays
+            denoiser.forward_sharded = CachedForward(eager, denoiser.forward_sharded, head)
 
 
 def present_components(path: Path, names: Iterable[str]) -> list[str]:
@@ -104,6 +112,7 @@ class PipelineRunner:
         rank: int,
         enforce_eager: bool = False,
         quantization: str | None = None,
+        cache: StepCacheConfig | None = None,
     ) -> None:
         self.spec = spec
         self.device = device
@@ -145,10 +154,11 @@ class PipelineRunner:
             self.cfg = CFGParallel(state.cfg_group)
             self.cfg_rank = state.cfg_rank
         self.forwards: Counter = Counter()  # per denoiser, in the current request
+        self.cache = CacheRecord(cache) if cache is not None else None  # shared by the denoisers (Wan2.2's two)
         for name, denoiser in self.denoisers.items():
             if graphs is not None and spec.compile_blocks and device.type == "cuda":
                 compile_repeated_blocks(denoiser)
-            install_forward_chain(denoiser, graphs, self.cfg, self.forwards, name)
+            install_forward_chain(denoiser, graphs, self.cfg, self.forwards, name, self.cache)
         # The VAE decode, tiled and split over every rank of the group (SP and CFG ranks hold the same latents).
         world = state.world_size if state is not None else 1
         self._on_decode_tile: Callable[[int], None] | None = None
@@ -171,7 +181,7 @@ class PipelineRunner:
     @property
     def graph_captures(self) -> int:
         """CUDA graphs this rank captured so far (one per shape of each denoiser's sharded forward)."""
-        wrappers = [d.forward_sharded for d in self.denoisers.values()]
+        wrappers = [getattr(d.forward_sharded, "graphed", d.forward_sharded) for d in self.denoisers.values()]
         return sum(w.captures for w in wrappers if isinstance(w, CUDAGraphForward))
 
     @staticmethod
@@ -225,11 +235,17 @@ class PipelineRunner:
         called = time_now
         denoised = {"at": called}
         self.forwards.clear()
+        if self.cache is not None:
+            for denoiser in self.denoisers.values():
+                denoiser._reset_stateful_cache()  # a new request starts with empty caches
+            self.cache.start_request(swapped=self.cfg is not None and self.cfg.active and self.cfg_rank == 1)
         last_step = request.num_inference_steps - 1
 
         def step_end(step: int) -> None:
             if self.cfg is not None:
                 self.cfg.end_step()
+            if self.cache is not None:
+                self.cache.end_step()
             if step >= last_step and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the phases end where the GPU's work ends, once a request
             denoised["at"] = time.perf_counter()

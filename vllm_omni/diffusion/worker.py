@@ -28,7 +28,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import DiffusionRequest, OmniDiffusionConfig, RequestCancelled, RequestError
+from vllm_omni.diffusion.data import (
+    DiffusionRequest,
+    OmniDiffusionConfig,
+    RequestCancelled,
+    RequestError,
+    step_cache_line,
+    step_cache_report,
+)
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -188,7 +195,14 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     spec = read_pipeline_spec(Path(model_path))
     dtype = getattr(torch, config.dtype)
     runner = PipelineRunner(
-        model_path, spec, device, dtype, rank, enforce_eager=config.enforce_eager, quantization=config.quantization
+        model_path,
+        spec,
+        device,
+        dtype,
+        rank,
+        enforce_eager=config.enforce_eager,
+        quantization=config.quantization,
+        cache=config.cache,
     )
     for name, heads in runner.attention_heads.items():  # the engine checked the configs; these are the models
         if heads % parallel.ulysses_degree:
@@ -271,10 +285,11 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
             )
             reports.put(("error", rank, request.request_id, f"{type(exc).__name__}: {exc}"))
             continue
+        records = runner.cache.summary() if runner.cache is not None else None
         if rank == 0:
             batched = f" (batched with {', '.join(row.request_id for row in request.batch)})" if request.batch else ""
             logger.info(
-                "Request %s%s: %s%d step(s) in %.2f s (forwards: %s)",
+                "Request %s%s: %s%d step(s) in %.2f s (forwards: %s)%s",
                 request.request_id,
                 batched,
                 "".join(
@@ -284,12 +299,15 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
                 request.num_inference_steps,
                 time.perf_counter() - start,
                 ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
+                "" if records is None else f"; {step_cache_line(step_cache_report(runner.cache.config, [records]))}",
             )
         stats: dict[str, Any] = {
             "phase_seconds": runner.phase_seconds,
             "graph_captures": runner.graph_captures,
             "compiles": runner.compiles(),
         }
+        if records is not None:
+            stats["step_cache"] = records
         if runner.device.type == "cuda":
             import torch
 

@@ -10,6 +10,7 @@ A deploy file fixes a model's parallel layout and its request defaults:
         limits: {max_image_size: 2048}    # any EngineLimits field
         batching: {max_batch_size: 4, batch_wait_ms: 0}   # request batching (BatchingConfig)
         quantization: fp8                 # FP8 matmuls in the denoisers (diffusion/quantization.py)
+        cache: {policy: first_block, threshold: 0.08}   # step caching (StepCacheConfig, diffusion/step_cache.py)
 
 `load_deploy_config` reads and checks one (unknown keys anywhere are errors naming the key);
 `EngineSettings.resolve` lays the command-line flags the user actually gave on top of it.
@@ -29,6 +30,7 @@ from vllm_omni.diffusion.data import (
     BatchingConfig,
     DiffusionParallelConfig,
     EngineLimits,
+    StepCacheConfig,
     normalize_dtype_name,
 )
 from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
@@ -44,8 +46,10 @@ _STAGE_KEYS = (
     "limits",
     "batching",
     "quantization",
+    "cache",
 )
 _BATCHING_KEYS = tuple(f.name for f in dataclasses.fields(BatchingConfig))
+_CACHE_KEYS = tuple(f.name for f in dataclasses.fields(StepCacheConfig))
 _LIMIT_KEYS = tuple(f.name for f in dataclasses.fields(EngineLimits))
 
 # Request fields a deploy may give defaults for, with their types: all of them.
@@ -66,6 +70,7 @@ class DeployConfig:
     limits: dict[str, int] = field(default_factory=dict)  # EngineLimits fields; flags override them
     batching: dict[str, Any] = field(default_factory=dict)  # BatchingConfig fields; flags override them
     quantization: str | None = None  # one of QUANTIZATION_METHODS; --quantization overrides it
+    cache: dict[str, Any] | None = None  # StepCacheConfig fields; --cache / --cache-threshold override them
 
 
 def resolve_deploy_path(name: str) -> Path:
@@ -149,6 +154,16 @@ def load_deploy_config(name: str | os.PathLike) -> DeployConfig:
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise fail(f"stages[0].quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
 
+    cache = stage.get("cache")
+    if cache is not None:
+        if not isinstance(cache, dict):
+            raise fail(f"stages[0].cache must be a mapping like {{policy: first_block}}, got {type(cache).__name__}")
+        _reject_unknown(cache, _CACHE_KEYS, "stages[0].cache", fail)
+        try:
+            StepCacheConfig(**cache)
+        except ValueError as exc:
+            raise fail(f"stages[0].cache: {exc}") from None
+
     return DeployConfig(
         path=path,
         stage_id=stage_id,
@@ -158,6 +173,7 @@ def load_deploy_config(name: str | os.PathLike) -> DeployConfig:
         limits=dict(limits),
         batching=dict(batching),
         quantization=quantization,
+        cache=dict(cache) if cache is not None else None,
     )
 
 
@@ -218,6 +234,7 @@ class EngineSettings:
     attention_backend: str | None = None
     enforce_eager: bool = False
     quantization: str | None = None
+    cache: StepCacheConfig | None = None
     ray_address: str | None = None
     limits: EngineLimits = field(default_factory=EngineLimits)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
@@ -241,6 +258,7 @@ class EngineSettings:
         attention_backend: str | None = None,
         enforce_eager: bool = False,
         quantization: str | None = None,
+        cache_overrides: dict[str, Any] | None = None,
         ray_address: str | None = None,
         limit_overrides: dict[str, Any] | None = None,
         batching_overrides: dict[str, Any] | None = None,
@@ -258,6 +276,16 @@ class EngineSettings:
         limits = EngineLimits(**{**(deploy.limits if deploy else {}), **given_limits})  # checks its values
         given_batching = {k: v for k, v in (batching_overrides or {}).items() if v is not None}
         batching = BatchingConfig(**{**(deploy.batching if deploy else {}), **given_batching})
+        given_cache = {k: v for k, v in (cache_overrides or {}).items() if v is not None}
+        deploy_cache = deploy.cache if deploy and deploy.cache is not None else None
+        if given_cache and "policy" not in given_cache and deploy_cache is None:
+            raise ValueError("--cache-threshold needs a cache: give --cache first_block (or stages[0].cache)")
+        cache = StepCacheConfig(**{**(deploy_cache or {}), **given_cache}) if given_cache or deploy_cache else None
+        if cache is not None and batching.max_batch_size > 1:
+            raise ValueError(
+                f"--cache with --max-batch-size {batching.max_batch_size}: a batch's rows would share one step "
+                "cache; use one of them"
+            )
         return cls(
             model=model,
             parallel_config=parallel,
@@ -266,6 +294,7 @@ class EngineSettings:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             quantization=quantization if quantization is not None else deploy.quantization if deploy else None,
+            cache=cache,
             ray_address=ray_address,
             limits=limits,
             batching=batching,
@@ -316,6 +345,7 @@ class EngineSettings:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             quantization=self.quantization,
+            cache=self.cache,
             warmup=self.warmup,
             warmup_size=self._warmup_size(),
             ray_address=self.ray_address,

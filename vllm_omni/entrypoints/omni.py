@@ -15,6 +15,7 @@ from vllm_omni.diffusion.data import (
     EngineLimits,
     GenerationParams,
     OmniDiffusionConfig,
+    StepCacheConfig,
     normalize_dtype_name,
 )
 from vllm_omni.diffusion.request_fields import FIELDS_BY_NAME
@@ -29,6 +30,8 @@ class Omni:
     replicas, each a group of its own ranks (and GPUs): `generate` is thread-safe, and calls made
     at once from N threads run at once, each on an idle replica. `quantization="fp8"`: FP8 matmuls in
     the denoisers' large linear layers (CUDA GPUs of compute capability 8.9+, `pip install 'vllm_omni[fp8]'`).
+    `cache="first_block"` (with `cache_threshold`): step caching in the denoisers (diffusion/step_cache.py);
+    each output's `step_cache` says which steps it skipped.
     """
 
     def __init__(
@@ -46,6 +49,8 @@ class Omni:
         attention_backend: str | None = None,
         enforce_eager: bool = False,
         quantization: str | None = None,
+        cache: str | StepCacheConfig | None = None,
+        cache_threshold: float | None = None,
         warmup: bool | None = None,
         warmup_size: tuple[int, int] | None = None,
         distributed_executor_backend: str = "mp",
@@ -75,6 +80,7 @@ class Omni:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             quantization=quantization,
+            cache=_step_cache(cache, cache_threshold),
             warmup=warmup,
             warmup_size=warmup_size,
             ray_address=ray_address,
@@ -136,3 +142,15 @@ class Omni:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _step_cache(cache: str | StepCacheConfig | None, threshold: float | None) -> StepCacheConfig | None:
+    if isinstance(cache, StepCacheConfig):
+        if threshold is not None:
+            raise ValueError("cache_threshold goes inside the StepCacheConfig given as cache")
+        return cache
+    if cache is None:
+        if threshold is not None:
+            raise ValueError('cache_threshold needs a cache: give cache="first_block"')
+        return None
+    return StepCacheConfig(cache) if threshold is None else StepCacheConfig(cache, threshold)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from vllm_omni.diffusion.data import DiffusionParallelConfig, PaddingMode
-from vllm_omni.diffusion.distributed.comm import all_gather
+from vllm_omni.diffusion.distributed.comm import SimulatedGroup, all_gather
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.logger import init_logger
 
@@ -295,3 +295,23 @@ def gather_sequence(x: torch.Tensor, dim: int, stream: str = IMAGE) -> torch.Ten
         return x
     dim = dim % x.dim()
     return torch.cat(all_gather(x, ctx.group), dim=dim).narrow(dim, 0, ctx.streams[stream].original_seq_len)
+
+
+def real_rows(x: torch.Tensor, dim: int, stream: str = IMAGE) -> torch.Tensor:
+    """This rank's rows of a sharded `stream` without its SP padding (a statistic over the real tokens)."""
+    ctx = get_sp_context()
+    if ctx is None or not ctx.enabled:
+        return x
+    shard = ctx.streams[stream]
+    start = ctx.rank * shard.local_seq_len
+    return x.narrow(dim, 0, max(0, min(shard.local_seq_len, shard.original_seq_len - start)))
+
+
+def group_sum(x: torch.Tensor) -> torch.Tensor:
+    """`x` summed over the ranks of the current SP group (as is with one rank): every rank gets the same."""
+    ctx = get_sp_context()
+    if ctx is None or not ctx.enabled or isinstance(ctx.group, SimulatedGroup):
+        return x
+    x = x.clone()
+    torch.distributed.all_reduce(x, group=ctx.group)
+    return x

@@ -86,6 +86,8 @@ class PipelineSpec:
     model_index: tuple[tuple[str, object], ...] = ()
     # Requests may share a pipeline call (request batching: a list of prompts, one generator per row).
     batchable: bool = True
+    # Why the step cache (diffusion/step_cache.py) cannot run on this pipeline's denoiser; None: it can.
+    step_cache_refusal: str | None = None
 
     def family_module(self, name: str) -> ModuleType:
         """`vllm_omni.diffusion.models.<family>.<name>` (imports torch: workers and tests only)."""
@@ -291,6 +293,8 @@ FAMILIES: tuple[Family, ...] = (
                 default_size=(1024, 1024),  # default_sample_size 128 x the VAE's 8
                 source_resize="shrink",
                 sources_in_sequence=True,
+                step_cache_refusal="joins text and image into one stream for its single-stream blocks, which "
+                "diffusers' First-Block-Cache (0.42.1) cannot cache (its residuals change shape); serve it uncached",
             ),
         ),
         {"tiny/flux2": "Flux2Pipeline"},

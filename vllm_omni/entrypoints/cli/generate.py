@@ -94,6 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         attention_backend=settings.attention_backend,
         enforce_eager=settings.enforce_eager,
         quantization=settings.quantization,
+        cache=settings.cache,
         warmup=False,  # one request: warming up first would only double the work
         limits=settings.limits,
         load_timeout_s=settings.load_timeout_s,

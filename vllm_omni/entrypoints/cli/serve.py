@@ -14,7 +14,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import DTYPES, EXECUTOR_BACKENDS, QUANTIZATION_METHODS, BatchingConfig, EngineLimits
+from vllm_omni.diffusion.data import (
+    CACHE_POLICIES,
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    QUANTIZATION_METHODS,
+    BatchingConfig,
+    EngineLimits,
+    StepCacheConfig,
+)
 from vllm_omni.diffusion.models.registry import FAMILIES, TINY_MODELS
 from vllm_omni.entrypoints.openai.body_limits import BodyLimits
 from vllm_omni.entrypoints.openai.video_store import VideoStorageSettings
@@ -179,6 +187,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "YAML stages[0].quantization (default: none)",
     )
     eng.add_argument(
+        "--cache",
+        choices=CACHE_POLICIES,
+        default=None,
+        help="step caching in the denoisers: first_block (diffusers' First-Block-Cache: a step whose first block "
+        "changed little since the last computed step skips the other blocks; decided for the whole SP group); "
+        "YAML stages[0].cache (default: none)",
+    )
+    eng.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=None,
+        help=f"the step cache's threshold: higher skips more steps (default: {StepCacheConfig.threshold})",
+    )
+    eng.add_argument(
         "--attention-backend",
         default=None,
         help="attention kernel: sdpa (dense) or sdpa_masked (default: sdpa_masked when the padding is "
@@ -333,6 +355,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> Any:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         quantization=args.quantization,
+        cache_overrides={"policy": args.cache, "threshold": args.cache_threshold},
         ray_address=args.ray_address,
         limit_overrides=limit_overrides,
         batching_overrides={

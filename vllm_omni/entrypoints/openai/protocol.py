@@ -126,6 +126,8 @@ class ImageResponse(BaseModel):
     seed: int  # the seed used (drawn by the server when the request gave none)
     id: str  # the request id, also in the server log
     timings_ms: dict[str, float]
+    # With a step cache: its policy and threshold, forwards computed and skipped, the skipped steps per branch
+    step_cache: dict[str, Any] | None = None
 
 
 # ---- chat completions -----------------------------------------------------------------------------
@@ -227,6 +229,7 @@ class ChatCompletion(BaseModel):
     height: int
     seed: int
     timings_ms: dict[str, float]
+    step_cache: dict[str, Any] | None = None  # as in ImageResponse
 
 
 class _VideoRequestBase(_StrictBody):
@@ -291,6 +294,7 @@ class Video(BaseModel):
     width: int | None = None  # the real size, once completed
     height: int | None = None
     timings_ms: dict[str, float] | None = None  # the engine's step breakdown, once completed ("total": inference time)
+    step_cache: dict[str, Any] | None = None  # with a step cache, once completed: as in ImageResponse
 
 
 class VideoList(BaseModel):
@@ -338,6 +342,7 @@ class ModelCard(BaseModel):
     limits: dict[str, int]
     batching: dict[str, Any]  # BatchingConfig: max_batch_size (1: off), batch_wait_ms
     quantization: str | None = None  # "fp8", or None (unquantized)
+    cache: dict[str, Any] | None = None  # StepCacheConfig: policy, threshold; None: no step cache
 
 
 class ModelList(BaseModel):

@@ -94,6 +94,7 @@ class VideoRecord:
     width: int | None = None
     height: int | None = None
     timings_ms: dict[str, float] | None = None
+    step_cache: dict[str, Any] | None = None
     file_bytes: int = 0
     job: Job | None = field(default=None, repr=False)  # the scheduler's job until the record is final
     cancelled_by_client: bool = field(default=False, repr=False)
@@ -323,6 +324,7 @@ class VideoStore:
                     record.width, record.height, record.num_frames = output.width, output.height, output.num_frames
                     record.size = f"{output.width}x{output.height}"
                     record.timings_ms = {k: round(v, 2) for k, v in output.timings_ms.items()}
+                    record.step_cache = output.step_cache
             else:
                 record.status = "failed"
                 record.error = job.error or JobError("server_error", f"the job ended {job.status}")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers import transformer_hunyuan_video15 as reference
@@ -46,6 +47,13 @@ from vllm_omni.diffusion.models.text_compaction import (
 
 # cond_type_embed rows, as in the reference
 _PROMPT_TYPE, _GLYPH_TYPE, _IMAGE_TYPE = 0, 1, 2
+
+# Where diffusers' cache hooks (the step cache, diffusion/step_cache.py) find the block's outputs:
+# (hidden_states, encoder_hidden_states). diffusers 0.42.1 registers none for this block.
+TransformerBlockRegistry.register(
+    reference.HunyuanVideo15TransformerBlock,
+    TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1),
+)
 
 
 class HunyuanVideo15SPAttnProcessor:

@@ -183,6 +183,7 @@ def result_fields(output: DiffusionOutput) -> dict[str, Any]:
         "height": output.height,
         "seed": output.seed,
         "timings_ms": {k: round(v, 2) for k, v in output.timings_ms.items()},
+        "step_cache": output.step_cache,
     }
 
 

@@ -40,6 +40,7 @@ async def models(http: Request) -> ModelList:
         limits={k: v for k, v in asdict(limits).items() if v is not None},  # None: the model's, not known yet
         batching=asdict(settings.engine.batching),
         quantization=settings.engine.quantization,
+        cache=asdict(settings.engine.cache) if settings.engine.cache is not None else None,
     )
     return ModelList(data=[card])
 

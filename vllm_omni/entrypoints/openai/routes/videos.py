@@ -207,6 +207,7 @@ def _view(record: VideoRecord) -> Video:
         width=record.width,
         height=record.height,
         timings_ms=record.timings_ms,
+        step_cache=record.step_cache,
     )
 
 

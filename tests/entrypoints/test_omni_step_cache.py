@@ -1,0 +1,148 @@
+"""The step cache (First-Block-Cache, diffusion/step_cache.py) under SP, CFG parallel and graphs, on CPU ranks.
+
+Tiny Qwen-Image with true CFG at 208x272 (221 image tokens: padded at Ulysses 2 and 3), 8 steps, fp32. The
+threshold sits between the first block's relative changes of the steps it skips (about 0.51 and 0.52) and
+of those it computes (0.56 and up), far from each: U1 skips steps 3 and 5 of both branches. Every layout must
+skip exactly those and give U1's image. CFG parallel runs with the simulated CUDA graphs, so the probe and
+the graph's replay (CachedForward) run too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
+
+from vllm_omni import Omni  # noqa: E402
+from vllm_omni.diffusion.data import GenerationParams, RequestCancelled, RequestFailed  # noqa: E402
+
+MODEL = "tiny/qwen-image"
+THRESHOLD = 0.55
+STEPS = 8
+SKIPPED = {"cond": [3, 5], "uncond": [3, 5]}
+PAUSE_PROMPT, HANG_PROMPT = "rank 0 pauses at a skipped step", "rank 1 hangs at a skipped step"
+STALL_S = 4.0
+
+
+def _generate(omni: Omni, prompt: str = "a cat holding a sign") -> tuple[np.ndarray, dict | None]:
+    images = omni.generate(
+        prompt,
+        negative_prompt="blurry",
+        height=208,
+        width=272,
+        num_inference_steps=STEPS,
+        seed=7,
+        true_cfg_scale=4.0,
+        output_type="np",
+    )
+    return np.stack(images), omni.last_output.step_cache
+
+
+@pytest.fixture(scope="module")
+def uncached():
+    with Omni(MODEL) as omni:
+        return _generate(omni)[0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with Omni(MODEL, cache="first_block", cache_threshold=THRESHOLD) as omni:
+        return _generate(omni)
+
+
+def test_one_process_skips_some_steps_and_reports_them(reference, uncached):
+    image, report = reference
+    assert report == {
+        "policy": "first_block",
+        "threshold": THRESHOLD,
+        "forwards_computed": 2 * STEPS - 4,
+        "forwards_skipped": 4,
+        "skipped_steps": SKIPPED,
+    }
+    assert 0 < np.abs(image - uncached).max() < 0.05  # the skipped steps reused residuals: close, not equal
+
+
+def test_ulysses_3_skips_the_steps_one_process_skips_and_gives_its_image(reference):
+    with Omni(MODEL, ulysses_degree=3, cache="first_block", cache_threshold=THRESHOLD) as omni:
+        image, report = _generate(omni)
+    assert report == reference[1]
+    np.testing.assert_allclose(image, reference[0], rtol=0, atol=1e-5)
+
+
+def test_cfg_parallel_with_graphs_skips_the_same_steps_and_gives_the_same_image(reference, monkeypatch, capfd):
+    """CFG parallel x Ulysses 2, simulated graphs: each group decides its own branch (group 1's "cond" context
+    runs the negative prompt), every computed forward replays a graph, a skipped one replays none."""
+    monkeypatch.setenv("VLLM_OMNI_TEST_CUDA_GRAPHS", "simulate")
+    with Omni(MODEL, ulysses_degree=2, cfg_parallel_size=2, cache="first_block", cache_threshold=THRESHOLD) as omni:
+        image, report = _generate(omni)
+        failures = omni.engine.graph_capture_failures
+    assert report == reference[1]
+    np.testing.assert_allclose(image, reference[0], rtol=0, atol=1e-5)
+    err = capfd.readouterr().err
+    assert failures == 0 and "eagerly" not in err and "simulated CUDA graph capture" in err
+
+
+@pytest.fixture(scope="module")
+def faulty():
+    """Ulysses 2 with the cache: rank 0 pauses (until cancelled) at step 3, a skipped step, for PAUSE_PROMPT;
+    rank 1 hangs there for HANG_PROMPT."""
+    faults = [
+        {"kind": "pause", "rank": 0, "step": 3, "prompt": PAUSE_PROMPT},
+        {"kind": "hang", "rank": 1, "step": 3, "prompt": HANG_PROMPT},
+    ]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_OMNI_TEST_FAULT", json.dumps(faults))  # inherited by every worker, restarted ones too
+        with Omni(
+            MODEL, ulysses_degree=2, cache="first_block", cache_threshold=THRESHOLD, stall_timeout_s=STALL_S
+        ) as omni:
+            yield omni
+
+
+def test_ulysses_2_skips_the_same_steps(faulty, reference):
+    image, report = _generate(faulty)
+    assert report == reference[1]
+    np.testing.assert_allclose(image, reference[0], rtol=0, atol=1e-5)
+
+
+def _params(prompt: str) -> GenerationParams:
+    return GenerationParams(
+        prompt, negative_prompt="blurry", height=208, width=272, num_inference_steps=STEPS, seed=7, output_type="np"
+    )
+
+
+def test_a_cancel_at_a_skipped_step_stops_the_group(faulty, reference):
+    engine = faulty.engine
+    request = engine.preprocess(_params(PAUSE_PROMPT))
+    reached = threading.Event()
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            engine.step(request, on_progress=lambda done, total, *phase: done >= 3 and reached.set())
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert reached.wait(120), "the request never reached step 3"
+    engine.cancel(request.request_id)
+    thread.join(120)
+    assert isinstance(outcome.get("error"), RequestCancelled) and "at step 4" in str(outcome["error"])
+    assert engine.restarts == 0
+    assert _generate(faulty)[1] == reference[1]  # the next request starts with empty caches
+
+
+def test_a_rank_hung_at_a_skipped_step_fails_at_the_stall_deadline_and_the_restarted_group_caches_alike(
+    faulty, reference
+):
+    engine = faulty.engine
+    with pytest.raises(RequestFailed, match=r"made no progress for 4 s \(stall_timeout_s\)"):
+        engine.step(engine.preprocess(_params(HANG_PROMPT)))
+    image, report = _generate(faulty)  # waits for the restarted group
+    assert engine.restarts == 1 and report == reference[1]
+    np.testing.assert_allclose(image, reference[0], rtol=0, atol=1e-5)

@@ -1,0 +1,196 @@
+"""Step caching through diffusers' First-Block-Cache, decided for the whole SP group.
+
+diffusers' First-Block-Cache (`diffusers.hooks.apply_first_block_cache`) runs a denoiser's first
+block at every step and measures how much that block's residual changed since the last computed
+step: below `threshold` the remaining blocks are skipped, and the residual they added last time is
+reused. diffusers measures the tensor it holds, which under SP is one rank's shard: ranks whose
+shards changed by different amounts would take different branches, and one would wait in an
+all-to-all the others never reach. So the head block's hook here (`GroupFirstBlockHook`, a
+subclass of diffusers' own) sums |change| and |previous| over the real rows of every rank's shard
+(the SP padding left out, sequence_parallel.real_rows), adds the sums up over the SP group and only
+then divides: every rank of the group gets the number one process gets, and takes the same branch.
+The other blocks keep diffusers' hooks.
+
+Classifier-free guidance: diffusers' pipelines run cond and uncond in cache contexts of their own
+(`cache_context("cond")`), each with its own cache and its own decisions; `BranchContext` names
+the calls of a step the same way for a pipeline that sets no context (GLM-Image). Under CFG
+parallel each group runs one branch and decides it as one process would; the groups never meet in
+a cache decision, since a skip changes nothing outside the group's own SP collectives.
+
+CUDA graphs: a graph cannot branch on the host, so with graphs on the forward goes through
+`CachedForward`: the forward runs eagerly up to the decision (the probe). A skipped step finishes
+there, eagerly (the embeddings, the first block, the reused residual, the final projection: no
+replay); a computed step stops the probe and replays the whole forward's graph, which runs the
+first block again (one block in 60 on Qwen-Image) and stores the new residuals, copied out of the
+graph's memory afterwards so that no cache holds what a graph overwrites at its next replay.
+
+`CacheRecord` keeps, per request, which steps each branch computed or skipped: the worker reports
+it, the engine merges the ranks' records into the output (`DiffusionOutput.step_cache`) and the log.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, ModelHook, apply_first_block_cache
+from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK, FBCHeadBlockHook
+from diffusers.hooks.hooks import CacheContext
+
+from vllm_omni.diffusion.data import StepCacheConfig
+from vllm_omni.diffusion.distributed.sequence_parallel import IMAGE, group_sum, real_rows
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+BRANCHES = ("cond", "uncond")  # the calls of a CFG step, in the order pipelines make them
+
+
+class CacheRecord:
+    """One rank's cache decisions in the current request: branch -> {step: computed}, shared by its denoisers."""
+
+    def __init__(self, config: StepCacheConfig) -> None:
+        self.config = config
+        self.step = 0
+        self.calls = 0  # computed calls in this step (BranchContext's names)
+        self.swapped = False  # CFG parallel group 1: its "cond" context runs the negative prompt
+        self.decisions: dict[str, dict[int, bool]] = {}
+
+    def start_request(self, swapped: bool) -> None:
+        self.step, self.calls, self.swapped, self.decisions = 0, 0, swapped, {}
+
+    def end_step(self) -> None:
+        self.step += 1
+        self.calls = 0
+
+    def add(self, context: str, computed: bool) -> None:
+        context = context.removeprefix("pred_")  # HunyuanVideo 1.5's guider names them pred_cond, pred_uncond
+        if self.swapped and context in BRANCHES:
+            context = BRANCHES[1 - BRANCHES.index(context)]
+        self.decisions.setdefault(context, {})[self.step] = computed
+
+    def summary(self) -> dict[str, dict[int, bool]]:
+        return {branch: dict(steps) for branch, steps in self.decisions.items()}
+
+
+def relative_change(current: torch.Tensor, previous: torch.Tensor) -> float:
+    """mean |current - previous| / mean |previous| over the real tokens of the whole SP group (dim 1)."""
+    current, previous = real_rows(current, 1, IMAGE), real_rows(previous, 1, IMAGE)
+    sums = torch.stack([(current - previous).abs().sum(), previous.abs().sum()]).double()
+    change, scale = group_sum(sums).tolist()  # the group's totals: the same on every rank
+    return change / scale if scale > 0 else math.inf
+
+
+class ComputeInGraph(Exception):
+    """Raised by the probe at a computed step: the graph of the whole forward replays instead."""
+
+
+class GroupFirstBlockHook(FBCHeadBlockHook):
+    """diffusers' First-Block-Cache head hook, deciding on the group's statistic (`relative_change`).
+
+    `mode`: "decide" (no graphs: decide and go on), "probe" (CachedForward's eager pass: a computed
+    step raises ComputeInGraph) or "replay" (inside the graphed forward: compute, decided already).
+    """
+
+    def __init__(self, state_manager: Any, threshold: float, record: CacheRecord) -> None:
+        super().__init__(state_manager, threshold)
+        self.record = record
+        self.mode = "decide"
+        self.probed: torch.Tensor | None = None  # the probe's head residual, kept for the next step
+
+    @torch.compiler.disable
+    def _should_compute_remaining_blocks(self, hidden_states_residual: torch.Tensor) -> bool:
+        if self.mode == "replay":
+            return True
+        previous = self.state_manager.get_state().head_block_residual
+        change = math.inf if previous is None else relative_change(hidden_states_residual, previous)
+        computed = change > self.threshold
+        context = self.state_manager.context.name
+        logger.debug("Step cache, step %d (%s): change %.6f, %s", self.record.step, context, change, computed)
+        self.record.add(context, computed)
+        if computed and self.mode == "probe":
+            self.probed = hidden_states_residual
+            raise ComputeInGraph
+        return computed
+
+
+class BranchContext(ModelHook):
+    """Gives a denoiser's call the cache context "cond", then "uncond", within a step, where the pipeline
+    sets none; the innermost hook, so it sees only the calls that compute (CFG parallel answers the other)."""
+
+    NAME = "vllm_omni.branch_context"
+
+    def __init__(self, head: GroupFirstBlockHook) -> None:
+        super().__init__()
+        self.head = head
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        record = self.head.record
+        record.calls += 1
+        if self.head.state_manager._context is not None:  # the pipeline named it
+            return self.fn_ref.original_forward(*args, **kwargs)
+        name = BRANCHES[record.calls - 1] if record.calls <= len(BRANCHES) else f"call{record.calls}"
+        with module.cache_context(name):
+            return self.fn_ref.original_forward(*args, **kwargs)
+
+
+def install_step_cache(denoiser: torch.nn.Module, config: StepCacheConfig, record: CacheRecord) -> GroupFirstBlockHook:
+    """diffusers' First-Block-Cache on `denoiser`, its head hook replaced by the group-deciding one."""
+    apply_first_block_cache(denoiser, FirstBlockCacheConfig(threshold=config.threshold))
+    registries = [getattr(m, "_diffusers_hook", None) for m in denoiser.modules()]
+    (registry,) = [r for r in registries if r is not None and r.get_hook(_FBC_LEADER_BLOCK_HOOK) is not None]
+    diffusers_head = registry.get_hook(_FBC_LEADER_BLOCK_HOOK)
+    registry.remove_hook(_FBC_LEADER_BLOCK_HOOK)
+    head = GroupFirstBlockHook(diffusers_head.state_manager, config.threshold, record)
+    registry.register_hook(head, _FBC_LEADER_BLOCK_HOOK)
+    HookRegistry.check_if_exists_or_initialize(denoiser).register_hook(BranchContext(head), BranchContext.NAME)
+    return head
+
+
+class CachedForward:
+    """A denoiser's `forward_sharded` with the step cache and CUDA graphs (see the module doc).
+
+    `eager` is the model's own function, `graphed` its CUDAGraphForward. The graphed forward stores
+    its residuals under a scratch cache context of its own per graph key; tensors written by a
+    capture (or an eager run) are kept by key, since a replay writes the same memory again without
+    running any Python.
+    """
+
+    def __init__(self, eager: Callable[..., torch.Tensor], graphed: Any, head: GroupFirstBlockHook) -> None:
+        self.eager, self.graphed, self.head = eager, graphed, head
+        self.written: dict[Hashable, tuple] = {}  # graph key -> the tail residuals its replays write
+
+    def __getattr__(self, name: str) -> Any:  # captures, graphs, disabled: the CUDAGraphForward's
+        return getattr(self.graphed, name)
+
+    def __call__(self, **kwargs: Any) -> torch.Tensor:
+        manager = self.head.state_manager
+        if manager._context is None:
+            raise RuntimeError("the step cache needs a cache context (BranchContext sets one)")
+        self.head.mode = "probe"
+        try:
+            return self.eager(**kwargs)  # a skipped step ends here
+        except ComputeInGraph:
+            pass
+        finally:
+            self.head.mode = "decide"
+        context, key = manager._context, self.graphed.key(kwargs)
+        manager.set_context(CacheContext(f"vllm_omni.graph.{hash(key)}"))
+        scratch = manager.get_state()
+        scratch.tail_block_residuals = None
+        self.head.mode = "replay"
+        try:
+            output = self.graphed(**kwargs)
+        finally:
+            self.head.mode = "decide"
+            manager.set_context(context)
+        if scratch.tail_block_residuals is not None:  # Python ran: a capture, or an eager call
+            self.written[key] = scratch.tail_block_residuals
+        for stale in [k for k in self.written if k != key and k not in self.graphed.graphs]:
+            del self.written[stale]  # evicted graphs
+        state = manager.get_state()
+        state.head_block_residual, self.head.probed = self.head.probed, None
+        state.tail_block_residuals = tuple(None if t is None else t.clone() for t in self.written[key])
+        return output
