@@ -41,7 +41,7 @@ def decide(threshold: float, pad_value: float) -> dict:
     record = CacheRecord(StepCacheConfig(threshold=threshold))
     manager = StateManager(FBCSharedBlockState)
     manager.set_context(CacheContext("cond"))
-    hook = GroupFirstBlockHook(manager, threshold, record)
+    hook = GroupFirstBlockHook(manager, record)
     with sequence_parallel_context() as ctx:
         prev_shard = shard_with_auto_pad(previous, 1, IMAGE)
         cur_shard = shard_with_auto_pad(current, 1, IMAGE)
@@ -78,16 +78,16 @@ def test_every_rank_takes_the_groups_branch_where_its_own_shard_would_take_the_o
 
 
 def test_the_report_merges_the_ranks_and_names_group_1s_branch():
-    config = StepCacheConfig(threshold=0.1)
+    config = StepCacheConfig()
     group_0, group_1 = CacheRecord(config), CacheRecord(config)
-    group_0.start_request(swapped=False)
-    group_1.start_request(swapped=True)  # CFG parallel group 1: its "cond" context runs the negative prompt
+    group_0.start_request(0.1, swapped=False)
+    group_1.start_request(0.1, swapped=True)  # CFG parallel group 1: its "cond" context runs the negative prompt
     for computed_0, computed_1 in [(True, True), (False, True), (True, False)]:
         group_0.add("cond", computed_0)
         group_1.add("cond", computed_1)
         group_0.end_step()
         group_1.end_step()
-    report = step_cache_report(config, [group_0.summary(), group_0.summary(), group_1.summary()])
+    report = step_cache_report("first_block", 0.1, [group_0.summary(), group_0.summary(), group_1.summary()])
     assert report == {
         "policy": "first_block",
         "threshold": 0.1,

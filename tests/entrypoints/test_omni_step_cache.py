@@ -19,7 +19,7 @@ import pytest
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
-from vllm_omni.diffusion.data import GenerationParams, RequestCancelled, RequestFailed  # noqa: E402
+from vllm_omni.diffusion.data import GenerationParams, RequestCancelled, RequestError, RequestFailed  # noqa: E402
 
 MODEL = "tiny/qwen-image"
 THRESHOLD = 0.55
@@ -29,7 +29,7 @@ PAUSE_PROMPT, HANG_PROMPT = "rank 0 pauses at a skipped step", "rank 1 hangs at 
 STALL_S = 4.0
 
 
-def _generate(omni: Omni, prompt: str = "a cat holding a sign") -> tuple[np.ndarray, dict | None]:
+def _generate(omni: Omni, prompt: str = "a cat holding a sign", **fields) -> tuple[np.ndarray, dict | None]:
     images = omni.generate(
         prompt,
         negative_prompt="blurry",
@@ -39,6 +39,7 @@ def _generate(omni: Omni, prompt: str = "a cat holding a sign") -> tuple[np.ndar
         seed=7,
         true_cfg_scale=4.0,
         output_type="np",
+        **fields,
     )
     return np.stack(images), omni.last_output.step_cache
 
@@ -52,7 +53,17 @@ def uncached():
 @pytest.fixture(scope="module")
 def reference():
     with Omni(MODEL, cache="first_block", cache_threshold=THRESHOLD) as omni:
-        return _generate(omni)
+        first = _generate(omni)
+        # A request's own threshold: above every change but the first steps' (inf), it skips all it can.
+        higher = _generate(omni, cache_threshold=10.0)[1]
+        with pytest.raises(RequestError, match="cache_threshold must be a number > 0") as refused:
+            _generate(omni, cache_threshold=0)
+        assert refused.value.param == "cache_threshold"
+        again = _generate(omni)
+    assert again[1] == first[1]  # the next request has the server's threshold and empty caches again
+    np.testing.assert_array_equal(again[0], first[0])
+    assert higher["threshold"] == 10.0 and higher["forwards_skipped"] == 2 * (STEPS - 1), higher
+    return first
 
 
 def test_one_process_skips_some_steps_and_reports_them(reference, uncached):

@@ -161,6 +161,7 @@ def test_concurrent_requests_each_get_the_image_of_their_own_seed(server):
         ({"n": "many"}, "n", "integer"),
         ({"seed": -5}, "seed", "between"),
         ({"guidance_scale": 1000}, "guidance_scale", "between"),
+        ({"cache_threshold": 0.1}, "cache_threshold", "needs a server with a step cache"),  # this one has none
         ({"model": "no-such/model"}, "model", "not served here"),
         ({"response_format": "url"}, "response_format", "b64_json"),
         ({"prompt": ""}, "prompt", "non-empty"),

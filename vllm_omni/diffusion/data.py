@@ -171,7 +171,7 @@ class StepCacheConfig:
             raise ValueError(f"cache_threshold must be a number > 0, got {value!r}")
 
 
-def step_cache_report(config: StepCacheConfig, records: list[dict[str, dict[int, bool]]]) -> dict[str, Any]:
+def step_cache_report(policy: str, threshold: float, records: list[dict[str, dict[int, bool]]]) -> dict[str, Any]:
     """The ranks' cache records (branch -> {step: computed}) merged into what a response reports.
 
     Every rank of an SP group decides alike; under CFG parallel each group records its own branch.
@@ -182,8 +182,8 @@ def step_cache_report(config: StepCacheConfig, records: list[dict[str, dict[int,
             steps.setdefault(branch, {}).update(decisions)
     computed = sum(c for decisions in steps.values() for c in decisions.values())
     return {
-        "policy": config.policy,
-        "threshold": config.threshold,
+        "policy": policy,
+        "threshold": threshold,
         "forwards_computed": computed,
         "forwards_skipped": sum(len(decisions) for decisions in steps.values()) - computed,
         "skipped_steps": {b: sorted(s for s, c in d.items() if not c) for b, d in sorted(steps.items())},
@@ -335,6 +335,7 @@ class GenerationParams:
     true_cfg_scale: float | None = None
     n: int | None = None
     seed: int | None = None
+    cache_threshold: float | None = None
     num_frames: int | None = None
     fps: int | None = None
     # pil: PIL images (a video: a list of PIL frames); np: float32 arrays in [0, 1]; uint8: uint8 arrays
@@ -361,6 +362,7 @@ class DiffusionRequest:
     true_cfg_scale: float | None = None  # None: the pipeline takes no true CFG
     num_images: int = 1
     seed: int = 0
+    cache_threshold: float | None = None  # the step cache's, on a server with one (else None)
     num_frames: int | None = None  # video only; None: the pipeline's default
     fps: int | None = None  # video only
     cancel_token: int = 0  # the executor's number for this request; cancelling flags it

@@ -147,7 +147,7 @@ class DiffusionEngine:
         self._id_lock = threading.Lock()
         self._cancel_tokens: dict[str, int] = {}  # running request id -> the executor's cancel token
         self._cancelled_early: dict[str, None] = {}  # ids cancelled before they ran (insertion-ordered)
-        self._preprocessor = RequestPreprocessor(self.spec, self.limits, self.model_path)
+        self._preprocessor = RequestPreprocessor(self.spec, self.limits, self.model_path, config.cache)
         self._stopping = False
         logger.info(
             "Starting %d worker(s) for %s (%s) on %s, %s, quantization=%s, cache=%s, ulysses_degree=%d, "
@@ -370,7 +370,7 @@ class DiffusionEngine:
         cache = None
         if self.config.cache is not None:  # every rank's record: under CFG parallel each group has one branch
             records = [s["step_cache"] for s in self.executor.rank_stats.values() if "step_cache" in s]
-            cache = step_cache_report(self.config.cache, records)
+            cache = step_cache_report(self.config.cache.policy, request.cache_threshold, records)
         for output in outputs:
             output.timings_ms = dict(timings)
             output.batch_size = len(ids)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import DiffusionRequest, EngineLimits, GenerationParams, RequestError
+from vllm_omni.diffusion.data import DiffusionRequest, EngineLimits, GenerationParams, RequestError, StepCacheConfig
 from vllm_omni.diffusion.images import inspect_image
 from vllm_omni.diffusion.models.registry import PipelineSpec
 from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
@@ -102,8 +102,11 @@ def bucket_target_size(model_path: Path) -> int:
 
 
 class RequestPreprocessor:
-    def __init__(self, spec: PipelineSpec, limits: EngineLimits, model_path: Path) -> None:
+    def __init__(
+        self, spec: PipelineSpec, limits: EngineLimits, model_path: Path, cache: StepCacheConfig | None = None
+    ) -> None:
         self.spec = spec
+        self.cache = cache  # the server's step cache (its default threshold), None for none
         self.limits = limits.for_model(spec)
         self.tokens = PromptTokenCounter(model_path)
         self.max_prompt_tokens = min(limits.max_prompt_tokens, spec.max_prompt_tokens or limits.max_prompt_tokens)
@@ -156,6 +159,7 @@ class RequestPreprocessor:
             seed = secrets.randbelow(2**31)
             logger.info("No seed given: drew seed %d", seed)
         seed = check_int("seed", seed, 0, MAX_SEED)
+        cache_threshold = self._check_cache_threshold(params.cache_threshold)
         images, source_sizes = self._check_images(params.image)
         if height is None or width is None:
             width, height = self._derived_size(width, height, source_sizes)
@@ -176,6 +180,7 @@ class RequestPreprocessor:
             true_cfg_scale=true_cfg,
             num_images=n,
             seed=seed,
+            cache_threshold=cache_threshold,
             num_frames=num_frames,
             fps=fps,
             cancel_token=cancel_token,
@@ -183,6 +188,18 @@ class RequestPreprocessor:
         )
         request.preprocess_ms = (time.perf_counter() - start) * 1e3
         return request
+
+    def _check_cache_threshold(self, value: Any) -> float | None:
+        if value is None:
+            return None if self.cache is None else self.cache.threshold
+        if self.cache is None:
+            raise RequestError(
+                "cache_threshold needs a server with a step cache (started with --cache first_block); it runs none",
+                "cache_threshold",
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise RequestError(f"cache_threshold must be a number > 0, got {value!r}", "cache_threshold")
+        return float(value)
 
     def _check_text(self, name: str, text: Any, required: bool) -> None:
         if text is None and not required:

@@ -56,6 +56,13 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
     RequestField("n", int, "images (or videos) to generate for the prompt (default: 1)", "--n"),
     RequestField("seed", int, "random seed (default: drawn by the engine and reported)", "--seed"),
     RequestField(
+        "cache_threshold",
+        float,
+        "the step cache's threshold for this request, on a server started with a cache (--cache): higher skips "
+        "more steps (default: the server's)",
+        "--cache-threshold",  # `vllm-omni generate`: the same flag sets the engine's
+    ),
+    RequestField(
         "num_frames",
         int,
         "video frames, rounded down to k * 4 + 1 (default: the model's)",

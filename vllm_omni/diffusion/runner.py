@@ -82,7 +82,7 @@ def install_forward_chain(
         first one with the step cache's hook (step_cache.py) -> attention/layer.py.
     `graphs`: CUDAGraphForward's keyword arguments, None for eager. `cache`: the step cache's record, None for none.
     """
-    head = install_step_cache(denoiser, cache.config, cache) if cache is not None else None  # innermost hook
+    head = install_step_cache(denoiser, cache) if cache is not None else None  # innermost hook
     registry = HookRegistry.check_if_exists_or_initialize(denoiser)
     if cfg is not None:
         registry.register_hook(CFGParallelHook(cfg), CFGParallelHook.NAME)
@@ -238,7 +238,8 @@ class PipelineRunner:
         if self.cache is not None:
             for denoiser in self.denoisers.values():
                 denoiser._reset_stateful_cache()  # a new request starts with empty caches
-            self.cache.start_request(swapped=self.cfg is not None and self.cfg.active and self.cfg_rank == 1)
+            swapped = self.cfg is not None and self.cfg.active and self.cfg_rank == 1
+            self.cache.start_request(request.cache_threshold or self.cache.config.threshold, swapped)
         last_step = request.num_inference_steps - 1
 
         def step_end(step: int) -> None:

@@ -39,7 +39,7 @@ from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, ModelHook, appl
 from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK, FBCHeadBlockHook
 from diffusers.hooks.hooks import CacheContext
 
-from vllm_omni.diffusion.data import StepCacheConfig
+from vllm_omni.diffusion.data import StepCacheConfig, step_cache_report
 from vllm_omni.diffusion.distributed.sequence_parallel import IMAGE, group_sum, real_rows
 from vllm_omni.logger import init_logger
 
@@ -53,13 +53,14 @@ class CacheRecord:
 
     def __init__(self, config: StepCacheConfig) -> None:
         self.config = config
+        self.threshold = config.threshold  # the current request's (its cache_threshold)
         self.step = 0
         self.calls = 0  # computed calls in this step (BranchContext's names)
         self.swapped = False  # CFG parallel group 1: its "cond" context runs the negative prompt
         self.decisions: dict[str, dict[int, bool]] = {}
 
-    def start_request(self, swapped: bool) -> None:
-        self.step, self.calls, self.swapped, self.decisions = 0, 0, swapped, {}
+    def start_request(self, threshold: float, swapped: bool) -> None:
+        self.step, self.calls, self.threshold, self.swapped, self.decisions = 0, 0, threshold, swapped, {}
 
     def end_step(self) -> None:
         self.step += 1
@@ -73,6 +74,10 @@ class CacheRecord:
 
     def summary(self) -> dict[str, dict[int, bool]]:
         return {branch: dict(steps) for branch, steps in self.decisions.items()}
+
+    def report(self) -> dict[str, Any]:
+        """This rank's decisions as a response reports them (the step log's)."""
+        return step_cache_report(self.config.policy, self.threshold, [self.summary()])
 
 
 def relative_change(current: torch.Tensor, previous: torch.Tensor) -> float:
@@ -94,8 +99,8 @@ class GroupFirstBlockHook(FBCHeadBlockHook):
     step raises ComputeInGraph) or "replay" (inside the graphed forward: compute, decided already).
     """
 
-    def __init__(self, state_manager: Any, threshold: float, record: CacheRecord) -> None:
-        super().__init__(state_manager, threshold)
+    def __init__(self, state_manager: Any, record: CacheRecord) -> None:
+        super().__init__(state_manager, record.threshold)  # its own `threshold` unused: the request's is the record's
         self.record = record
         self.mode = "decide"
         self.probed: torch.Tensor | None = None  # the probe's head residual, kept for the next step
@@ -106,7 +111,7 @@ class GroupFirstBlockHook(FBCHeadBlockHook):
             return True
         previous = self.state_manager.get_state().head_block_residual
         change = math.inf if previous is None else relative_change(hidden_states_residual, previous)
-        computed = change > self.threshold
+        computed = change > self.record.threshold
         context = self.state_manager.context.name
         logger.debug("Step cache, step %d (%s): change %.6f, %s", self.record.step, context, change, computed)
         self.record.add(context, computed)
@@ -136,14 +141,14 @@ class BranchContext(ModelHook):
             return self.fn_ref.original_forward(*args, **kwargs)
 
 
-def install_step_cache(denoiser: torch.nn.Module, config: StepCacheConfig, record: CacheRecord) -> GroupFirstBlockHook:
+def install_step_cache(denoiser: torch.nn.Module, record: CacheRecord) -> GroupFirstBlockHook:
     """diffusers' First-Block-Cache on `denoiser`, its head hook replaced by the group-deciding one."""
-    apply_first_block_cache(denoiser, FirstBlockCacheConfig(threshold=config.threshold))
+    apply_first_block_cache(denoiser, FirstBlockCacheConfig(threshold=record.config.threshold))
     registries = [getattr(m, "_diffusers_hook", None) for m in denoiser.modules()]
     (registry,) = [r for r in registries if r is not None and r.get_hook(_FBC_LEADER_BLOCK_HOOK) is not None]
     diffusers_head = registry.get_hook(_FBC_LEADER_BLOCK_HOOK)
     registry.remove_hook(_FBC_LEADER_BLOCK_HOOK)
-    head = GroupFirstBlockHook(diffusers_head.state_manager, config.threshold, record)
+    head = GroupFirstBlockHook(diffusers_head.state_manager, record)
     registry.register_hook(head, _FBC_LEADER_BLOCK_HOOK)
     HookRegistry.check_if_exists_or_initialize(denoiser).register_hook(BranchContext(head), BranchContext.NAME)
     return head

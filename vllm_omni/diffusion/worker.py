@@ -34,7 +34,6 @@ from vllm_omni.diffusion.data import (
     RequestCancelled,
     RequestError,
     step_cache_line,
-    step_cache_report,
 )
 from vllm_omni.logger import init_logger
 
@@ -286,6 +285,7 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
             reports.put(("error", rank, request.request_id, f"{type(exc).__name__}: {exc}"))
             continue
         records = runner.cache.summary() if runner.cache is not None else None
+        cache = None if records is None else runner.cache.report()
         if rank == 0:
             batched = f" (batched with {', '.join(row.request_id for row in request.batch)})" if request.batch else ""
             logger.info(
@@ -299,7 +299,7 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
                 request.num_inference_steps,
                 time.perf_counter() - start,
                 ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
-                "" if records is None else f"; {step_cache_line(step_cache_report(runner.cache.config, [records]))}",
+                "" if cache is None else f"; {step_cache_line(cache)}",
             )
         stats: dict[str, Any] = {
             "phase_seconds": runner.phase_seconds,

@@ -37,6 +37,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
         "(default: the pipeline's, for edits the source's aspect ratio at about 1 MP)",
     )
     for f in SAMPLING_FIELDS:
+        if f.cli_flag in parser._option_string_actions:  # --cache-threshold: the engine's flag sets both
+            continue
         if not f.in_size:
             kind = positive_int if f.type is int and f.name != "seed" else f.type
             req.add_argument(f.cli_flag, dest=f.name, type=kind, default=None, help=f.help)
