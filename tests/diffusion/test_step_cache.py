@@ -9,6 +9,8 @@ graphs: tests/entrypoints/test_omni_step_cache.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from diffusers.hooks.first_block_cache import FBCSharedBlockState
@@ -70,7 +72,8 @@ def test_every_rank_takes_the_groups_branch_where_its_own_shard_would_take_the_o
     assert [r["computed"] for r in results] == [False] * world
     assert results[0]["own"] is True  # the constructed disagreement: rank 0 alone would have computed
     assert all(r["change"] == pytest.approx(expected, rel=1e-12) for r in results)  # padding rows never count
-    assert all(r["record"] == {"cond": {0: False}} for r in results)
+    assert all(r["record"]["decisions"] == {"cond": {0: False}} for r in results)
+    assert all(r["record"]["changes"] == [pytest.approx(expected, rel=1e-12)] for r in results)
     # Just below it: the group computes; the other ranks alone (their tokens barely changed) would skip.
     results = sp_pool.run(decide, expected * 0.99, pad_value)
     assert [r["computed"] for r in results] == [True] * world
@@ -82,9 +85,9 @@ def test_the_report_merges_the_ranks_and_names_group_1s_branch():
     group_0, group_1 = CacheRecord(config), CacheRecord(config)
     group_0.start_request(0.1, swapped=False)
     group_1.start_request(0.1, swapped=True)  # CFG parallel group 1: its "cond" context runs the negative prompt
-    for computed_0, computed_1 in [(True, True), (False, True), (True, False)]:
-        group_0.add("cond", computed_0)
-        group_1.add("cond", computed_1)
+    for step, (computed_0, computed_1) in enumerate([(True, True), (False, True), (True, False)]):
+        group_0.add("cond", computed_0, 0.1 * step if step else math.inf)
+        group_1.add("cond", computed_1, 0.3 * step if step else math.inf)
         group_0.end_step()
         group_1.end_step()
     report = step_cache_report("first_block", 0.1, [group_0.summary(), group_0.summary(), group_1.summary()])
@@ -94,6 +97,7 @@ def test_the_report_merges_the_ranks_and_names_group_1s_branch():
         "forwards_computed": 4,
         "forwards_skipped": 2,
         "skipped_steps": {"cond": [1], "uncond": [2]},
+        "median_change": 0.25,  # of 0.1, 0.2 (group 0, counted once), 0.3, 0.6 (group 1)
     }
     assert step_cache_line(report) == (
         "step cache first_block (threshold 0.1): 4 forward(s) computed, 2 skipped (steps cond [1], uncond [2])"

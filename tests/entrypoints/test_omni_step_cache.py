@@ -44,6 +44,14 @@ def _generate(omni: Omni, prompt: str = "a cat holding a sign", **fields) -> tup
     return np.stack(images), omni.last_output.step_cache
 
 
+def same_decisions(report: dict, expected: dict) -> bool:
+    """The same steps computed and skipped; the median change as measured in another layout (float sums)."""
+    strip = {k: v for k, v in report.items() if k != "median_change"}
+    return strip == {k: v for k, v in expected.items() if k != "median_change"} and report[
+        "median_change"
+    ] == pytest.approx(expected["median_change"], rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def uncached():
     with Omni(MODEL) as omni:
@@ -60,7 +68,7 @@ def reference():
             _generate(omni, cache_threshold=0)
         assert refused.value.param == "cache_threshold"
         again = _generate(omni)
-    assert again[1] == first[1]  # the next request has the server's threshold and empty caches again
+    assert same_decisions(again[1], first[1])  # the next request has the server's threshold and empty caches again
     np.testing.assert_array_equal(again[0], first[0])
     assert higher["threshold"] == 10.0 and higher["forwards_skipped"] == 2 * (STEPS - 1), higher
     return first
@@ -74,14 +82,16 @@ def test_one_process_skips_some_steps_and_reports_them(reference, uncached):
         "forwards_computed": 2 * STEPS - 4,
         "forwards_skipped": 4,
         "skipped_steps": SKIPPED,
+        "median_change": report["median_change"],
     }
+    assert 0.5 < report["median_change"] < 0.7  # the changes the threshold was chosen from (module doc)
     assert 0 < np.abs(image - uncached).max() < 0.05  # the skipped steps reused residuals: close, not equal
 
 
 def test_ulysses_3_skips_the_steps_one_process_skips_and_gives_its_image(reference):
     with Omni(MODEL, ulysses_degree=3, cache="first_block", cache_threshold=THRESHOLD) as omni:
         image, report = _generate(omni)
-    assert report == reference[1]
+    assert same_decisions(report, reference[1])
     np.testing.assert_allclose(image, reference[0], rtol=0, atol=1e-5)
 
 
@@ -92,7 +102,7 @@ def test_cfg_parallel_with_graphs_skips_the_same_steps_and_gives_the_same_image(
     with Omni(MODEL, ulysses_degree=2, cfg_parallel_size=2, cache="first_block", cache_threshold=THRESHOLD) as omni:
         image, report = _generate(omni)
         failures = omni.engine.graph_capture_failures
-    assert report == reference[1]
+    assert same_decisions(report, reference[1])
     np.testing.assert_allclose(image, reference[0], rtol=0, atol=1e-5)
     err = capfd.readouterr().err
     assert failures == 0 and "eagerly" not in err and "simulated CUDA graph capture" in err
@@ -116,7 +126,7 @@ def faulty():
 
 def test_ulysses_2_skips_the_same_steps(faulty, reference):
     image, report = _generate(faulty)
-    assert report == reference[1]
+    assert same_decisions(report, reference[1])
     np.testing.assert_allclose(image, reference[0], rtol=0, atol=1e-5)
 
 
@@ -145,7 +155,7 @@ def test_a_cancel_at_a_skipped_step_stops_the_group(faulty, reference):
     thread.join(120)
     assert isinstance(outcome.get("error"), RequestCancelled) and "at step 4" in str(outcome["error"])
     assert engine.restarts == 0
-    assert _generate(faulty)[1] == reference[1]  # the next request starts with empty caches
+    assert same_decisions(_generate(faulty)[1], reference[1])  # the next request starts with empty caches
 
 
 def test_a_rank_hung_at_a_skipped_step_fails_at_the_stall_deadline_and_the_restarted_group_caches_alike(
@@ -155,5 +165,5 @@ def test_a_rank_hung_at_a_skipped_step_fails_at_the_stall_deadline_and_the_resta
     with pytest.raises(RequestFailed, match=r"made no progress for 4 s \(stall_timeout_s\)"):
         engine.step(engine.preprocess(_params(HANG_PROMPT)))
     image, report = _generate(faulty)  # waits for the restarted group
-    assert engine.restarts == 1 and report == reference[1]
+    assert engine.restarts == 1 and same_decisions(report, reference[1])
     np.testing.assert_allclose(image, reference[0], rtol=0, atol=1e-5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -171,15 +172,20 @@ class StepCacheConfig:
             raise ValueError(f"cache_threshold must be a number > 0, got {value!r}")
 
 
-def step_cache_report(policy: str, threshold: float, records: list[dict[str, dict[int, bool]]]) -> dict[str, Any]:
-    """The ranks' cache records (branch -> {step: computed}) merged into what a response reports.
+def step_cache_report(policy: str, threshold: float, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' cache records (`CacheRecord.summary`) merged into what a response reports.
 
-    Every rank of an SP group decides alike; under CFG parallel each group records its own branch.
+    Every rank of an SP group decides alike (and measures the same changes); under CFG parallel
+    each group records its own branch. `median_change`: of the first block's relative changes
+    the request measured (what a threshold is compared with), None before any was measured.
     """
     steps: dict[str, dict[int, bool]] = {}
-    for record in records:
-        for branch, decisions in record.items():
+    changes: list[float] = []
+    for i, record in enumerate(records):
+        for branch, decisions in record["decisions"].items():
             steps.setdefault(branch, {}).update(decisions)
+        if record["changes"] not in [other["changes"] for other in records[:i]]:
+            changes += record["changes"]  # once per group: an SP group's ranks measure the same
     computed = sum(c for decisions in steps.values() for c in decisions.values())
     return {
         "policy": policy,
@@ -187,6 +193,7 @@ def step_cache_report(policy: str, threshold: float, records: list[dict[str, dic
         "forwards_computed": computed,
         "forwards_skipped": sum(len(decisions) for decisions in steps.values()) - computed,
         "skipped_steps": {b: sorted(s for s, c in d.items() if not c) for b, d in sorted(steps.items())},
+        "median_change": round(statistics.median(changes), 6) if changes else None,
     }
 
 

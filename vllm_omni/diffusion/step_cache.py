@@ -58,22 +58,27 @@ class CacheRecord:
         self.calls = 0  # computed calls in this step (BranchContext's names)
         self.swapped = False  # CFG parallel group 1: its "cond" context runs the negative prompt
         self.decisions: dict[str, dict[int, bool]] = {}
+        self.changes: list[float] = []  # the first block's relative changes this request (the median is reported)
 
     def start_request(self, threshold: float, swapped: bool) -> None:
         self.step, self.calls, self.threshold, self.swapped, self.decisions = 0, 0, threshold, swapped, {}
+        self.changes = []
 
     def end_step(self) -> None:
         self.step += 1
         self.calls = 0
 
-    def add(self, context: str, computed: bool) -> None:
+    def add(self, context: str, computed: bool, change: float = math.inf) -> None:
         context = context.removeprefix("pred_")  # HunyuanVideo 1.5's guider names them pred_cond, pred_uncond
         if self.swapped and context in BRANCHES:
             context = BRANCHES[1 - BRANCHES.index(context)]
         self.decisions.setdefault(context, {})[self.step] = computed
+        if math.isfinite(change):
+            self.changes.append(change)
 
-    def summary(self) -> dict[str, dict[int, bool]]:
-        return {branch: dict(steps) for branch, steps in self.decisions.items()}
+    def summary(self) -> dict[str, Any]:
+        """What the worker reports: branch -> {step: computed}, and the changes measured."""
+        return {"decisions": {b: dict(steps) for b, steps in self.decisions.items()}, "changes": list(self.changes)}
 
     def report(self) -> dict[str, Any]:
         """This rank's decisions as a response reports them (the step log's)."""
@@ -114,7 +119,7 @@ class GroupFirstBlockHook(FBCHeadBlockHook):
         computed = change > self.record.threshold
         context = self.state_manager.context.name
         logger.debug("Step cache, step %d (%s): change %.6f, %s", self.record.step, context, change, computed)
-        self.record.add(context, computed)
+        self.record.add(context, computed, change)
         if computed and self.mode == "probe":
             self.probed = hidden_states_residual
             raise ComputeInGraph
