@@ -191,8 +191,15 @@ class Variant:
     gpus: int
     what: str
     omni: dict[str, Any] | None = None  # Omni keyword arguments (ours)
+    # Request fields of its runs (ours); a cache_threshold of AUTO: the median change its engine's previous
+    # variant measured (with random weights the first block's changes are not a trained model's).
+    fields: dict[str, Any] | None = None
 
 
+AUTO = "auto"
+LEVERS = ("ours-fp8", "ours-fp8-cache", "ours-fp8-cache-auto", "ours-cache", "ours-cache-auto")
+FP8 = {"quantization": "fp8"}
+CACHE = {"cache": "first_block"}
 VARIANTS = [
     Variant("diffusers-eager", "diffusers", 1, "diffusers QwenImagePipeline, eager"),
     Variant("diffusers-compiled", "diffusers", 1, "diffusers, transformer.compile_repeated_blocks(fullgraph=True)"),
@@ -203,9 +210,26 @@ VARIANTS = [
     ),
     Variant("ours-u2", "ours2", 2, "Omni(folder, ulysses_degree=2), defaults", {"ulysses_degree": 2}),
     Variant("ours-cfg2", "ours2", 2, "Omni(folder, cfg_parallel_size=2), defaults", {"cfg_parallel_size": 2}),
+    # Speed levers (issue 21). Consecutive variants with the same Omni arguments share one engine.
+    Variant("ours-fp8", "levers", 1, "Omni(folder, quantization='fp8')", FP8),
+    Variant("ours-fp8-cache", "levers", 1, "and cache='first_block', the default threshold", {**FP8, **CACHE}),
+    Variant(
+        "ours-fp8-cache-auto",
+        "levers",
+        1,
+        "the same engine, cache_threshold = the median change the default measured",
+        {**FP8, **CACHE},
+        {"cache_threshold": AUTO},
+    ),
+    Variant("ours-cache", "levers", 1, "Omni(folder, cache='first_block'), the default threshold", CACHE),
+    Variant(
+        "ours-cache-auto", "levers", 1, "the same, threshold = the median change", CACHE, {"cache_threshold": AUTO}
+    ),
 ]
 BY_NAME = {variant.name: variant for variant in VARIANTS}
-PHASES = ["build", "diffusers", "ours", "ours2", "docs"]  # docs: rewrite the docs section from the JSON
+PHASES = ["build", "diffusers", "ours", "ours2", "levers", "docs"]
+# The first timed run's image of each variant run in this process: agreement with ours-default's.
+IMAGES: dict[str, np.ndarray] = {}  # docs: rewrite the docs section from the JSON
 
 
 # ---- timing a pipeline call's phases ---------------------------------------------------------------
@@ -719,8 +743,10 @@ def run_diffusers(settings: Settings, names: list[str], keep: Callable[[dict[str
                 for label, prompt, seed, steps in settings.requests():
                     probe.begin()
                     generator = torch.Generator("cpu").manual_seed(seed)
-                    pipe(prompt=prompt, generator=generator, output_type="pil", **settings.call_kwargs(steps))
+                    out = pipe(prompt=prompt, generator=generator, output_type="pil", **settings.call_kwargs(steps))
                     record = probe.end()
+                    if label != "warm-up":
+                        IMAGES.setdefault(name, np.asarray(out.images[0]))
                     runs.append(dict(_split(record, record["call_s"]), label=label, seed=seed))
                     if label != "warm-up":
                         peaks.append([record["peak_alloc_gib"]])
@@ -746,8 +772,9 @@ def failed_row(variant: Variant, settings: Settings, exc: BaseException) -> dict
             "scale": settings.scale.name, "host": socket.gethostname(), "error": text}  # fmt: skip
 
 
-def run_ours(settings: Settings, variant: Variant, probe_root: Path, cold: bool) -> dict[str, Any]:
-    """Start Omni(folder) (after evicting the folder from the page cache when `cold`), then run the requests."""
+def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold: bool) -> list[dict[str, Any]]:
+    """Start Omni(folder) (after evicting the folder from the page cache when `cold`), then run each variant's
+    requests on it (variants that share an engine have the same `omni` arguments); one row per variant."""
     from vllm_omni import Omni
 
     scale = settings.scale
@@ -755,36 +782,58 @@ def run_ours(settings: Settings, variant: Variant, probe_root: Path, cold: bool)
     if cold:
         evict_from_page_cache(files)
     cached = page_cache_fraction(files)
-    probe_dir = probe_root / variant.name
+    probe_dir = probe_root / variants[0].name
     shutil.rmtree(probe_dir, ignore_errors=True)
     probe_dir.mkdir(parents=True)
     os.environ[PROBE_ENV] = str(probe_dir)  # the workers inherit it and install the probe
-    runs, peaks, worker, ranks_reporting = [], [], {}, 0
+    rows, median_change = [], None
     cache_files = inductor_cache_files(ours=True)
     try:
         with DeviceMemorySampler(scale.device == "cuda") as sampler:
             start = time.perf_counter()
-            omni = Omni(str(settings.folder), device=scale.device, dtype=scale.dtype, **variant.omni)
+            omni = Omni(str(settings.folder), device=scale.device, dtype=scale.dtype, **variants[0].omni)
             ready_s = time.perf_counter() - start
             try:
                 engine_warmup_s = omni.engine.warmup_s or 0.0
                 # The engine's own warm-up requests (engine.warmup_requests: one, or two with compiled blocks).
                 warmup_records = [probe_records(probe_dir, id_).get(0, {}) for id_ in ("warm-up", "warm-up-2")]
-                for label, prompt, seed, steps in settings.requests():
-                    start = time.perf_counter()
-                    omni.generate(prompt, seed=seed, **settings.call_kwargs(steps))
-                    e2e_s = time.perf_counter() - start
-                    records = probe_records(probe_dir, omni.last_output.request_id)
-                    if 0 not in records:
-                        raise RuntimeError(
-                            f"no probe record from rank 0 in {probe_dir}: the worker probe is not loaded"
-                        )
-                    worker = records[0]
-                    runs.append(dict(_split(worker, e2e_s), label=label, seed=seed))
-                    if label != "warm-up":
-                        peaks.append([records[r]["peak_alloc_gib"] for r in sorted(records)])
-                        ranks_reporting = len(records)
-                    print(f"{variant.name} {label}: {runs[-1]}", flush=True)
+                for variant in variants:
+                    fields = dict(variant.fields or {})
+                    if fields.get("cache_threshold") == AUTO:
+                        if median_change is None:
+                            raise RuntimeError(f"{variant.name}: no change measured by the engine's previous variant")
+                        fields["cache_threshold"] = median_change
+                    runs, peaks, worker, ranks_reporting, cache = [], [], {}, 0, None
+                    for label, prompt, seed, steps in settings.requests():
+                        start = time.perf_counter()
+                        images = omni.generate(prompt, seed=seed, **settings.call_kwargs(steps), **fields)
+                        e2e_s = time.perf_counter() - start
+                        records = probe_records(probe_dir, omni.last_output.request_id)
+                        if 0 not in records:
+                            raise RuntimeError(
+                                f"no probe record from rank 0 in {probe_dir}: the worker probe is not loaded"
+                            )
+                        worker = records[0]
+                        run = dict(_split(worker, e2e_s), label=label, seed=seed)
+                        if omni.last_output.step_cache is not None:
+                            report = omni.last_output.step_cache
+                            run.update({k: report[k] for k in ("forwards_skipped", "median_change")})
+                        runs.append(run)
+                        if label != "warm-up":
+                            peaks.append([records[r]["peak_alloc_gib"] for r in sorted(records)])
+                            ranks_reporting = len(records)
+                            cache = omni.last_output.step_cache
+                            IMAGES.setdefault(variant.name, np.asarray(images[0]))
+                        print(f"{variant.name} {label}: {runs[-1]}", flush=True)
+                    if cache is not None:
+                        median_change = cache["median_change"]
+                    extra = {
+                        "device": worker.get("device_name"),
+                        "ranks_reporting": ranks_reporting,
+                        "step_cache": cache,
+                        "request_fields": fields or None,
+                    }
+                    rows.append((variant, runs, peaks, extra))
             finally:
                 omni.close()
     finally:
@@ -794,8 +843,7 @@ def run_ours(settings: Settings, variant: Variant, probe_root: Path, cold: bool)
         values = [record[key] for record in warmup_records if key in record]
         return sum(values) if values else None
 
-    extra = {
-        "device": worker.get("device_name"),
+    engine = {
         "start_to_ready_s": round(ready_s, 2),
         "engine_warmup_s": round(engine_warmup_s, 2),
         "load_s": round(ready_s - engine_warmup_s, 2),
@@ -804,10 +852,32 @@ def run_ours(settings: Settings, variant: Variant, probe_root: Path, cold: bool)
         "engine_warmup_captures": warmup_total("captures"),
         "page_cache_before_start": None if cached is None else round(cached, 3),
         "inductor_cache_files_before": cache_files,
-        "ranks_reporting": ranks_reporting,
-        "nvsmi_peak_gib": sampler.peaks_gib(variant.gpus),
+        "nvsmi_peak_gib": sampler.peaks_gib(variants[0].gpus),
     }
-    return summarize(variant, settings, runs, peaks, extra)
+    return [summarize(variant, settings, runs, peaks, {**engine, **extra}) for variant, runs, peaks, extra in rows]
+
+
+def engine_groups(variants: list[Variant]) -> list[list[Variant]]:
+    """Consecutive variants with the same Omni arguments, which share one engine."""
+    groups: list[list[Variant]] = []
+    for variant in variants:
+        if groups and groups[-1][0].omni == variant.omni:
+            groups[-1].append(variant)
+        else:
+            groups.append([variant])
+    return groups
+
+
+def add_agreement(rows: dict[str, dict[str, Any]]) -> None:
+    """Each row's PSNR (dB, uint8 images) of its first timed image against ours-default's, for the variants
+    run in this process with it ("identical" for equal images)."""
+    if "ours-default" not in IMAGES:
+        return
+    reference = IMAGES["ours-default"].astype(np.float64)
+    for name, image in IMAGES.items():
+        if name != "ours-default" and name in rows and not rows[name].get("error"):
+            mse = float(np.mean((image.astype(np.float64) - reference) ** 2))
+            rows[name]["psnr_vs_ours_default_db"] = round(10 * np.log10(255.0**2 / mse), 2) if mse else "identical"
 
 
 def measure_reads(folder: Path) -> dict[str, Any]:
@@ -891,6 +961,15 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float | None, str]]:
         ("diffusers-compiled / diffusers-eager", ratio(e2e("diffusers-compiled"), e2e("diffusers-eager")), ""),
         ("ours-u2 / ours-default", ratio(e2e("ours-u2"), e2e("ours-default")), ""),
         ("ours-cfg2 / ours-default", ratio(e2e("ours-cfg2"), e2e("ours-default")), ""),
+        # Issue 21's targets, then what each lever buys on its own.
+        ("ours-fp8 / diffusers-eager", ratio(e2e("ours-fp8"), e2e("diffusers-eager")), "<= 0.7"),
+        (
+            "ours-fp8-cache (the default threshold) / diffusers-eager",
+            ratio(e2e("ours-fp8-cache"), e2e("diffusers-eager")),
+            "<= 0.4",
+        ),
+        ("ours-fp8-cache-auto / diffusers-eager", ratio(e2e("ours-fp8-cache-auto"), e2e("diffusers-eager")), ""),
+        *((f"{name} / ours-default", ratio(e2e(name), e2e("ours-default")), "") for name in LEVERS),
     ]
     cold = results.get("cold_start")
     start = rows.get("ours-default")
@@ -910,6 +989,7 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float | None, str]]:
 
 def docs_section(results: dict[str, Any]) -> str:
     rows = [results["variants"][v.name] for v in VARIANTS if v.name in results["variants"]]
+    rows_by = {row["variant"]: row for row in rows}
     done = [row for row in rows if not row.get("error")]
     first = done[0] if done else {}
     tiny = any(row.get("scale") == "tiny" for row in rows)
@@ -965,6 +1045,36 @@ def docs_section(results: dict[str, Any]) -> str:
         if value is not None and target:
             verdict = " (met)" if value <= float(target.split()[-1]) else " (not met)"
         lines.append(f"| {what} | {_cell(value, 3)} | {target}{verdict} |")
+    levers = [rows_by[name] for name in ("ours-default", *LEVERS) if name in rows_by]
+    if len(levers) > 1:
+        lines += [
+            "",
+            "Speed levers (FP8 matmuls, the step cache), against ours-default: the forwards the cache skipped in the "
+            "timed runs (of 100 a run: 50 steps x cond and uncond), the threshold and the median of the first "
+            "block's relative changes the run measured, and the agreement of the first timed image with "
+            "ours-default's (PSNR of the uint8 images; diffusers' rows too). With random weights this measures "
+            "numerics, not picture quality, and the first block's changes between steps are not a trained "
+            "model's, so the default threshold may skip nothing here: the `-auto` rows take the median change "
+            "the default's run measured as their threshold, to show what skipping buys. With real weights, "
+            "compare images of the same prompts and seeds with and without the lever before serving with it.",
+            "",
+            "| variant | end to end s | vs ours-default | forwards skipped | threshold | median change "
+            "| PSNR vs ours-default dB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        base = rows_by.get("ours-default", {}).get("e2e_s")
+        for row in [*levers, *(rows_by[n] for n in ("diffusers-eager", "diffusers-compiled") if n in rows_by)]:
+            if row.get("error"):
+                lines.append(f"| {row['variant']} | error: {row['error']} | | | | | |")
+                continue
+            cache = row.get("step_cache") or {}
+            skipped = [run.get("forwards_skipped") for run in row["runs"][1:]]
+            lines.append(
+                f"| {row['variant']} | {_cell(row['e2e_s'])} | "
+                f"{_cell(row['e2e_s'] / base if base else None, 3)} | "
+                f"{', '.join(map(str, skipped)) if cache else 'n/a'} | {_cell(cache.get('threshold'), 4)} | "
+                f"{_cell(cache.get('median_change'), 4)} | {_cell(row.get('psnr_vs_ours_default_db'))} |"
+            )
     cold = results.get("cold_start")
     if cold:
         lines += [
@@ -1052,6 +1162,7 @@ def main(argv: list[str] | None = None) -> None:
     results = load_results(out)
 
     def save() -> None:
+        add_agreement(results["variants"])
         save_results(results, out, docs)
         copy_outputs(args.copy_to, out, docs)
 
@@ -1075,22 +1186,23 @@ def main(argv: list[str] | None = None) -> None:
                 save()  # after each variant: a call cut short keeps what it measured
 
             run_diffusers(settings, names, keep)
-        elif phase in ("ours", "ours2"):
+        elif phase in ("ours", "ours2", "levers"):
             cold_read_s = 0.0
             if phase == "ours" and not args.no_cold_start:
                 results["cold_start"] = measure_reads(folder)
                 cold_read_s = results["cold_start"]["reads"][0]["s"]
                 save()
             probe_root = Path(tempfile.mkdtemp(prefix="qwen_image_e2e_probe_"))
-            for name in names:
+            for group in engine_groups([BY_NAME[name] for name in names]):
                 # A slow disk would spend the call's time twice: then the engine starts from the page cache.
                 slow = phase == "ours" and not args.no_cold_start and cold_read_s > args.max_cold_read_s
-                cold = name == "ours-default" and not args.no_cold_start and not slow
+                cold = group[0].name == "ours-default" and not args.no_cold_start and not slow
                 try:
-                    row = run_ours(settings, BY_NAME[name], probe_root, cold)
+                    rows = run_ours(settings, group, probe_root, cold)
                 except Exception as exc:  # noqa: BLE001 - recorded in the results; the next variant still runs
-                    row = failed_row(BY_NAME[name], settings, exc)
-                results["variants"][name] = row
+                    rows = [failed_row(variant, settings, exc) for variant in group]
+                for row in rows:
+                    results["variants"][row["variant"]] = row
                 save()
             shutil.rmtree(probe_root, ignore_errors=True)
     for what, value, target in ratios(results):

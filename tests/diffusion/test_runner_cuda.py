@@ -1,5 +1,6 @@
 """The runner on one CUDA GPU, for a pipeline with two denoisers (Wan2.2 A14B's experts): both are
-compiled and graphed, each captures its own graph, and the result is what eager computes.
+compiled and graphed, each captures its own graph, and the result is what eager computes; and the
+step cache with real CUDA graphs (tiny Qwen-Image) decides and computes what it does eagerly.
 Skipped on machines without GPUs: `python -m pytest tests/diffusion/test_runner_cuda.py`.
 """
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 
 from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward
-from vllm_omni.diffusion.data import DiffusionRequest
+from vllm_omni.diffusion.data import DiffusionRequest, StepCacheConfig
 from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.runner import PipelineRunner
+from vllm_omni.diffusion.step_cache import CachedForward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -50,3 +52,44 @@ def test_both_experts_are_compiled_graphed_and_equal_eager():
     for got, want in zip(actual, expected):
         # Inductor's fused norms round float32 differently from eager (see test_omni_cuda.py).
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)
+
+
+def _qwen_request(seed: int) -> DiffusionRequest:
+    return DiffusionRequest(
+        request_id=f"q{seed}",
+        prompt="a cat holding a sign",
+        negative_prompt="blurry",
+        height=208,
+        width=272,
+        num_inference_steps=8,
+        true_cfg_scale=4.0,
+        seed=seed,
+        cache_threshold=0.55,  # skips steps 3 and 5 of the tiny model (tests/entrypoints/test_omni_step_cache.py)
+        output_type="np",
+    )
+
+
+def test_the_step_cache_with_real_graphs_decides_as_eager_and_replays_its_residuals():
+    """A computed step replays its graph, which writes the cache's residuals without running Python: the
+    second request (replays only) must skip the steps eager skips and give eager's image."""
+    path = resolve_model_path("tiny/qwen-image")
+    spec = read_pipeline_spec(path)
+    device = torch.device("cuda", 0)
+    cache = StepCacheConfig(threshold=0.55)
+    eager = PipelineRunner(path, spec, device, torch.float32, rank=0, enforce_eager=True, cache=cache)
+    expected = [(_run_request(eager, seed), eager.cache.summary()["decisions"]) for seed in (1, 2)]
+    del eager
+    runner = PipelineRunner(path, spec, device, torch.float32, rank=0, cache=cache)
+    actual = [(_run_request(runner, seed), runner.cache.summary()["decisions"]) for seed in (1, 2)]
+    graphs = runner.denoisers["transformer"].forward_sharded
+    assert isinstance(graphs, CachedForward) and not graphs.graphed.disabled
+    assert graphs.captures == 2  # the prompt's and the negative prompt's text lengths
+    assert runner.graph_capture_failures == []
+    for (got, got_decisions), (want, want_decisions) in zip(actual, expected):
+        assert got_decisions == want_decisions
+        assert any(not computed for steps in want_decisions.values() for computed in steps.values())
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)
+
+
+def _run_request(runner: PipelineRunner, seed: int) -> np.ndarray:
+    return runner.run(_qwen_request(seed), lambda step: None)

@@ -46,6 +46,7 @@ from vllm_omni.logger import init_logger
 logger = init_logger(__name__)
 
 BRANCHES = ("cond", "uncond")  # the calls of a CFG step, in the order pipelines make them
+SCRATCH = CacheContext("vllm_omni.graph")  # where a graphed forward's hooks write (CachedForward)
 
 
 class CacheRecord:
@@ -163,9 +164,8 @@ class CachedForward:
     """A denoiser's `forward_sharded` with the step cache and CUDA graphs (see the module doc).
 
     `eager` is the model's own function, `graphed` its CUDAGraphForward. The graphed forward stores
-    its residuals under a scratch cache context of its own per graph key; tensors written by a
-    capture (or an eager run) are kept by key, since a replay writes the same memory again without
-    running any Python.
+    its residuals under a scratch cache context; the tensors a capture (or an eager run) wrote there
+    are kept per graph key, since a replay writes the same memory again without running any Python.
     """
 
     def __init__(self, eager: Callable[..., torch.Tensor], graphed: Any, head: GroupFirstBlockHook) -> None:
@@ -187,7 +187,7 @@ class CachedForward:
         finally:
             self.head.mode = "decide"
         context, key = manager._context, self.graphed.key(kwargs)
-        manager.set_context(CacheContext(f"vllm_omni.graph.{hash(key)}"))
+        manager.set_context(SCRATCH)  # one name: compiled blocks guard on the context's name
         scratch = manager.get_state()
         scratch.tail_block_residuals = None
         self.head.mode = "replay"
