@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from vllm_omni.diffusion.data import EngineLimits
+from vllm_omni.diffusion.data import EngineLimits, StepCacheConfig
 from vllm_omni.diffusion.models.registry import REGISTRY
 from vllm_omni.entrypoints.cli.main import build_parser
 from vllm_omni.entrypoints.cli.serve import engine_settings_from_args
@@ -199,3 +199,44 @@ def test_executor_backend_comes_from_the_yaml_or_the_flag_and_the_ray_address_fr
     assert config.parallel_config.distributed_executor_backend == "ray" and config.ray_address == "10.0.0.1:6379"
     with pytest.raises(DeployConfigError, match="distributed_executor_backend must be one of mp, ray"):
         load_deploy_config(write(tmp_path, text.replace("backend: ray", "backend: slurm")))
+
+
+def test_the_step_cache_comes_from_the_yaml_and_the_flags_override_its_threshold(tmp_path):
+    yaml = write(tmp_path, GOOD + "    cache: {policy: first_block, threshold: 0.2}\n")
+
+    def resolve(*flags: str) -> EngineSettings:
+        args = build_parser().parse_args(["serve", "tiny/qwen-image", "--deploy-config", str(yaml), *flags])
+        return engine_settings_from_args(args)
+
+    assert resolve().cache == StepCacheConfig("first_block", 0.2)
+    assert resolve("--cache-threshold", "0.3").cache == StepCacheConfig("first_block", 0.3)
+    assert resolve().engine_config().cache == StepCacheConfig("first_block", 0.2)
+    assert settings(tmp_path).cache is None  # no YAML cache, no flag: none
+    assert settings(tmp_path, "--cache", "first_block").cache == StepCacheConfig()
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--cache-threshold", "0.2"], "--cache-threshold needs a cache"),
+        (["--cache", "first_block", "--cache-threshold", "0"], "cache_threshold must be a number > 0"),
+        (["--cache", "first_block", "--max-batch-size", "4"], "a batch's rows would share one step cache"),
+    ],
+)
+def test_step_cache_flags_that_cannot_be_served_are_refused_with_the_reason(tmp_path, flags, words):
+    with pytest.raises(ValueError, match=words):
+        settings(tmp_path, *flags)
+
+
+@pytest.mark.parametrize(
+    "cache,words",
+    [
+        ("first_block", "stages\\[0\\].cache must be a mapping"),
+        ("{policy: teacache}", "cache must be one of first_block"),
+        ("{policy: first_block, threshold: -1}", "cache_threshold must be a number > 0"),
+        ("{policy: first_block, every: 2}", "unknown stages\\[0\\].cache key"),
+    ],
+)
+def test_a_bad_yaml_cache_is_an_error_naming_it(tmp_path, cache, words):
+    with pytest.raises(DeployConfigError, match=words):
+        load_deploy_config(write(tmp_path, GOOD + f"    cache: {cache}\n"))

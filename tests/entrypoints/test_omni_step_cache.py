@@ -167,3 +167,24 @@ def test_a_rank_hung_at_a_skipped_step_fails_at_the_stall_deadline_and_the_resta
     image, report = _generate(faulty)  # waits for the restarted group
     assert engine.restarts == 1 and same_decisions(report, reference[1])
     np.testing.assert_allclose(image, reference[0], rtol=0, atol=1e-5)
+
+
+def test_wan22s_two_experts_cache_apart_and_ulysses_2_skips_what_one_process_skips():
+    """Tiny Wan2.2 A14B (the expert changes at step 2: its cache starts empty there), 6 steps, CFG."""
+    results = []
+    for degree in (1, 2):
+        with Omni("tiny/wan2.2-t2v", ulysses_degree=degree, cache="first_block", cache_threshold=0.125) as omni:
+            video = omni.generate(
+                "a cat holding a sign", negative_prompt="blurry", num_frames=5, num_inference_steps=6, seed=7,
+                output_type="np",
+            )  # fmt: skip
+            results.append((np.stack(video), omni.last_output.step_cache))
+    (one, report), (two, report_2) = results
+    assert report["skipped_steps"] == {"cond": [1, 3], "uncond": [1, 3]}, report
+    assert same_decisions(report_2, report)
+    np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)
+
+
+def test_flux2_is_refused_at_start_with_the_reason():
+    with pytest.raises(ValueError, match="cache=first_block: Flux2Pipeline joins text and image"):
+        Omni("tiny/flux2", cache="first_block")
