@@ -1,11 +1,11 @@
 """Server options end to end: deploy YAML with flags over it, bearer auth, and the queue limit.
 
-One server for the module: the YAML asks for Ulysses 3 with masked padding and 3 default
-steps; `--ulysses-degree 2` overrides the degree only. `--api-key` turns auth on and
-`--max-queue 1` lets one request wait behind the running one. `--served-model-name` gives the
-tiny model the real one's name; `--max-image-size 512` is below the model's default size. The
-server reads the tiny model from a copy of its own, which the last test breaks: workers that
-cannot be reloaded end the server.
+One server for the module: the YAML asks for Ulysses 3 with masked padding, 3 default steps and
+the step cache; `--ulysses-degree 2` overrides the degree, `--cache-threshold` the cache's
+threshold. `--api-key` turns auth on and `--max-queue 1` lets one request wait behind the
+running one. `--served-model-name` gives the tiny model the real one's name; `--max-image-size
+512` is below the model's default size. The server reads the tiny model from a copy of its own,
+which the last test breaks: workers that cannot be reloaded end the server.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ stages:
       mask_sp_padding: true
     default_sampling_params:
       num_inference_steps: 3
+    cache: {policy: first_block, threshold: 0.3}
 """
 
 
@@ -47,7 +48,7 @@ def server(tmp_path_factory):
     built = resolve_model_path(MODEL)
     cache = folder / "cache"
     shutil.copytree(built, cache / "tiny" / built.name)
-    args = [MODEL, "--deploy-config", str(folder / "deploy.yaml"), "--ulysses-degree", "2"]
+    args = [MODEL, "--deploy-config", str(folder / "deploy.yaml"), "--ulysses-degree", "2", "--cache-threshold", "0.4"]
     args += ["--api-key", KEY, "--max-queue", "1", "--max-steps", str(LONG_STEPS), "--served-model-name", SERVED]
     args += ["--max-image-size", "512"]
     srv = start_server(args, folder / "server.log", VLLM_OMNI_CACHE=str(cache))
@@ -69,6 +70,7 @@ def test_flags_override_the_yaml_and_only_the_flags_given(server):
     assert card["parallel_config"]["mask_sp_padding"] is True  # the YAML; no flag given
     assert card["parallel_config"]["trim_sp_padding"] is True  # the default
     assert card["default_sampling_params"] == {"num_inference_steps": 3}
+    assert card["cache"] == {"policy": "first_block", "threshold": 0.4}  # the YAML's, its threshold the flag's
     assert "Starting 2 worker(s) for tiny/qwen-image" in server.log()
     assert "ulysses_degree=2, cfg_parallel_size=1, padding=mask" in server.log()
 
@@ -125,6 +127,32 @@ def test_openai_client_with_the_key_works_and_without_it_is_refused(server):
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.images.generate(model=MODEL, prompt="a red cube", size="80x48")
+
+
+def test_a_requests_cache_threshold_is_reported_with_the_steps_it_skipped_and_counted_in_the_metrics(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=HTTP_TIMEOUT_S)
+
+    def skipped_total() -> float:
+        text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=30).text
+        line = next(
+            x for x in text.splitlines() if x.startswith('vllm_omni_step_cache_forwards_total{decision="skipped"}')
+        )
+        return float(line.split()[-1])
+
+    before = skipped_total()
+    # Above every change: each step after the first (no negative prompt: one forward a step) is skipped.
+    response = client.images.generate(
+        model=MODEL, prompt="a red cube", size="80x48", extra_body={"cache_threshold": 10.0, "num_inference_steps": 4}
+    )
+    report = response.model_extra["step_cache"]
+    assert report["threshold"] == 10.0 and report["forwards_computed"] == 1 and report["forwards_skipped"] == 3
+    assert report["skipped_steps"] == {"cond": [1, 2, 3]} and report["median_change"] > 0
+    assert skipped_total() - before == 3
+    default = post(server).json()["step_cache"]
+    assert default["threshold"] == 0.4 and default["forwards_computed"] + default["forwards_skipped"] == 3
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(model=MODEL, prompt="a red cube", size="80x48", extra_body={"cache_threshold": -1})
+    assert refused.value.body["param"] == "cache_threshold" and "must be a number > 0" in refused.value.message
 
 
 def test_full_queue_is_429_and_a_waiting_request_whose_client_left_is_dropped(server):

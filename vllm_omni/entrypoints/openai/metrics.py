@@ -13,7 +13,8 @@ server already holds and never asks the workers:
   (text encoded once per SP group, before the pipeline call), `..._denoise_seconds` (the call up to
   its last step) and `..._decode_seconds` (the rest: the VAE); `vllm_omni_request_steps_per_second`
   (denoising steps over denoise seconds), `vllm_omni_batch_size` (requests per pipeline call,
-  request batching), and `vllm_omni_denoising_steps_total` (steps/s of the server is its rate).
+  request batching), and `vllm_omni_denoising_steps_total` (steps/s of the server is its rate); with a
+  step cache, `vllm_omni_step_cache_forwards_total{decision}` (computed, skipped: denoiser forwards).
 - State, read at each scrape: `vllm_omni_queue_length` (the one queue every replica takes from),
   `vllm_omni_running_requests`, `vllm_omni_worker_restarts_total`,
   `vllm_omni_graph_capture_failures_total`, `vllm_omni_server_state{state}` (1 for the current one
@@ -98,6 +99,12 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.steps = Counter("vllm_omni_denoising_steps", "denoising steps run", registry=self.registry)
+        self.cache_forwards = Counter(
+            "vllm_omni_step_cache_forwards",
+            "denoiser forwards of completed requests the step cache computed or skipped",
+            ["decision"],
+            registry=self.registry,
+        )
         self.registry.register(_StateCollector(scheduler))
 
     def job_finished(self, job: Job) -> None:
@@ -116,6 +123,10 @@ class ServerMetrics:
         if timings.get("denoise"):
             self.steps_per_second.labels(kind).observe(job.request.num_inference_steps / (timings["denoise"] / 1e3))
         self.batch_size.observe(job.result.batch_size)
+        cache = job.result.step_cache
+        if cache is not None:
+            self.cache_forwards.labels("computed").inc(cache["forwards_computed"])
+            self.cache_forwards.labels("skipped").inc(cache["forwards_skipped"])
 
     def steps_done(self, count: int) -> None:
         self.steps.inc(count)
