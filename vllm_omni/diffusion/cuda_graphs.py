@@ -63,7 +63,10 @@ def compile_repeated_blocks(model: torch.nn.Module, backend: str = "inductor") -
     compiled = 0
     for module in model.modules():
         if type(module).__name__ in names:
-            module.compile(fullgraph=False, backend=backend)
+            # The block's own forward, not its __call__: hooks registered on the block afterwards (the step
+            # cache's, step_cache.py) wrap the compiled function and run outside it, so their state (cache
+            # contexts, decisions) never becomes a guard that recompiles the block.
+            module.forward = torch.compile(module.forward, fullgraph=False, backend=backend)
             compiled += 1
     logger.info(
         "Compiling %d repeated block(s) of %s (first forward of each shape compiles)", compiled, type(model).__name__
