@@ -17,6 +17,10 @@ and for ours the time from `Omni(folder)` to ready. Variants, by phase:
                with the folder evicted from the page cache (the cold start); ours-eager:
                Omni(folder, enforce_eager=True). Before them, the time to read the folder's bytes
     ours2      ours-u2: Omni(folder, ulysses_degree=2); ours-cfg2: Omni(folder, cfg_parallel_size=2)
+    levers     the speed levers (issue 21): ours-fp8 (quantization="fp8"); ours-fp8-cache and ours-cache
+               (cache="first_block" at its default threshold), each followed on the same engine by its
+               -auto variant (the threshold: the median change the default's run measured). Each row gives
+               the forwards skipped and the PSNR of its image against ours-default's (run in the same call)
 
 Each phase merges its rows into the JSON (keyed by variant) and rewrites the docs section from
 every row there, so phases can run in separate calls; `--phase docs` only rewrites the docs from
@@ -28,6 +32,7 @@ nvidia-h200-x2 kind; for side-by-side ratios run diffusers-eager there too:
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --phase build diffusers ours
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --phase build diffusers ours2 --variants diffusers-eager ours-u2 ours-cfg2
+    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build diffusers ours levers --variants diffusers-eager ours-default ours-fp8 ours-fp8-cache ours-fp8-cache-auto ours-cache ours-cache-auto
 
 (the first line starts every call, `.whl` carried). `build` is a no-op when --folder (default
 /tmp/qwen-image-e2e) already holds the checkpoint, so every call names it: a machine given back

@@ -14,7 +14,7 @@ so phases and models can run in separate calls):
            Every variant shares the bf16 weight tensors; the FP8 ones share each converted layer. Agreement
            of each output with ours bf16: max abs difference, relative L2 error, PSNR. With random weights
            this measures numerics, not picture quality.
-    (cache: step caching, to come; a phase is an entry of PHASES.)
+    Step caching, and FP8 end to end, are variants of benchmarks/qwen_image_e2e.py (its `levers` phase).
 
 On one H200 (`.whl` carried: diffusers and torchao 0.18.0, which supports torch >= 2.11), one model per
 call: each compiles five variants (minutes), and FLUX.2-dev holds 64 GB of bf16 weights plus 32 GB of FP8
