@@ -187,7 +187,7 @@ class CachedForward:
         finally:
             self.head.mode = "decide"
         context, key = manager._context, self.graphed.key(kwargs)
-        manager.set_context(SCRATCH)  # one name: compiled blocks guard on the context's name
+        manager.set_context(SCRATCH)  # one scratch state for every graph: what each wrote is kept per key
         scratch = manager.get_state()
         scratch.tail_block_residuals = None
         self.head.mode = "replay"
