@@ -48,8 +48,6 @@ _STAGE_KEYS = (
     "quantization",
     "cache",
 )
-_BATCHING_KEYS = tuple(f.name for f in dataclasses.fields(BatchingConfig))
-_CACHE_KEYS = tuple(f.name for f in dataclasses.fields(StepCacheConfig))
 _LIMIT_KEYS = tuple(f.name for f in dataclasses.fields(EngineLimits))
 
 # Request fields a deploy may give defaults for, with their types: all of them.
@@ -141,28 +139,13 @@ def load_deploy_config(name: str | os.PathLike) -> DeployConfig:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise fail(f"stages[0].limits.{key} must be a positive integer, got {value!r}")
 
-    batching = stage.get("batching") or {}
-    if not isinstance(batching, dict):
-        raise fail(f"stages[0].batching must be a mapping, got {type(batching).__name__}")
-    _reject_unknown(batching, _BATCHING_KEYS, "stages[0].batching", fail)
-    try:
-        BatchingConfig(**batching)
-    except ValueError as exc:
-        raise fail(f"stages[0].batching: {exc}") from None
+    batching = _config_mapping(stage, "batching", BatchingConfig, fail) or {}
 
     quantization = stage.get("quantization")
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise fail(f"stages[0].quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
 
-    cache = stage.get("cache")
-    if cache is not None:
-        if not isinstance(cache, dict):
-            raise fail(f"stages[0].cache must be a mapping like {{policy: first_block}}, got {type(cache).__name__}")
-        _reject_unknown(cache, _CACHE_KEYS, "stages[0].cache", fail)
-        try:
-            StepCacheConfig(**cache)
-        except ValueError as exc:
-            raise fail(f"stages[0].cache: {exc}") from None
+    cache = _config_mapping(stage, "cache", StepCacheConfig, fail)
 
     return DeployConfig(
         path=path,
@@ -175,6 +158,21 @@ def load_deploy_config(name: str | os.PathLike) -> DeployConfig:
         quantization=quantization,
         cache=dict(cache) if cache is not None else None,
     )
+
+
+def _config_mapping(stage: dict, key: str, cls: type, fail) -> dict | None:
+    """`stages[0].<key>`, a mapping of `cls`'s fields (checked by building one), or None when absent."""
+    values = stage.get(key)
+    if values is None:
+        return None
+    if not isinstance(values, dict):
+        raise fail(f"stages[0].{key} must be a mapping, got {type(values).__name__}")
+    _reject_unknown(values, tuple(f.name for f in dataclasses.fields(cls)), f"stages[0].{key}", fail)
+    try:
+        cls(**values)
+    except ValueError as exc:
+        raise fail(f"stages[0].{key}: {exc}") from None
+    return values
 
 
 def _reject_unknown(mapping: dict, allowed: tuple[str, ...], where: str, fail) -> None:
