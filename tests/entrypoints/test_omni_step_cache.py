@@ -53,13 +53,8 @@ def same_decisions(report: dict, expected: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def uncached():
-    with Omni(MODEL) as omni:
-        return _generate(omni)[0]
-
-
-@pytest.fixture(scope="module")
-def reference():
+def reference_run():
+    """U1's cached result, and its uncached image (the same engine at a threshold below every change)."""
     with Omni(MODEL, cache="first_block", cache_threshold=THRESHOLD) as omni:
         first = _generate(omni)
         # A request's own threshold: above every change but the first steps' (inf), it skips all it can.
@@ -68,14 +63,22 @@ def reference():
             _generate(omni, cache_threshold=0)
         assert refused.value.param == "cache_threshold"
         again = _generate(omni)
+        # Below every change: every step computes, which is the uncached pipeline.
+        uncached, lowest = _generate(omni, cache_threshold=1e-9)
     assert same_decisions(again[1], first[1])  # the next request has the server's threshold and empty caches again
     np.testing.assert_array_equal(again[0], first[0])
     assert higher["threshold"] == 10.0 and higher["forwards_skipped"] == 2 * (STEPS - 1), higher
-    return first
+    assert lowest["forwards_skipped"] == 0
+    return first, uncached
 
 
-def test_one_process_skips_some_steps_and_reports_them(reference, uncached):
-    image, report = reference
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run[0]
+
+
+def test_one_process_skips_some_steps_and_reports_them(reference_run):
+    (image, report), uncached = reference_run
     assert report == {
         "policy": "first_block",
         "threshold": THRESHOLD,
