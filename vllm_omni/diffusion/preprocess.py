@@ -14,6 +14,7 @@ here needs torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import secrets
@@ -197,9 +198,10 @@ class RequestPreprocessor:
                 "cache_threshold needs a server with a step cache (started with --cache first_block); it runs none",
                 "cache_threshold",
             )
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise RequestError(f"cache_threshold must be a number > 0, got {value!r}", "cache_threshold")
-        return float(value)
+        try:
+            return dataclasses.replace(self.cache, threshold=value).threshold  # the config's own check
+        except ValueError as exc:
+            raise RequestError(str(exc), "cache_threshold") from None
 
     def _check_text(self, name: str, text: Any, required: bool) -> None:
         if text is None and not required:
