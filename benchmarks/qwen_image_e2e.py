@@ -323,7 +323,7 @@ def install_worker_probe(directory: Path, **probe_options: Any) -> None:
     """In an engine worker: time every request's phases with a PhaseProbe and count graph captures.
 
     `probe_options`: PhaseProbe's keyword arguments (`loop_start`)."""
-    from vllm_omni.diffusion import cuda_graphs, runner
+    from vllm_omni.diffusion.worker import cuda_graphs, runner
 
     cls = runner.PipelineRunner
     init, run, capture = cls.__init__, cls.run, cuda_graphs.CUDAGraphForward._capture

@@ -35,14 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
 from benchmarks.forward_timing import time_variants  # noqa: E402
-from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, compile_repeated_blocks  # noqa: E402
-from vllm_omni.diffusion.data import DiffusionParallelConfig  # noqa: E402
+from vllm_omni.diffusion.config import DiffusionParallelConfig  # noqa: E402
 from vllm_omni.diffusion.distributed.parallel_state import (  # noqa: E402
     ParallelState,
     initialize_parallel_state,
     initialize_simulated_parallel_state,
     use_parallel_state,
 )
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward, compile_repeated_blocks  # noqa: E402
 
 MODES = {"trim": {}, "none": {"trim_sp_padding": False}, "mask": {"mask_sp_padding": True}}
 BASELINE = "ours U1"  # what every variant's output is compared with

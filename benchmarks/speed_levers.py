@@ -7,7 +7,7 @@ so phases and models can run in separate calls):
            random bf16 weights built on the GPU, one forward at 1328x1328, batch 1, variants interleaved:
              ours bf16                   the engine's default: compiled blocks + CUDA graphs
              ours fp8                    the same after the engine's FP8 conversion (quantize_denoiser:
-                                         the rule of vllm_omni/diffusion/quantization.py)
+                                         the rule of vllm_omni/diffusion/worker/quantization.py)
              ours fp8 all linears        ablation: FP8 on every linear layer torchao can convert
              ours fp8 rule + modulation  ablation: the rule, with the AdaLN modulation linears in FP8 too
              diffusers compiled          diffusers' model after its compile_repeated_blocks(fullgraph=True)
@@ -52,7 +52,7 @@ from benchmarks.docs_table import replace_section  # noqa: E402
 from benchmarks.forward_timing import agreement, time_variants  # noqa: E402
 from benchmarks.qwen_image_e2e import copy_outputs  # noqa: E402
 from benchmarks.sp_forward import CompiledBlocks, ForwardBenchmark, switched_on, with_cuda_graphs  # noqa: E402
-from vllm_omni.diffusion.quantization import (  # noqa: E402
+from vllm_omni.diffusion.worker.quantization import (  # noqa: E402
     FP8_RULE,
     KEEP_BF16,
     FP8Rule,
@@ -240,7 +240,7 @@ def fp8_section(phase: dict[str, Any]) -> str:
         "by every variant, batch 1; median ms over the run, variants interleaved. `ours bf16` is the engine's "
         "default (compiled blocks + CUDA graphs); `ours fp8` the same after the engine's FP8 conversion "
         "(`--quantization fp8`: torchao float8 dynamic activation + weight, row-wise scales, on the layers the rule "
-        "of vllm_omni/diffusion/quantization.py picks); the ablation converts every linear layer, or the rule's "
+        "of vllm_omni/diffusion/worker/quantization.py picks); the ablation converts every linear layer, or the rule's "
         "layers and the AdaLN modulation linears. Agreement with `ours bf16`: max abs difference / relative L2 "
         "error / PSNR (peak: the largest |output|). With random weights this measures numerics, not picture "
         "quality: with a real checkpoint, compare FP8 and bf16 images of the same prompts and seeds.",

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
-from vllm_omni.diffusion.vae_parallel import ParallelTiledDecode  # noqa: E402
+from vllm_omni.diffusion.worker.vae_parallel import ParallelTiledDecode  # noqa: E402
 
 # name: (VAE class, output WxHxF, latent shape [B, C, T, H, W] (images: T=1))
 CASES = {

@@ -27,7 +27,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from vllm_omni.diffusion.data import DiffusionParallelConfig
+    from vllm_omni.diffusion.config import DiffusionParallelConfig
     from vllm_omni.diffusion.distributed.parallel_state import initialize_parallel_state
 
     dist.init_process_group(

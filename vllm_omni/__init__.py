@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 __all__ = ["Omni", "DiffusionParallelConfig", "__version__"]
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.data import DiffusionParallelConfig
+    from vllm_omni.diffusion.config import DiffusionParallelConfig
     from vllm_omni.entrypoints.omni import Omni
 
 
@@ -22,7 +22,7 @@ def __getattr__(name: str):
 
         return Omni
     if name == "DiffusionParallelConfig":
-        from vllm_omni.diffusion.data import DiffusionParallelConfig
+        from vllm_omni.diffusion.config import DiffusionParallelConfig
 
         return DiffusionParallelConfig
     raise AttributeError(f"module 'vllm_omni' has no attribute {name!r}")

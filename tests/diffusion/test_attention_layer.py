@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_omni.diffusion.attention.layer import JointAttention
-from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
     TEXT,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, _NotReplayable
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward, _NotReplayable
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -43,7 +43,7 @@ def cuda_like(monkeypatch):
 
 
 def test_graph_key_separates_every_argument(cuda_like):
-    from vllm_omni.diffusion.data import DiffusionParallelConfig
+    from vllm_omni.diffusion.config import DiffusionParallelConfig
     from vllm_omni.diffusion.distributed.parallel_state import ParallelState, use_parallel_state
 
     kwargs = dict(hidden_states=torch.ones(1, 6, 4), txt_ids=torch.ones(1, 5, 4), img_shapes=[[(1, 2, 3)]])

@@ -36,12 +36,12 @@ from benchmarks.hunyuan_video_sp import REAL_CONFIG as HUNYUAN_REAL  # noqa: E40
 from benchmarks.qwen_image_sp import REAL_CONFIG as QWEN_IMAGE_REAL  # noqa: E402
 from benchmarks.wan22_sp import REAL_CONFIG as WAN22_REAL  # noqa: E402
 from vllm_omni import Omni  # noqa: E402
-from vllm_omni.diffusion import engine as engine_module  # noqa: E402
-from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig  # noqa: E402
+from vllm_omni.diffusion.config import DiffusionParallelConfig, OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state  # noqa: E402
-from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path  # noqa: E402
+from vllm_omni.diffusion.engine import core as engine_module  # noqa: E402
 from vllm_omni.diffusion.models.registry import TINY_MODELS  # noqa: E402
-from vllm_omni.diffusion.quantization import (  # noqa: E402
+from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path  # noqa: E402
+from vllm_omni.diffusion.worker.quantization import (  # noqa: E402
     FP8_RULE,
     check_quantization,
     fp8_quantize,
@@ -49,7 +49,7 @@ from vllm_omni.diffusion.quantization import (  # noqa: E402
     quantize_denoisers,
     stored_bytes,
 )
-from vllm_omni.diffusion.runner import present_components  # noqa: E402
+from vllm_omni.diffusion.worker.runner import present_components  # noqa: E402
 from vllm_omni.entrypoints.cli.main import build_parser  # noqa: E402
 from vllm_omni.entrypoints.cli.serve import engine_settings_from_args  # noqa: E402
 from vllm_omni.entrypoints.deploy_config import DeployConfigError, EngineSettings, load_deploy_config  # noqa: E402
@@ -396,8 +396,8 @@ def test_fp8_on_a_gpu_composes_with_compiled_blocks_and_cuda_graphs():
     from torchao.utils import TorchAOBaseTensor
 
     from benchmarks.qwen_image_sp import make_inputs as real_inputs
-    from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, compile_repeated_blocks
     from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
+    from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward, compile_repeated_blocks
 
     device = torch.device("cuda", 0)
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from vllm_omni import Omni  # noqa: E402
-from vllm_omni.diffusion.ray_executor import forwarded_env, rank_order  # noqa: E402
+from vllm_omni.diffusion.executor.ray import forwarded_env, rank_order  # noqa: E402
 
 MODEL = "tiny/qwen-image"
 HEIGHT, WIDTH = 208, 272  # 13x17 = 221 image tokens: padded by one at Ulysses 2

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-from vllm_omni.diffusion.data import GenerationParams
+from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME, SAMPLING_FIELDS
 from vllm_omni.diffusion.models.registry import FAMILIES, REGISTRY, VIDEO_FIELDS
-from vllm_omni.diffusion.request_fields import FIELDS_BY_NAME, SAMPLING_FIELDS
+from vllm_omni.diffusion.request import GenerationParams
 from vllm_omni.entrypoints.cli.main import build_parser
 from vllm_omni.entrypoints.deploy_config import SAMPLING_PARAM_TYPES
 from vllm_omni.entrypoints.omni import Omni

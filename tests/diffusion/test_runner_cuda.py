@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward
-from vllm_omni.diffusion.data import DiffusionRequest, StepCacheConfig
-from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
-from vllm_omni.diffusion.runner import PipelineRunner
-from vllm_omni.diffusion.step_cache import CachedForward
+from vllm_omni.diffusion.config import StepCacheConfig
+from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward
+from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.worker.runner import PipelineRunner
+from vllm_omni.diffusion.worker.step_cache import CachedForward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

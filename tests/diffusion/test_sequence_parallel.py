@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
     TEXT,

@@ -1,4 +1,4 @@
-"""The step cache's decision is the group's (diffusion/step_cache.py), in the 2- and 3-rank gloo pools.
+"""The step cache's decision is the group's (diffusion/worker/step_cache.py), in the 2- and 3-rank gloo pools.
 
 Each rank holds its shard of a padded image stream, as a Ulysses rank does after `shard_with_auto_pad`.
 The shards are built so that a rank deciding on its own shard, as diffusers' First-Block-Cache does,
@@ -16,10 +16,16 @@ import torch
 from diffusers.hooks.first_block_cache import FBCSharedBlockState
 from diffusers.hooks.hooks import CacheContext, StateManager
 
-from vllm_omni.diffusion.data import StepCacheConfig, step_cache_line, step_cache_report
+from vllm_omni.diffusion.config import StepCacheConfig
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.distributed.sequence_parallel import IMAGE, sequence_parallel_context, shard_with_auto_pad
-from vllm_omni.diffusion.step_cache import CacheRecord, GroupFirstBlockHook, relative_change
+from vllm_omni.diffusion.worker.step_cache import (
+    CacheRecord,
+    GroupFirstBlockHook,
+    relative_change,
+    step_cache_line,
+    step_cache_report,
+)
 
 TOKENS, WIDTH = 13, 4  # 13 tokens: padded at 2 and 3 ranks
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
-from vllm_omni.diffusion.loader import resolve_model_path
-from vllm_omni.diffusion.vae_parallel import ParallelTiledDecode
+from vllm_omni.diffusion.worker.loader import resolve_model_path
+from vllm_omni.diffusion.worker.vae_parallel import ParallelTiledDecode
 
 # tiny model, VAE class, latent shape, tiling: 5 x 5 = 25 tiles each, which neither 2 nor 3 ranks divide
 CASES = {

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from test_preprocess import preprocessor
 
-from vllm_omni.diffusion.engine import WARMUP_PROMPT, warmup_requests
+from vllm_omni.diffusion.engine.core import WARMUP_PROMPT, warmup_requests
 from vllm_omni.diffusion.models.text_compaction import BUCKET_MULTIPLE
 
 MODELS = [
@@ -59,8 +59,8 @@ def test_two_shapes_make_the_compiled_blocks_dynamic():
     """Why the second request: after two shapes, no further size or text length compiles a graph."""
     import torch._dynamo.utils as dynamo_utils
 
-    from vllm_omni.diffusion.cuda_graphs import compile_repeated_blocks
     from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
+    from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks
 
     torch._dynamo.reset()
     torch.manual_seed(0)

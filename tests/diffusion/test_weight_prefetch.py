@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni.diffusion import weight_prefetch
-from vllm_omni.diffusion.weight_prefetch import WeightPrefetch, weight_files
+from vllm_omni.diffusion.worker import weight_prefetch
+from vllm_omni.diffusion.worker.weight_prefetch import WeightPrefetch, weight_files
 
 
 def _checkpoint(root: Path) -> dict[str, int]:

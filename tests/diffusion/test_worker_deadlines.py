@@ -16,15 +16,10 @@ import pytest
 
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
-from vllm_omni.diffusion.data import (  # noqa: E402
-    DiffusionParallelConfig,
-    GenerationParams,
-    OmniDiffusionConfig,
-    RequestCancelled,
-    RequestFailed,
-)
-from vllm_omni.diffusion.engine import DiffusionEngine  # noqa: E402
-from vllm_omni.diffusion.executor import WorkerStartError  # noqa: E402
+from vllm_omni.diffusion.config import DiffusionParallelConfig, OmniDiffusionConfig
+from vllm_omni.diffusion.engine.core import DiffusionEngine  # noqa: E402
+from vllm_omni.diffusion.executor.base import WorkerStartError  # noqa: E402
+from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestFailed
 
 MODEL = "tiny/qwen-image"
 HANG_PROMPT = "rank 1 hangs at step 1"

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from vllm_omni import Omni
-from vllm_omni.diffusion.data import GenerationParams, batch_key
+from vllm_omni.diffusion.engine.batching import batch_key
+from vllm_omni.diffusion.request import GenerationParams
 
 PROMPTS = ["a cat", "a red bicycle leaning against a blue wall in the rain, photographed at dusk", "two dogs"]
 NEGATIVES = ["blurry", "low quality, watermark, oversaturated colours", "blurry"]

@@ -161,7 +161,7 @@ def test_serve_of_an_unknown_model_exits_nonzero_naming_it(tmp_path):
 
 
 def test_server_exits_nonzero_when_its_workers_cannot_be_brought_back(tmp_path):
-    from vllm_omni.diffusion.loader import resolve_model_path
+    from vllm_omni.diffusion.worker.loader import resolve_model_path
 
     model = tmp_path / "model"
     shutil.copytree(resolve_model_path(MODEL), model)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from vllm_omni.diffusion.data import EngineLimits, StepCacheConfig
+from vllm_omni.diffusion.config import EngineLimits, StepCacheConfig
 from vllm_omni.diffusion.models.registry import REGISTRY
 from vllm_omni.entrypoints.cli.main import build_parser
 from vllm_omni.entrypoints.cli.serve import engine_settings_from_args

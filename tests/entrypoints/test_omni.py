@@ -21,8 +21,8 @@ from PIL import Image
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
-from vllm_omni.diffusion.data import DiffusionRequest, GenerationParams, RequestCancelled, RequestFailed  # noqa: E402
-from vllm_omni.diffusion.loader import ModelNotFoundError  # noqa: E402
+from vllm_omni.diffusion.request import DiffusionRequest, GenerationParams, RequestCancelled, RequestFailed  # noqa: E402
+from vllm_omni.diffusion.worker.loader import ModelNotFoundError  # noqa: E402
 
 # 208x272 -> 13x17 = 221 image tokens: padded at Ulysses 2 (by 1) and 3 (by 1).
 HEIGHT, WIDTH = 208, 272
@@ -265,7 +265,7 @@ def test_cfg_parallel_cancels_at_the_next_step(engines):
 
 
 def test_ulysses_degree_must_divide_the_head_count_checked_before_any_worker_starts(monkeypatch):
-    from vllm_omni.diffusion import engine
+    from vllm_omni.diffusion.engine import core as engine
 
     def no_workers(*args, **kwargs):
         raise AssertionError("workers started for a degree the config already rules out")

@@ -18,7 +18,7 @@ import pytest
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
-from vllm_omni.diffusion.data import RequestError  # noqa: E402
+from vllm_omni.diffusion.request import RequestError  # noqa: E402
 
 MODEL = "tiny/hunyuan-video-1.5"
 # 208x144, 9 frames -> 13x9 tokens x 3 latent frames = 351 video tokens (padded at Ulysses 2);

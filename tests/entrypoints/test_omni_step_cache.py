@@ -1,4 +1,4 @@
-"""The step cache (First-Block-Cache, diffusion/step_cache.py) under SP, CFG parallel and graphs, on CPU ranks.
+"""The step cache (First-Block-Cache, diffusion/worker/step_cache.py) under SP, CFG parallel and graphs, on CPU ranks.
 
 Tiny Qwen-Image with true CFG at 208x272 (221 image tokens: padded at Ulysses 2 and 3), 8 steps, fp32. The
 threshold sits between the first block's relative changes of the steps it skips (about 0.51 and 0.52) and
@@ -19,7 +19,7 @@ import pytest
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
-from vllm_omni.diffusion.data import GenerationParams, RequestCancelled, RequestError, RequestFailed  # noqa: E402
+from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestError, RequestFailed  # noqa: E402
 
 MODEL = "tiny/qwen-image"
 THRESHOLD = 0.55

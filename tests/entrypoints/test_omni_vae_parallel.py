@@ -19,14 +19,9 @@ import pytest
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
-from vllm_omni.diffusion.data import (  # noqa: E402
-    DiffusionParallelConfig,
-    GenerationParams,
-    OmniDiffusionConfig,
-    RequestCancelled,
-    RequestFailed,
-)
-from vllm_omni.diffusion.engine import DiffusionEngine  # noqa: E402
+from vllm_omni.diffusion.config import DiffusionParallelConfig, OmniDiffusionConfig
+from vllm_omni.diffusion.engine.core import DiffusionEngine  # noqa: E402
+from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestFailed
 
 PROMPT = "a lighthouse on a cliff at dusk"
 ARGS = dict(height=208, width=272, num_inference_steps=2, seed=4, output_type="np", negative_prompt="blurry")

@@ -14,16 +14,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_omni.diffusion.data import (
-    BatchingConfig,
+from vllm_omni.diffusion.config import BatchingConfig, EngineLimits
+from vllm_omni.diffusion.engine.scheduler import InternalError, QueueFull, Scheduler, Unavailable
+from vllm_omni.diffusion.request import (
     DiffusionOutput,
     DiffusionRequest,
-    EngineLimits,
     GenerationParams,
     RequestCancelled,
     RequestError,
 )
-from vllm_omni.entrypoints.openai.scheduler import InternalError, QueueFull, Scheduler, Unavailable
 
 WAIT_S = 10  # a hang guard for conditions that hold within milliseconds
 

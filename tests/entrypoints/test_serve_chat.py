@@ -22,7 +22,7 @@ from openai import BadRequestError, OpenAI
 from PIL import Image
 from server_process import HTTP_TIMEOUT_S, ServerProcess, decode_image, omni_command, open_request, server_env
 
-from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
+from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
 
 T2I, EDIT, GLM = "tiny/qwen-image", "tiny/qwen-image-edit", "tiny/glm-image"

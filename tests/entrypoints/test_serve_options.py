@@ -20,7 +20,7 @@ import openai
 import pytest
 from server_process import HTTP_TIMEOUT_S, decode_image, open_request, start_server
 
-from vllm_omni.diffusion.loader import resolve_model_path
+from vllm_omni.diffusion.worker.loader import resolve_model_path
 
 MODEL = "tiny/qwen-image"
 SERVED = "Qwen/Qwen-Image"  # what clients of the real model send (CONTEXT.md's curl)

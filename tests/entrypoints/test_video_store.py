@@ -22,9 +22,9 @@ import av
 import numpy as np
 import pytest
 
-from vllm_omni.diffusion.data import DiffusionOutput, DiffusionRequest
+from vllm_omni.diffusion.engine.scheduler import Job, JobError
+from vllm_omni.diffusion.request import DiffusionOutput, DiffusionRequest
 from vllm_omni.entrypoints.openai import media
-from vllm_omni.entrypoints.openai.scheduler import Job, JobError
 from vllm_omni.entrypoints.openai.video_store import (
     VideoDirectoryInUse,
     VideoRecord,

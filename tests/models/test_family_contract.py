@@ -11,12 +11,12 @@ import pytest
 import torch
 from diffusers.hooks import HookRegistry
 
-from vllm_omni.diffusion.cuda_graphs import TEST_GRAPHS_ENV, CUDAGraphForward
-from vllm_omni.diffusion.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.models.family import is_denoiser
 from vllm_omni.diffusion.models.registry import TINY_MODELS
 from vllm_omni.diffusion.models.wan22.pipeline import Wan22Family
-from vllm_omni.diffusion.runner import CountForwards, PipelineRunner
+from vllm_omni.diffusion.worker.cuda_graphs import TEST_GRAPHS_ENV, CUDAGraphForward
+from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.worker.runner import CountForwards, PipelineRunner
 
 
 def _runner(name: str) -> PipelineRunner:

@@ -15,7 +15,7 @@ from diffusers import Flux2Transformer2DModel as ReferenceTransformer
 from diffusers.models.transformers import transformer_flux2 as reference
 from sp_padding import random_sp_padding
 
-from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.comm import SimulatedGroup
 from vllm_omni.diffusion.distributed.parallel_state import ParallelState, get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.flux2 import Flux2Transformer2DModel

@@ -18,7 +18,7 @@ from diffusers import GlmImageTransformer2DModel as ReferenceTransformer
 from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 from sp_padding import random_sp_padding
 
-from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.glm_image import GlmImageTransformer2DModel
 from vllm_omni.logger import reset_warning_once

@@ -14,10 +14,10 @@ from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.models.hunyuan_video_15.pipeline import FAMILY
 from vllm_omni.diffusion.models.hunyuan_video_15.tiny import TINY_MODELS, build_tiny_model
 from vllm_omni.diffusion.models.registry import PipelineSpec
+from vllm_omni.diffusion.request import DiffusionRequest
 
 HEIGHT, WIDTH, FRAMES = 144, 176, 9  # 3 x 9 x 11 latent grid
 PROMPT = 'A neon sign that says "OPEN" above a shop window at night'  # quoted text: ByT5 glyph tokens

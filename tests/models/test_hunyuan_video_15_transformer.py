@@ -16,7 +16,7 @@ import pytest
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel as ReferenceTransformer
 
-from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed import sequence_parallel
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel

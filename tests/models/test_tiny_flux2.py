@@ -18,10 +18,11 @@ from diffusers import Flux2Pipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from vllm_omni.diffusion.data import DiffusionParallelConfig, DiffusionRequest
+from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.flux2 import pipeline as flux2_pipeline
 from vllm_omni.diffusion.models.flux2.tiny import TINY_MODELS, build_tiny_model, tiny_model_path
+from vllm_omni.diffusion.request import DiffusionRequest
 
 # 13 x 11 = 143 image tokens (16 px a token): neither 2 nor 3 ranks divide them.
 HEIGHT, WIDTH = 208, 176

@@ -16,10 +16,10 @@ import pytest
 import torch
 from diffusers import GlmImagePipeline
 
-from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.models.glm_image.pipeline import FAMILY
 from vllm_omni.diffusion.models.glm_image.tiny import build_tiny_model
 from vllm_omni.diffusion.models.registry import REGISTRY
+from vllm_omni.diffusion.request import DiffusionRequest
 
 PROMPT = "a poster with the title 'OPEN' on a white wall"
 SIZE = dict(height=64, width=96)

@@ -17,12 +17,12 @@ import test_hunyuan_video_15_transformer as hunyuan_case
 import test_wan22_transformer as wan22_case
 import torch
 
-from vllm_omni.diffusion.cuda_graphs import compile_repeated_blocks
 from vllm_omni.diffusion.models.flux2 import Flux2Transformer2DModel
 from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel
 from vllm_omni.diffusion.models.hunyuan_video_15 import HunyuanVideo15Transformer3DModel
 from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
 from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel
+from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks
 
 QWEN_CONFIG = dict(
     patch_size=2,

@@ -17,7 +17,7 @@ import torch
 from diffusers import WanTransformer3DModel as ReferenceTransformer
 from sp_padding import random_sp_padding
 
-from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel
 from vllm_omni.logger import reset_warning_once

@@ -13,7 +13,8 @@ import io
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import EngineLimits, RequestError
+from vllm_omni.diffusion.config import EngineLimits
+from vllm_omni.diffusion.request import RequestError
 
 # Pillow opens many more formats (EPS even runs Ghostscript): only these are tried.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")

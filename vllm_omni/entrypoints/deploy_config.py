@@ -9,8 +9,8 @@ A deploy file fixes a model's parallel layout and its request defaults:
         default_sampling_params: {num_inference_steps: 50, true_cfg_scale: 4.0}
         limits: {max_image_size: 2048}    # any EngineLimits field
         batching: {max_batch_size: 4, batch_wait_ms: 0}   # request batching (BatchingConfig)
-        quantization: fp8                 # FP8 matmuls in the denoisers (diffusion/quantization.py)
-        cache: {policy: first_block, threshold: 0.08}   # step caching (StepCacheConfig, diffusion/step_cache.py)
+        quantization: fp8                 # FP8 matmuls in the denoisers (diffusion/worker/quantization.py)
+        cache: {policy: first_block, threshold: 0.08}   # step caching (StepCacheConfig, diffusion/worker/step_cache.py)
 
 `load_deploy_config` reads and checks one (unknown keys anywhere are errors naming the key);
 `EngineSettings.resolve` lays the command-line flags the user actually gave on top of it.
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import (
+from vllm_omni.diffusion.config import (
     QUANTIZATION_METHODS,
     BatchingConfig,
     DiffusionParallelConfig,
@@ -33,7 +33,7 @@ from vllm_omni.diffusion.data import (
     StepCacheConfig,
     normalize_dtype_name,
 )
-from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
+from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -332,7 +332,7 @@ class EngineSettings:
 
     def engine_config(self, replica: int = 0) -> Any:
         """The `OmniDiffusionConfig` for `DiffusionEngine` (of replica `replica` when data_parallel_size > 1)."""
-        from vllm_omni.diffusion.data import OmniDiffusionConfig
+        from vllm_omni.diffusion.config import OmniDiffusionConfig
 
         return OmniDiffusionConfig(
             replica=replica,

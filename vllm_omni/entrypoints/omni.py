@@ -10,15 +10,15 @@ import dataclasses
 import queue
 from typing import Any
 
-from vllm_omni.diffusion.data import (
+from vllm_omni.diffusion.config import (
     DiffusionParallelConfig,
     EngineLimits,
-    GenerationParams,
     OmniDiffusionConfig,
     StepCacheConfig,
     normalize_dtype_name,
 )
-from vllm_omni.diffusion.request_fields import FIELDS_BY_NAME
+from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME
+from vllm_omni.diffusion.request import GenerationParams
 
 
 class Omni:
@@ -30,7 +30,7 @@ class Omni:
     replicas, each a group of its own ranks (and GPUs): `generate` is thread-safe, and calls made
     at once from N threads run at once, each on an idle replica. `quantization="fp8"`: FP8 matmuls in
     the denoisers' large linear layers (CUDA GPUs of compute capability 8.9+, `pip install 'vllm_omni[fp8]'`).
-    `cache="first_block"` (with `cache_threshold`): step caching in the denoisers (diffusion/step_cache.py);
+    `cache="first_block"` (with `cache_threshold`): step caching in the denoisers (diffusion/worker/step_cache.py);
     each output's `step_cache` says which steps it skipped.
     """
 
@@ -60,7 +60,7 @@ class Omni:
         load_timeout_s: float | None = None,
         stall_timeout_s: float | None = None,
     ) -> None:
-        from vllm_omni.diffusion.engine import DiffusionEngine
+        from vllm_omni.diffusion.engine.core import DiffusionEngine
 
         parallel = DiffusionParallelConfig(
             ulysses_degree=ulysses_degree,
@@ -112,7 +112,7 @@ class Omni:
     ) -> list[Any]:
         """Images or videos for one prompt.
 
-        `fields` are the declared request fields (vllm_omni/diffusion/request_fields.py):
+        `fields` are the declared request fields (vllm_omni/diffusion/engine/request_fields.py):
         negative_prompt, height, width, num_inference_steps, guidance_scale, guidance_scale_2, true_cfg_scale, n,
         seed, and for video models num_frames and fps. `image` is a path, bytes or a PIL image, or
         a list of them. Returns PIL images (a video: a list of PIL frames), float32 arrays in

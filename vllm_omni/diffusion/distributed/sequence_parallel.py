@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.data import DiffusionParallelConfig, PaddingMode
+from vllm_omni.diffusion.config import DiffusionParallelConfig, PaddingMode
 from vllm_omni.diffusion.distributed.comm import SimulatedGroup, all_gather
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.logger import init_logger

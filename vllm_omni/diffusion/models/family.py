@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from vllm_omni.diffusion.data import DiffusionRequest
     from vllm_omni.diffusion.models.registry import PipelineSpec
+    from vllm_omni.diffusion.request import DiffusionRequest
 
 
 class FamilyPipeline:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from vllm_omni.diffusion.models.family import FamilyPipeline
 
-# Request fields every pipeline takes (beyond the prompt); see diffusion/request_fields.py.
+# Request fields every pipeline takes (beyond the prompt); see diffusion/engine/request_fields.py.
 COMMON_FIELDS = frozenset({"height", "width", "num_inference_steps", "n", "seed", "cache_threshold"})
 VIDEO_FIELDS = frozenset({"num_frames", "fps"})
 
@@ -86,7 +86,7 @@ class PipelineSpec:
     model_index: tuple[tuple[str, object], ...] = ()
     # Requests may share a pipeline call (request batching: a list of prompts, one generator per row).
     batchable: bool = True
-    # Why the step cache (diffusion/step_cache.py) cannot run on this pipeline's denoiser; None: it can.
+    # Why the step cache (diffusion/worker/step_cache.py) cannot run on this pipeline's denoiser; None: it can.
     step_cache_refusal: str | None = None
 
     def family_module(self, name: str) -> ModuleType:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
+from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.cli.serve import add_engine_args, positive_int
 
 

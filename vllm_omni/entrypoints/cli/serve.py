@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import (
+from vllm_omni.diffusion.config import (
     CACHE_POLICIES,
     DTYPES,
     EXECUTOR_BACKENDS,

@@ -22,13 +22,13 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from vllm_omni.diffusion.engine.scheduler import Scheduler
 from vllm_omni.entrypoints.deploy_config import EngineSettings
 from vllm_omni.entrypoints.openai import metrics
 from vllm_omni.entrypoints.openai.body_limits import BodyLimits
 from vllm_omni.entrypoints.openai.errors import ApiError, install_error_handlers
 from vllm_omni.entrypoints.openai.metrics import CountHTTP, ServerMetrics
 from vllm_omni.entrypoints.openai.routes import chat, images, models, videos
-from vllm_omni.entrypoints.openai.scheduler import Scheduler
 from vllm_omni.entrypoints.openai.video_store import VideoStorageSettings, VideoStore
 from vllm_omni.logger import init_logger
 
@@ -84,7 +84,7 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
     """
 
     def create_engine(replica: int) -> Any:
-        from vllm_omni.diffusion.engine import DiffusionEngine
+        from vllm_omni.diffusion.engine.core import DiffusionEngine
 
         settings.engine.apply_devices()
         return DiffusionEngine(settings.engine.engine_config(replica), settings.engine.limits)

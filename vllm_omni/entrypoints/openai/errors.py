@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from vllm_omni.diffusion.data import RequestError
-from vllm_omni.diffusion.request_fields import FIELDS_BY_NAME
+from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME
+from vllm_omni.diffusion.engine.scheduler import InternalError, JobError, QueueFull, Unavailable, one_line
+from vllm_omni.diffusion.request import RequestError
 from vllm_omni.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-from vllm_omni.entrypoints.openai.scheduler import InternalError, JobError, QueueFull, Unavailable, one_line
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)

@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from vllm_omni.entrypoints.openai.scheduler import Job, Scheduler
+    from vllm_omni.diffusion.engine.scheduler import Job, Scheduler
 
 STATES = ("loading", "warming_up", "ok", "restarting", "unhealthy", "failed", "shutting_down")
 # Seconds, from a tiny model's fraction of a second to a long video's tens of minutes.

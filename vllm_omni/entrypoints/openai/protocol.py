@@ -3,7 +3,7 @@
 The image generation body is JSON; the edit body is the same fields as multipart form values
 (routes/images.py validates both with these models); the chat completion body is JSON with
 `messages` (routes/chat.py); the video body is JSON or a multipart form (routes/videos.py). The
-sampling fields come from the one declaration in diffusion/request_fields.py. Responses follow
+sampling fields come from the one declaration in diffusion/engine/request_fields.py. Responses follow
 OpenAI's schemas (images: `created`, `data[].b64_json`; chat: `choices[].message.content`, here
 a list of image parts; videos: the `video` job object, its list and its deletion) and add the
 seed used and the real output size. Used by the routes, the error handlers (errors.py) and the
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
+from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 
 # ASCII digits only: Python's int() also reads full-width and other Unicode digits.
 _SIZE = re.compile(r"^\s*(-?[0-9]+)\s*[xX]\s*(-?[0-9]+)\s*$")

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from vllm_omni.entrypoints.openai.scheduler import Job, JobError, Scheduler, one_line
+from vllm_omni.diffusion.engine.scheduler import Job, JobError, Scheduler, one_line
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.models.family import FamilyPipeline
 from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel
+from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.models.registry import PipelineSpec

@@ -44,7 +44,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
 MASK_REFUSED = "attention_mask is not supported (the pipeline passes none; the reference's mask path is broken)"
 KV_CACHE_REFUSED = "image-to-image (the condition image's K/V cache) is not supported"
 
-# Where diffusers' cache hooks (the step cache, diffusion/step_cache.py) find the block's outputs:
+# Where diffusers' cache hooks (the step cache, diffusion/worker/step_cache.py) find the block's outputs:
 # (hidden_states, encoder_hidden_states). diffusers 0.42.1 registers none for this block.
 TransformerBlockRegistry.register(
     reference.GlmImageTransformerBlock,

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.models.family import FamilyPipeline
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel
+from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.models.registry import PipelineSpec

@@ -48,7 +48,7 @@ from vllm_omni.diffusion.models.text_compaction import (
 # cond_type_embed rows, as in the reference
 _PROMPT_TYPE, _GLYPH_TYPE, _IMAGE_TYPE = 0, 1, 2
 
-# Where diffusers' cache hooks (the step cache, diffusion/step_cache.py) find the block's outputs:
+# Where diffusers' cache hooks (the step cache, diffusion/worker/step_cache.py) find the block's outputs:
 # (hidden_states, encoder_hidden_states). diffusers 0.42.1 registers none for this block.
 TransformerBlockRegistry.register(
     reference.HunyuanVideo15TransformerBlock,

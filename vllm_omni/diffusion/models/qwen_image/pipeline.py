@@ -12,9 +12,9 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 
-from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
+from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.models.registry import PipelineSpec

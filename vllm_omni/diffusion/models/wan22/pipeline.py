@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.diffusion.data import DiffusionRequest
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel
+from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.models.registry import PipelineSpec

@@ -32,8 +32,8 @@ from pydantic import BaseModel, ValidationError
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, QuerystringParser, parse_options_header
 
+from vllm_omni.diffusion.engine.scheduler import one_line
 from vllm_omni.entrypoints.openai.errors import CLIENT_CLOSED, ApiError, validation_error
-from vllm_omni.entrypoints.openai.scheduler import one_line
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_omni.diffusion.data import RequestError
+from vllm_omni.diffusion.request import RequestError
 from vllm_omni.entrypoints.openai.errors import ApiError, request_error
 from vllm_omni.entrypoints.openai.protocol import (
     ChatAssistantMessage,

@@ -19,8 +19,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_omni.diffusion.data import DiffusionOutput, GenerationParams, RequestError
-from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
+from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
+from vllm_omni.diffusion.engine.scheduler import InternalError, Job, QueueFull, QueuePlace, Scheduler, Unavailable
+from vllm_omni.diffusion.request import DiffusionOutput, GenerationParams, RequestError
 from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
 from vllm_omni.entrypoints.openai.errors import ApiError, job_error, request_error, scheduler_error
 from vllm_omni.entrypoints.openai.media import encode_images_b64
@@ -42,7 +43,6 @@ from vllm_omni.entrypoints.openai.routes.bodies import (
     read_json_object,
 )
 from vllm_omni.entrypoints.openai.routes.models import check_model
-from vllm_omni.entrypoints.openai.scheduler import InternalError, Job, QueueFull, QueuePlace, Scheduler, Unavailable
 
 router = APIRouter()
 

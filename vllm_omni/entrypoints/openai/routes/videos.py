@@ -23,9 +23,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from vllm_omni.diffusion.data import GenerationParams, RequestError
-from vllm_omni.diffusion.preprocess import check_int
-from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
+from vllm_omni.diffusion.engine.preprocess import check_int
+from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
+from vllm_omni.diffusion.engine.scheduler import InternalError, QueueFull, Scheduler, Unavailable
+from vllm_omni.diffusion.request import GenerationParams, RequestError
 from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
 from vllm_omni.entrypoints.openai.errors import ApiError, request_error, scheduler_error
 from vllm_omni.entrypoints.openai.protocol import (
@@ -49,7 +50,6 @@ from vllm_omni.entrypoints.openai.routes.bodies import (
     read_json_object,
 )
 from vllm_omni.entrypoints.openai.routes.models import check_model
-from vllm_omni.entrypoints.openai.scheduler import InternalError, QueueFull, Scheduler, Unavailable
 from vllm_omni.entrypoints.openai.video_store import VideoRecord, VideoStore
 
 router = APIRouter()

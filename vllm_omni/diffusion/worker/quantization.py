@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from vllm_omni.diffusion.data import QUANTIZATION_METHODS
+from vllm_omni.diffusion.config import QUANTIZATION_METHODS
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -111,7 +111,7 @@ def quantize_denoisers(denoisers: Mapping[str, torch.nn.Module], method: str | N
         if not converted:  # a run that claims FP8 and has none
             raise ValueError(
                 f"quantization={method!r}: no linear layer of {name} is large enough for FP8 (the rule keeps layers "
-                f"narrower than {FP8_RULE.min_features} in bf16: diffusion/quantization.py); leave quantization unset"
+                f"narrower than {FP8_RULE.min_features} in bf16: worker/quantization.py); leave quantization unset"
             )
         kept = Counter(
             FP8_RULE.bf16_reason(layer, module)

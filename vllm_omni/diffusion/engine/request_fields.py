@@ -4,7 +4,7 @@ Every surface is derived from `SAMPLING_FIELDS` or checked against it by a test
 (tests/diffusion/test_request_fields.py): the HTTP bodies (entrypoints/openai/protocol.py),
 the CLI flags of `vllm-omni generate` (entrypoints/cli/generate.py), `Omni.generate`'s
 keyword arguments, the deploy YAML's `default_sampling_params` (entrypoints/deploy_config.py)
-and `GenerationParams` (data.py). Which pipelines take a field is in each `PipelineSpec.fields`
+and `GenerationParams` (request.py). Which pipelines take a field is in each `PipelineSpec.fields`
 (models/registry.py); the engine refuses a field a pipeline does not take, naming it.
 Torch-free.
 """

@@ -31,6 +31,7 @@ it, the engine merges the ranks' records into the output (`DiffusionOutput.step_
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -39,7 +40,7 @@ from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, ModelHook, appl
 from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK, FBCHeadBlockHook
 from diffusers.hooks.hooks import CacheContext
 
-from vllm_omni.diffusion.data import StepCacheConfig, step_cache_report
+from vllm_omni.diffusion.config import StepCacheConfig
 from vllm_omni.diffusion.distributed.sequence_parallel import IMAGE, group_sum, real_rows
 from vllm_omni.logger import init_logger
 
@@ -204,3 +205,37 @@ class CachedForward:
         state.head_block_residual, self.head.probed = self.head.probed, None
         state.tail_block_residuals = tuple(None if t is None else t.clone() for t in self.written[key])
         return output
+
+
+def step_cache_report(policy: str, threshold: float, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' cache records (`CacheRecord.summary`) merged into what a response reports.
+
+    Every rank of an SP group decides alike (and measures the same changes); under CFG parallel
+    each group records its own branch. `median_change`: of the first block's relative changes
+    the request measured (what a threshold is compared with), None before any was measured.
+    """
+    steps: dict[str, dict[int, bool]] = {}
+    changes: list[float] = []
+    for i, record in enumerate(records):
+        for branch, decisions in record["decisions"].items():
+            steps.setdefault(branch, {}).update(decisions)
+        if record["changes"] not in [other["changes"] for other in records[:i]]:
+            changes += record["changes"]  # once per group: an SP group's ranks measure the same
+    computed = sum(c for decisions in steps.values() for c in decisions.values())
+    return {
+        "policy": policy,
+        "threshold": threshold,
+        "forwards_computed": computed,
+        "forwards_skipped": sum(len(decisions) for decisions in steps.values()) - computed,
+        "skipped_steps": {b: sorted(s for s, c in d.items() if not c) for b, d in sorted(steps.items())},
+        "median_change": round(statistics.median(changes), 6) if changes else None,
+    }
+
+
+def step_cache_line(report: dict[str, Any]) -> str:
+    """The step log's words for a cache report."""
+    skipped = ", ".join(f"{branch} {steps}" for branch, steps in report["skipped_steps"].items() if steps)
+    return (
+        f"step cache {report['policy']} (threshold {report['threshold']:g}): {report['forwards_computed']} "
+        f"forward(s) computed, {report['forwards_skipped']} skipped" + (f" (steps {skipped})" if skipped else "")
+    )

@@ -44,15 +44,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from vllm_omni.diffusion.data import (
-    BatchingConfig,
+from vllm_omni.diffusion.config import BatchingConfig, EngineLimits
+from vllm_omni.diffusion.engine.batching import batch_key
+from vllm_omni.diffusion.request import (
     DiffusionOutput,
     DiffusionRequest,
-    EngineLimits,
     GenerationParams,
     RequestCancelled,
     RequestError,
-    batch_key,
 )
 from vllm_omni.logger import init_logger
 

@@ -1,8 +1,7 @@
-"""Configs and the request/result types that travel between the engine and its workers.
+"""The bottom layer: the engine's configuration dataclasses, checked at construction.
 
-`DiffusionParallelConfig` is the parallel layout and the SP padding policy; deploy
-YAML's `parallel_config`, CLI flags and `Omni(...)` all end up here. The rest are
-plain dataclasses pickled across the executor's process boundary.
+`DiffusionParallelConfig` is the parallel layout and the SP padding policy; the other configs say
+how a worker loads a model and what bounds a request. Imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -10,12 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from vllm_omni.diffusion.models.registry import PipelineSpec
+from typing import Any, Literal
 
 PaddingMode = Literal["mask", "trim", "none"]
 ExecutorBackend = Literal["mp", "ray"]
@@ -154,7 +149,7 @@ CACHE_POLICIES = ("first_block",)
 
 @dataclass(frozen=True)
 class StepCacheConfig:
-    """Step caching in the denoisers (diffusion/step_cache.py): `first_block` is diffusers' First-Block-Cache.
+    """Step caching in the denoisers (diffusion/worker/step_cache.py): `first_block` is diffusers' First-Block-Cache.
 
     Every step runs the first transformer block; when its output changed by less than `threshold`
     (relative mean absolute change of its residual since the last computed step, over the whole SP
@@ -172,40 +167,6 @@ class StepCacheConfig:
             raise ValueError(f"cache_threshold must be a number > 0, got {value!r}")
 
 
-def step_cache_report(policy: str, threshold: float, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ranks' cache records (`CacheRecord.summary`) merged into what a response reports.
-
-    Every rank of an SP group decides alike (and measures the same changes); under CFG parallel
-    each group records its own branch. `median_change`: of the first block's relative changes
-    the request measured (what a threshold is compared with), None before any was measured.
-    """
-    steps: dict[str, dict[int, bool]] = {}
-    changes: list[float] = []
-    for i, record in enumerate(records):
-        for branch, decisions in record["decisions"].items():
-            steps.setdefault(branch, {}).update(decisions)
-        if record["changes"] not in [other["changes"] for other in records[:i]]:
-            changes += record["changes"]  # once per group: an SP group's ranks measure the same
-    computed = sum(c for decisions in steps.values() for c in decisions.values())
-    return {
-        "policy": policy,
-        "threshold": threshold,
-        "forwards_computed": computed,
-        "forwards_skipped": sum(len(decisions) for decisions in steps.values()) - computed,
-        "skipped_steps": {b: sorted(s for s, c in d.items() if not c) for b, d in sorted(steps.items())},
-        "median_change": round(statistics.median(changes), 6) if changes else None,
-    }
-
-
-def step_cache_line(report: dict[str, Any]) -> str:
-    """The step log's words for a cache report."""
-    skipped = ", ".join(f"{branch} {steps}" for branch, steps in report["skipped_steps"].items() if steps)
-    return (
-        f"step cache {report['policy']} (threshold {report['threshold']:g}): {report['forwards_computed']} "
-        f"forward(s) computed, {report['forwards_skipped']} skipped" + (f" (steps {skipped})" if skipped else "")
-    )
-
-
 @dataclass
 class OmniDiffusionConfig:
     """Everything a worker needs to load a model: where from, on what, how split."""
@@ -216,7 +177,7 @@ class OmniDiffusionConfig:
     dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
     attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode
     enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)
-    # "fp8": the denoisers' large linear layers run FP8 matmuls (diffusion/quantization.py); None: as loaded.
+    # "fp8": the denoisers' large linear layers run FP8 matmuls (diffusion/worker/quantization.py); None: as loaded.
     quantization: Literal["fp8"] | None = None
     cache: StepCacheConfig | None = None  # step caching in the denoisers; None: every step computes every block
     # Deadlines on the workers (executor.py); None: env VLLM_OMNI_LOAD_TIMEOUT_S / _STALL_TIMEOUT_S,
@@ -299,8 +260,8 @@ class EngineLimits:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
 
-    def for_model(self, spec: PipelineSpec) -> EngineLimits:
-        """These limits with the model's own defaults where none was set (max_tokens_per_step)."""
+    def for_model(self, spec: Any) -> EngineLimits:
+        """These limits with the model's own defaults where none was set (`spec.max_tokens_per_step`)."""
         if self.max_tokens_per_step is not None:
             return self
         return dataclasses.replace(self, max_tokens_per_step=spec.max_tokens_per_step)
@@ -319,124 +280,3 @@ class BatchingConfig:
         value = self.batch_wait_ms
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"batch_wait_ms must be a number of milliseconds >= 0, got {value!r}")
-
-
-OutputType = Literal["pil", "np", "uint8"]
-
-
-@dataclass
-class GenerationParams:
-    """A request as the user gave it; `DiffusionEngine.preprocess` validates it into a `DiffusionRequest`.
-
-    The sampling fields are those of request_fields.SAMPLING_FIELDS (a test keeps them equal).
-    """
-
-    prompt: str
-    negative_prompt: str | None = None
-    image: Any = None  # PIL image, path, bytes, or a list of them (edit models, FLUX.2 references)
-    height: int | None = None
-    width: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    guidance_scale_2: float | None = None
-    true_cfg_scale: float | None = None
-    n: int | None = None
-    seed: int | None = None
-    cache_threshold: float | None = None
-    num_frames: int | None = None
-    fps: int | None = None
-    # pil: PIL images (a video: a list of PIL frames); np: float32 arrays in [0, 1]; uint8: uint8 arrays
-    output_type: OutputType = "pil"
-    request_id: str | None = None
-
-
-@dataclass
-class DiffusionRequest:
-    """One generation or edit, as the engine validated it (sizes already rounded, seed drawn)."""
-
-    request_id: str
-    prompt: str
-    negative_prompt: str | None = None
-    # Source images (edits, FLUX.2 references, image-to-video) as the engine checked them: the
-    # compressed file bytes (the worker decodes them; queued requests stay small), or PIL images
-    # handed to `Omni.generate`.
-    images: list[Any] | None = None
-    height: int | None = None  # None: the pipeline's default (edits: from the source aspect ratio)
-    width: int | None = None
-    num_inference_steps: int = 50
-    guidance_scale: float | None = None
-    guidance_scale_2: float | None = None  # Wan2.2 A14B's low-noise expert; None: guidance_scale
-    true_cfg_scale: float | None = None  # None: the pipeline takes no true CFG
-    num_images: int = 1
-    seed: int = 0
-    cache_threshold: float | None = None  # the step cache's, on a server with one (else None)
-    num_frames: int | None = None  # video only; None: the pipeline's default
-    fps: int | None = None  # video only
-    cancel_token: int = 0  # the executor's number for this request; cancelling flags it
-    output_type: OutputType = "pil"
-    preprocess_ms: float = 0.0  # time validation took (the server validates before queueing)
-    # Request batching: the requests whose rows follow this one's in every pipeline call (they share
-    # its forwards; `batch_key` says which may). This request carries the run's id and cancel token.
-    batch: list[DiffusionRequest] = field(default_factory=list)
-
-    @property
-    def rows(self) -> list[DiffusionRequest]:
-        """This request and those batched with it, in row order."""
-        return [self, *self.batch]
-
-
-# DiffusionRequest fields that may differ between requests that share a forward: each row has its own.
-PER_ROW_FIELDS = frozenset(
-    {"request_id", "prompt", "negative_prompt", "seed", "cancel_token", "preprocess_ms", "batch"}
-)
-
-
-def batch_key(request: DiffusionRequest, spec: PipelineSpec) -> tuple | None:
-    """What must be equal for requests to share a forward (model, size, frames, steps, guidance mode),
-    None when this one never shares: source images (each pipeline call encodes its own), several
-    images (a batch of its own already), a pipeline that batches no prompts (`PipelineSpec.batchable`)."""
-    if not spec.batchable or request.images or request.num_images != 1 or request.batch:
-        return None
-    shared = tuple(
-        (f.name, getattr(request, f.name)) for f in dataclasses.fields(request) if f.name not in PER_ROW_FIELDS
-    )
-    return (*shared, ("has_negative_prompt", request.negative_prompt is not None))
-
-
-@dataclass
-class DiffusionOutput:
-    """What the engine returns and how it was made.
-
-    `images` holds one entry per image or video: a PIL image (a video: a list of PIL frames), or an
-    array ([H, W, 3], a video [F, H, W, 3]; float32 in [0, 1] for "np", uint8 for "uint8").
-    """
-
-    request_id: str
-    images: list[Any]
-    seed: int
-    height: int
-    width: int
-    num_frames: int | None = None  # videos only
-    fps: int | None = None
-    timings_ms: dict[str, float] = field(default_factory=dict)
-    batch_size: int = 1  # requests that shared its pipeline call (request batching), itself included
-    step_cache: dict[str, Any] | None = None  # step_cache_report: forwards computed and skipped; None: no cache
-
-
-class RequestError(ValueError):
-    """Bad input, found by the engine's checks; `param` names the request field at fault.
-
-    The HTTP server answers it with a 400 carrying `param` (height and width travel in `size`).
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class RequestCancelled(Exception):
-    """The request was cancelled (its client went away) and stopped at a denoising step."""
-
-
-class RequestFailed(RuntimeError):
-    """The workers could not complete the request; the engine stays usable."""

@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import DiffusionRequest, EngineLimits, GenerationParams, RequestError, StepCacheConfig
+from vllm_omni.diffusion.config import EngineLimits, StepCacheConfig
+from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.diffusion.images import inspect_image
 from vllm_omni.diffusion.models.registry import PipelineSpec
-from vllm_omni.diffusion.request_fields import SAMPLING_FIELDS
+from vllm_omni.diffusion.request import DiffusionRequest, GenerationParams, RequestError
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)

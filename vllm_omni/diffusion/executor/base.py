@@ -37,14 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from vllm_omni.diffusion.data import (
-    DiffusionRequest,
-    OmniDiffusionConfig,
-    RequestCancelled,
-    RequestError,
-    RequestFailed,
-)
-from vllm_omni.diffusion.worker import worker_main
+from vllm_omni.diffusion.config import OmniDiffusionConfig
+from vllm_omni.diffusion.request import DiffusionRequest, RequestCancelled, RequestError, RequestFailed
+from vllm_omni.diffusion.worker.worker import worker_main
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)

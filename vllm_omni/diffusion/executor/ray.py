@@ -53,8 +53,9 @@ from ray.exceptions import GetTimeoutError, RayActorError  # noqa: E402
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
-from vllm_omni.diffusion.data import DiffusionRequest, OmniDiffusionConfig  # noqa: E402
-from vllm_omni.diffusion.executor import WorkerGroupExecutor, WorkerStartError  # noqa: E402
+from vllm_omni.diffusion.config import OmniDiffusionConfig  # noqa: E402
+from vllm_omni.diffusion.executor.base import WorkerGroupExecutor, WorkerStartError  # noqa: E402
+from vllm_omni.diffusion.request import DiffusionRequest  # noqa: E402
 from vllm_omni.logger import init_logger  # noqa: E402
 
 logger = init_logger(__name__)
@@ -231,8 +232,8 @@ class RankActor:
         self._thread.start()
 
     def _run(self, config: OmniDiffusionConfig, model_path: str, init_method: str) -> None:
-        from vllm_omni.diffusion.loader import resolve_model_path
-        from vllm_omni.diffusion.worker import run_rank
+        from vllm_omni.diffusion.worker.loader import resolve_model_path
+        from vllm_omni.diffusion.worker.worker import run_rank
 
         try:
             # The driver's folder when this node has it at the same path; else this node's own copy

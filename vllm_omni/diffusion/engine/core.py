@@ -20,22 +20,16 @@ from typing import Any, Literal
 import numpy as np
 
 from vllm_omni.diffusion.attention.backends import check_attention_backend
-from vllm_omni.diffusion.data import (
-    DiffusionOutput,
-    DiffusionRequest,
-    EngineLimits,
-    GenerationParams,
-    OmniDiffusionConfig,
-    RequestCancelled,
-    batch_key,
-    step_cache_report,
-)
-from vllm_omni.diffusion.executor import MultiprocExecutor, ProgressCallback, WorkerGroupExecutor
-from vllm_omni.diffusion.loader import check_ulysses_degree, read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.config import EngineLimits, OmniDiffusionConfig
+from vllm_omni.diffusion.engine.batching import batch_key
+from vllm_omni.diffusion.engine.preprocess import RequestPreprocessor
+from vllm_omni.diffusion.executor.base import MultiprocExecutor, ProgressCallback, WorkerGroupExecutor
 from vllm_omni.diffusion.models.registry import PipelineSpec
-from vllm_omni.diffusion.preprocess import RequestPreprocessor
-from vllm_omni.diffusion.quantization import check_quantization
-from vllm_omni.diffusion.weight_prefetch import WeightPrefetch
+from vllm_omni.diffusion.request import DiffusionOutput, DiffusionRequest, GenerationParams, RequestCancelled
+from vllm_omni.diffusion.worker.loader import check_ulysses_degree, read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.worker.quantization import check_quantization
+from vllm_omni.diffusion.worker.step_cache import step_cache_report
+from vllm_omni.diffusion.worker.weight_prefetch import WeightPrefetch
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -103,7 +97,7 @@ def _gray_png(width: int, height: int) -> bytes:
 def _join_ray(config: OmniDiffusionConfig):
     """Ray for the "ray" executor backend (ray_executor.RaySession); a clear error when it is not installed."""
     try:
-        from vllm_omni.diffusion.ray_executor import RaySession
+        from vllm_omni.diffusion.executor.ray import RaySession
     except ImportError as exc:
         if exc.name is None or not exc.name.startswith("ray"):
             raise
@@ -169,7 +163,7 @@ class DiffusionEngine:
         self.executor: WorkerGroupExecutor
         try:
             if ray_session is not None:
-                from vllm_omni.diffusion.ray_executor import RayExecutor
+                from vllm_omni.diffusion.executor.ray import RayExecutor
 
                 self.executor = RayExecutor(config, str(self.model_path), ray_session)  # releases it if it fails
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig, normalize_dtype_name
+from vllm_omni.diffusion.config import DiffusionParallelConfig, OmniDiffusionConfig, normalize_dtype_name
 
 
 def test_defaults_are_the_fast_exact_path():

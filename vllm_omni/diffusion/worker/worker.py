@@ -28,13 +28,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.data import (
-    DiffusionRequest,
-    OmniDiffusionConfig,
-    RequestCancelled,
-    RequestError,
-    step_cache_line,
-)
+from vllm_omni.diffusion.config import OmniDiffusionConfig
+from vllm_omni.diffusion.request import DiffusionRequest, RequestCancelled, RequestError
+from vllm_omni.diffusion.worker.step_cache import step_cache_line
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -175,8 +171,8 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
 
     from vllm_omni.diffusion.attention.backends import configure_attention_backend
     from vllm_omni.diffusion.distributed.parallel_state import initialize_parallel_state
-    from vllm_omni.diffusion.loader import read_pipeline_spec, ulysses_degree_error
-    from vllm_omni.diffusion.runner import PipelineRunner
+    from vllm_omni.diffusion.worker.loader import read_pipeline_spec, ulysses_degree_error
+    from vllm_omni.diffusion.worker.runner import PipelineRunner
 
     start = time.perf_counter()
     parallel = config.parallel_config

@@ -32,17 +32,18 @@ import numpy as np
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
-from vllm_omni.diffusion.cfg_parallel import CFGParallel, CFGParallelHook, swap_prompts
-from vllm_omni.diffusion.cuda_graphs import CUDAGraphForward, SimulatedGraphs, compile_repeated_blocks
-from vllm_omni.diffusion.data import DiffusionRequest, StepCacheConfig
+from vllm_omni.diffusion.config import StepCacheConfig
 from vllm_omni.diffusion.distributed.comm import SourceFailed, broadcast_tensors
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, undeclared_denoisers
 from vllm_omni.diffusion.models.registry import PipelineSpec
-from vllm_omni.diffusion.quantization import quantize_denoisers, stored_bytes
-from vllm_omni.diffusion.step_cache import CachedForward, CacheRecord, install_step_cache
-from vllm_omni.diffusion.vae_parallel import install_decode_split
+from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, CFGParallelHook, swap_prompts
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward, SimulatedGraphs, compile_repeated_blocks
+from vllm_omni.diffusion.worker.quantization import quantize_denoisers, stored_bytes
+from vllm_omni.diffusion.worker.step_cache import CachedForward, CacheRecord, install_step_cache
+from vllm_omni.diffusion.worker.vae_parallel import install_decode_split
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)

@@ -1,0 +1,110 @@
+"""A request and its result as they travel between the engine and its workers (pickled), and the errors
+a request can end in. Imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+OutputType = Literal["pil", "np", "uint8"]
+
+
+@dataclass
+class GenerationParams:
+    """A request as the user gave it; `DiffusionEngine.preprocess` validates it into a `DiffusionRequest`.
+
+    The sampling fields are those of request_fields.SAMPLING_FIELDS (a test keeps them equal).
+    """
+
+    prompt: str
+    negative_prompt: str | None = None
+    image: Any = None  # PIL image, path, bytes, or a list of them (edit models, FLUX.2 references)
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
+    true_cfg_scale: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    cache_threshold: float | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    # pil: PIL images (a video: a list of PIL frames); np: float32 arrays in [0, 1]; uint8: uint8 arrays
+    output_type: OutputType = "pil"
+    request_id: str | None = None
+
+
+@dataclass
+class DiffusionRequest:
+    """One generation or edit, as the engine validated it (sizes already rounded, seed drawn)."""
+
+    request_id: str
+    prompt: str
+    negative_prompt: str | None = None
+    # Source images (edits, FLUX.2 references, image-to-video) as the engine checked them: the
+    # compressed file bytes (the worker decodes them; queued requests stay small), or PIL images
+    # handed to `Omni.generate`.
+    images: list[Any] | None = None
+    height: int | None = None  # None: the pipeline's default (edits: from the source aspect ratio)
+    width: int | None = None
+    num_inference_steps: int = 50
+    guidance_scale: float | None = None
+    guidance_scale_2: float | None = None  # Wan2.2 A14B's low-noise expert; None: guidance_scale
+    true_cfg_scale: float | None = None  # None: the pipeline takes no true CFG
+    num_images: int = 1
+    seed: int = 0
+    cache_threshold: float | None = None  # the step cache's, on a server with one (else None)
+    num_frames: int | None = None  # video only; None: the pipeline's default
+    fps: int | None = None  # video only
+    cancel_token: int = 0  # the executor's number for this request; cancelling flags it
+    output_type: OutputType = "pil"
+    preprocess_ms: float = 0.0  # time validation took (the server validates before queueing)
+    # Request batching: the requests whose rows follow this one's in every pipeline call (they share
+    # its forwards; `batch_key` says which may). This request carries the run's id and cancel token.
+    batch: list[DiffusionRequest] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[DiffusionRequest]:
+        """This request and those batched with it, in row order."""
+        return [self, *self.batch]
+
+
+@dataclass
+class DiffusionOutput:
+    """What the engine returns and how it was made.
+
+    `images` holds one entry per image or video: a PIL image (a video: a list of PIL frames), or an
+    array ([H, W, 3], a video [F, H, W, 3]; float32 in [0, 1] for "np", uint8 for "uint8").
+    """
+
+    request_id: str
+    images: list[Any]
+    seed: int
+    height: int
+    width: int
+    num_frames: int | None = None  # videos only
+    fps: int | None = None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    batch_size: int = 1  # requests that shared its pipeline call (request batching), itself included
+    step_cache: dict[str, Any] | None = None  # step_cache_report: forwards computed and skipped; None: no cache
+
+
+class RequestError(ValueError):
+    """Bad input, found by the engine's checks; `param` names the request field at fault.
+
+    The HTTP server answers it with a 400 carrying `param` (height and width travel in `size`).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestCancelled(Exception):
+    """The request was cancelled (its client went away) and stopped at a denoising step."""
+
+
+class RequestFailed(RuntimeError):
+    """The workers could not complete the request; the engine stays usable."""

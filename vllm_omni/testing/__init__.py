@@ -1,0 +1,1 @@
+"""Test doubles switched on by environment variables (faults, simulated CUDA graphs and groups)."""
