@@ -1,0 +1,127 @@
+"""The package's layering, read from its source: imports point one way and form no cycle.
+
+entrypoints -> engine -> executor -> worker -> models -> attention -> distributed -> the bottom
+(config, request, images, logger). `vllm_omni.testing` (test doubles) may be imported from anywhere,
+lazily, where an environment variable switches one on.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import vllm_omni
+
+PACKAGE = pathlib.Path(vllm_omni.__file__).parent
+LAYERS = {  # a module's layer is that of the longest prefix it has here; the rest is the bottom (0)
+    "vllm_omni.entrypoints": 7,
+    "vllm_omni.diffusion.engine": 6,
+    "vllm_omni.diffusion.executor": 5,
+    "vllm_omni.diffusion.worker": 4,
+    "vllm_omni.diffusion.models": 3,
+    "vllm_omni.diffusion.attention": 2,
+    "vllm_omni.diffusion.distributed": 1,
+}
+TESTING = "vllm_omni.testing"
+
+
+def layer(module: str) -> int:
+    return max((n for prefix, n in LAYERS.items() if module == prefix or module.startswith(prefix + ".")), default=0)
+
+
+def modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imports(name: str, top_level_only: bool) -> list[tuple[str, int]]:
+    """The package modules `name` imports, with their lines; `TYPE_CHECKING` blocks left out, and with
+    `top_level_only` those inside functions too (they run later, not while the module loads)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import) and (top or not top_level_only):
+                found.extend((alias.name, child.lineno) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and (top or not top_level_only):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in child.names:
+                    full = f"{base}.{alias.name}"
+                    found.append((full if full in MODULES else base, child.lineno))
+            visit(child, top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(path.read_text()), True)
+    return [(module, line) for module, line in found if module in MODULES]
+
+
+def test_imports_point_down_the_layers():
+    upward = [
+        f"{name}:{line} imports {module}"
+        for name in MODULES
+        if not name.startswith(TESTING) and name != "vllm_omni"
+        for module, line in imports(name, top_level_only=False)
+        if not module.startswith(TESTING) and layer(module) > layer(name)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[str]:
+    cycles: list[str] = []
+    state: dict[str, str] = {}
+
+    def walk(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for module in sorted(graph[name]):
+            if state.get(module) == "open":
+                cycles.append(" -> ".join(path[path.index(module) :] + [module]))
+            elif module not in state:
+                walk(module, [*path, module])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name, [name])
+    return cycles
+
+
+def test_no_import_cycle():
+    graph = {name: {module for module, _ in imports(name, top_level_only=True)} - {name} for name in MODULES}
+    # A package's __init__ is loaded before its modules: an edge to a parent package is no cycle of ours.
+    graph = {name: {m for m in deps if not name.startswith(m + ".")} for name, deps in graph.items()}
+    cycles = find_cycles(graph)
+    assert not cycles, "\n".join(cycles)
+
+
+def test_nothing_under_diffusion_imports_a_web_framework_or_vllm():
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        for path in (PACKAGE / "diffusion").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for module in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+        if module.split(".")[0] in {"fastapi", "starlette", "uvicorn", "vllm"}
+    ]
+    assert not offenders, offenders
+
+
+def test_the_checks_see_an_upward_import_and_a_cycle():
+    """The layering tests can fail: they read real imports, order the layers and find a cycle."""
+    runner = "vllm_omni.diffusion.worker.runner"
+    assert "vllm_omni.diffusion.models.registry" in {module for module, _ in imports(runner, top_level_only=True)}
+    assert layer("vllm_omni.entrypoints.omni") > layer(runner) > layer("vllm_omni.diffusion.models.registry") > 0
+    assert layer("vllm_omni.diffusion.config") == 0
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
