@@ -41,13 +41,9 @@ KEEP_BF16: Mapping[str, str] = {
     "final projection": r"^(proj_out|norm_out)$",  # the output norm's AdaLN and the projection to latents
     "modulation": r"_mod$|modulation|^norm",  # AdaLN: one row per sample; its shift/scale/gate reach every token
 }
-# The smaller side of a linear layer below which it stays bf16. Measured on an H200 (issue 21): the four
-# image-stream GEMMs of a Qwen-Image layer at 1328x1328 (6919 tokens, width 3072) took 1.24 ms in FP8
-# against 2.02 ms in bf16 (torch._scaled_mm, row-wise scales). Nothing between 256 and 2048 was measured:
-# every block GEMM of the served families is at least 2048 wide, every small projection (latent channels,
-# the 256 sinusoidal timestep features) at most 256 on one side, and the floor lies between. The ablation
-# of benchmarks/speed_levers.py times this rule against FP8 on every linear layer, and with the
-# modulation linears in FP8 too.
+# The smaller side of a linear layer below which it stays bf16: every block GEMM of the served families is
+# at least 2048 wide and every small projection at most 256 on one side, so the floor lies between (what
+# was measured: docs/serving.md, FP8 matmuls; benchmarks/speed_levers.py times the rule's ablations).
 MIN_FEATURES = 1024
 
 

@@ -1,16 +1,11 @@
-"""Reads a checkpoint's weight files into the page cache while the workers start.
+"""Reads a checkpoint's weight files into the page cache while the workers start (the engine calls it).
 
-A worker spends its first seconds starting (spawn, imports, CUDA, process groups) before it reads
-a byte, and safetensors then pages the weights in through mmap, more slowly than one sequential
-read (measured on an H200 host: 20 s of start, then 41 GB of transformer at 1.2 GB/s against 1.5
-GB/s for a plain read). So the engine's process reads the files start to end on a thread
-meanwhile, the transformer's first (the order the runner loads them), and the workers, all ranks
-of this machine, find them in the page cache. Nothing is kept: the thread reads into one buffer.
-
-Skipped when the weights take more than half the memory available (they would push each other
-out before the workers get to them) and when `VLLM_OMNI_PREFETCH_WEIGHTS=0`. On a Ray cluster
-it helps the ranks on the engine's machine only.
-"""
+A worker spends its first seconds starting before it reads a byte, and safetensors then pages the
+weights in through mmap, more slowly than one sequential read: so the engine's process reads the
+files start to end on a thread meanwhile, the transformer's first (the order the runner loads them),
+and the workers of this machine find them in the page cache (figures: docs/serving.md, start-up).
+Skipped when the weights take more than half the memory available and when
+`VLLM_OMNI_PREFETCH_WEIGHTS=0`."""
 
 from __future__ import annotations
 
