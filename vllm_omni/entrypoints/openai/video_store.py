@@ -1,31 +1,6 @@
 """The videos API's jobs: a record per video, its MP4 on disk, persistence across restarts, eviction.
 
-No HTTP here (routes/videos.py translates). A video job is a scheduler job (scheduler.py: the
-same FIFO queue and engine as images) plus a `VideoRecord` that outlives it: `add` starts a
-task that waits for the job whether or not anyone polls, encodes the frames to an MP4
-(media.encode_mp4, in a thread, while the next job already runs) and keeps the file until the
-video is deleted or evicted.
-
-Storage, one directory (`--video-dir`; default a fresh temporary one per server, removed when
-it stops): `<id>.mp4` and `<id>.json` (the record) per video, both written to a temporary name
-(`.<id>.mp4.tmp`) and renamed, so a crash never leaves a half file under a video's name, and a
-failed write (a full disk) removes its temporary at once. The directory is locked (flock) while
-a server uses it. Files of ours are exactly those names (`video-` and 16 hex digits); the store
-never deletes anything else. Opening a directory a previous server left:
-- completed videos whose file is there stay listed and downloadable until they expire;
-- jobs that were queued or running end `failed` with code `server_restarted` (never
-  `in_progress` forever), keeping their own times: no `completed_at` (when they stopped is not
-  known), expiring `max_age_s` after they were created;
-- regular files of ours with no completed record (MP4s, temporaries) are deleted: a leftover
-  file is never served under another video's id. A record of ours that cannot be read is left
-  alone with its MP4, and an entry of ours that is not a regular file (a directory, a link) is
-  skipped, each with a warning.
-
-Eviction, checked whenever the store is used: a finished video (completed or failed) expires
-`max_age_s` after it finished (file and record go); beyond `max_videos` finished videos, or
-`max_bytes` of files, the oldest finished ones go first (by when they finished, or were created
-where that is not known; the newest video is kept even when it alone passes `max_bytes`).
-Deleting a video whose MP4 is being written removes it at once; the finisher discards the file.
+Built by the server (api_server.py) and used by routes/videos.py; no HTTP here.
 """
 
 from __future__ import annotations
@@ -150,6 +125,33 @@ class VideoDirectoryInUse(ValueError):
 
 
 class VideoStore:
+    """A video job is a scheduler job (the same FIFO queue and engine as images) plus a `VideoRecord`
+    that outlives it: `add` starts a task that waits for the job whether or not anyone polls, encodes
+    the frames to an MP4 (media.encode_mp4, in a thread, while the next job already runs) and keeps
+    the file until the video is deleted or evicted.
+
+    Storage, one directory (`--video-dir`; default a fresh temporary one per server, removed when
+    it stops): `<id>.mp4` and `<id>.json` (the record) per video, both written to a temporary name
+    (`.<id>.mp4.tmp`) and renamed, so a crash never leaves a half file under a video's name, and a
+    failed write (a full disk) removes its temporary at once. The directory is locked (flock) while
+    a server uses it. Files of ours are exactly those names (`video-` and 16 hex digits); the store
+    never deletes anything else. Opening a directory a previous server left:
+    - completed videos whose file is there stay listed and downloadable until they expire;
+    - jobs that were queued or running end `failed` with code `server_restarted` (never
+      `in_progress` forever), keeping their own times: no `completed_at` (when they stopped is not
+      known), expiring `max_age_s` after they were created;
+    - regular files of ours with no completed record (MP4s, temporaries) are deleted: a leftover
+      file is never served under another video's id. A record of ours that cannot be read is left
+      alone with its MP4, and an entry of ours that is not a regular file (a directory, a link) is
+      skipped, each with a warning.
+
+    Eviction, checked whenever the store is used: a finished video (completed or failed) expires
+    `max_age_s` after it finished (file and record go); beyond `max_videos` finished videos, or
+    `max_bytes` of files, the oldest finished ones go first (by when they finished, or were created
+    where that is not known; the newest video is kept even when it alone passes `max_bytes`).
+    Deleting a video whose MP4 is being written removes it at once; the finisher discards the file.
+    """
+
     def __init__(self, settings: VideoStorageSettings, scheduler: Scheduler) -> None:
         self.settings = settings
         self.scheduler = scheduler
