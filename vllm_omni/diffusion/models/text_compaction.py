@@ -7,18 +7,6 @@ valid tokens (and whatever travels with them, such as text rotary rows) reproduc
 reference without a mask, and joint attention keeps its dense kernel. Transformers call
 `compact_tokens` / `compact_text_mask` in their forward and shard the gathered text with
 `shard_with_auto_pad(x, dim, TEXT, valid_len=c.valid_len)`.
-
-Bucketing: the gathered length is the valid length rounded up to a multiple of
-`BUCKET_MULTIPLE` (never past the original length), its tail filled with the first masked
-tokens, so GEMMs, all-to-alls and compiled code see a few shapes instead of one per prompt.
-The SP padding policy drops that filler exactly as it drops SP padding. (Attention's key
-length is still the exact valid length in trim mode: a CUDA graph replays only for the
-valid length it was captured with.)
-
-Caching: finding the valid tokens needs their count on the host, a device sync. A pipeline
-passes the same mask tensor at every denoising step of a request, so the result is cached on
-that tensor object (`cached_on_tensors`) and the per-step forward neither syncs nor copies
-from the host after the first step.
 """
 
 from __future__ import annotations
@@ -37,7 +25,15 @@ T = TypeVar("T")
 
 
 def bucket_length(valid_len: int, max_len: int, multiple: int = BUCKET_MULTIPLE) -> int:
-    """`valid_len` rounded up to a multiple of `multiple`, but never more than `max_len` tokens."""
+    """`valid_len` rounded up to a multiple of `multiple`, but never more than `max_len` tokens.
+
+    Bucketing: the gathered length is the valid length rounded up to a multiple of
+    `BUCKET_MULTIPLE` (never past the original length), its tail filled with the first masked
+    tokens, so GEMMs, all-to-alls and compiled code see a few shapes instead of one per prompt.
+    The SP padding policy drops that filler exactly as it drops SP padding. (Attention's key
+    length is still the exact valid length in trim mode: a CUDA graph replays only for the
+    valid length it was captured with.)
+    """
     if multiple < 1:
         raise ValueError(f"multiple must be a positive integer, got {multiple}")
     return min(-(-valid_len // multiple) * multiple, max_len)
@@ -146,5 +142,11 @@ _CACHE = TensorKeyedCache()
 
 
 def cached_on_tensors(tensors: Sequence[torch.Tensor | None], key: Hashable, compute: Callable[[], T]) -> T:
-    """`compute()`, cached on `tensors` (by identity and version) and `key` in one process-wide cache."""
+    """`compute()`, cached on `tensors` (by identity and version) and `key` in one process-wide cache.
+
+    Caching: finding the valid tokens needs their count on the host, a device sync. A pipeline
+    passes the same mask tensor at every denoising step of a request, so the result is cached on
+    that tensor object (`cached_on_tensors`) and the per-step forward neither syncs nor copies
+    from the host after the first step.
+    """
     return _CACHE.get(tensors, key, compute)
