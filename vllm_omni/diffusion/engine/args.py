@@ -339,6 +339,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype is not None:  # 'bf16' and torch.bfloat16 are 'bfloat16' from here on
             object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype))
+        if isinstance(self.warmup_size, list):  # YAML's [width, height]
+            object.__setattr__(self, "warmup_size", tuple(self.warmup_size))
 
     # ---- the options ---------------------------------------------------------------------------
 
@@ -432,7 +434,8 @@ class EngineArgs:
 
     @classmethod
     def from_layers(cls, model: str, *layers: dict[str, Any]) -> EngineArgs:
-        """Options laid over the defaults, later layers first (the deploy YAML's, then the flags given); checked."""
+        """Options laid over the defaults, a later layer over an earlier (the deploy YAML's, then the flags given);
+        checked."""
         merged: dict[str, Any] = {}
         for layer in layers:
             merged.update(layer)
