@@ -100,7 +100,7 @@ def option(
     key: str | None = None,
     default: Any = _UNSET,
     flag: str | None = None,
-    default_text: str | Callable[[], str] | None = None,
+    default_text: str | Callable[[dataclasses.Field], str] | None = None,
     **cli: Any,
 ) -> Any:
     """An `EngineArgs` field that feeds `config` (a CONFIGS name) as its field `key` (default: the option's name).
