@@ -39,6 +39,7 @@ from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.config import DiffusionParallelConfig, OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state  # noqa: E402
 from vllm_omni.diffusion.engine import core as engine_module  # noqa: E402
+from vllm_omni.diffusion.engine.args import EngineArgs  # noqa: E402
 from vllm_omni.diffusion.models.registry import TINY_MODELS  # noqa: E402
 from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path  # noqa: E402
 from vllm_omni.diffusion.worker.quantization import (  # noqa: E402
@@ -51,8 +52,8 @@ from vllm_omni.diffusion.worker.quantization import (  # noqa: E402
 )
 from vllm_omni.diffusion.worker.runner import present_components  # noqa: E402
 from vllm_omni.entrypoints.cli.main import build_parser  # noqa: E402
-from vllm_omni.entrypoints.cli.serve import engine_settings_from_args  # noqa: E402
-from vllm_omni.entrypoints.deploy_config import DeployConfigError, EngineSettings, load_deploy_config  # noqa: E402
+from vllm_omni.entrypoints.cli.serve import engine_args_from_cli  # noqa: E402
+from vllm_omni.entrypoints.deploy_config import DeployConfigError, load_deploy_config  # noqa: E402
 
 # The linear layers the rule converts to FP8, per family (block indices written N): the attention
 # projections and MLPs of both streams in every repeated block; never a modulation, embedder, input or
@@ -265,8 +266,8 @@ def test_config_takes_fp8_and_refuses_other_methods():
 def test_flag_and_yaml_set_quantization_and_bad_values_are_refused(tmp_path, capsys):
     parser = build_parser()
     args = parser.parse_args(["serve", "tiny/qwen-image", "--quantization", "fp8"])
-    assert engine_settings_from_args(args).engine_config().quantization == "fp8"
-    assert engine_settings_from_args(parser.parse_args(["serve", "tiny/qwen-image"])).quantization is None
+    assert engine_args_from_cli(args)[0].engine_config().quantization == "fp8"
+    assert engine_args_from_cli(parser.parse_args(["serve", "tiny/qwen-image"]))[0].quantization is None
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "tiny/qwen-image", "--quantization", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err
@@ -275,9 +276,12 @@ def test_flag_and_yaml_set_quantization_and_bad_values_are_refused(tmp_path, cap
     good, bad = tmp_path / "fp8.yaml", tmp_path / "bad.yaml"
     good.write_text(stage.format("fp8"))
     bad.write_text(stage.format("int4"))
-    assert load_deploy_config(good).quantization == "fp8"
-    assert EngineSettings.resolve("tiny/qwen-image", deploy_config=str(good)).engine_config().quantization == "fp8"
-    with pytest.raises(DeployConfigError, match=r"stages\[0\]\.quantization must be one of fp8, got 'int4'"):
+    assert load_deploy_config(good).options["quantization"] == "fp8"
+    assert (
+        EngineArgs.from_layers("tiny/qwen-image", load_deploy_config(good).options).engine_config().quantization
+        == "fp8"
+    )
+    with pytest.raises(DeployConfigError, match=r"stages\[0\]\.quantization must be one of fp8 or unset, got 'int4'"):
         load_deploy_config(bad)
 
 

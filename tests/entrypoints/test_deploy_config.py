@@ -6,13 +6,14 @@ import os
 
 import pytest
 
-from vllm_omni.diffusion.config import EngineLimits, StepCacheConfig
+from vllm_omni.diffusion.config import StepCacheConfig
+from vllm_omni.diffusion.engine.args import EngineArgs
 from vllm_omni.diffusion.models.registry import REGISTRY
 from vllm_omni.entrypoints.cli.main import build_parser
-from vllm_omni.entrypoints.cli.serve import engine_settings_from_args
+from vllm_omni.entrypoints.cli.serve import engine_args_from_cli
 from vllm_omni.entrypoints.deploy_config import (
+    DeployConfig,
     DeployConfigError,
-    EngineSettings,
     apply_sampling_defaults,
     load_deploy_config,
 )
@@ -36,7 +37,7 @@ def write(tmp_path, text: str):
 def test_packaged_deploys_load_by_name(name):
     deploy = load_deploy_config(name)
     assert deploy.path.name == f"{name}.yaml"
-    assert deploy.parallel_config["ulysses_degree"] == 8 and deploy.devices == list(range(8))
+    assert deploy.options["ulysses_degree"] == 8 and deploy.devices == list(range(8))
     assert deploy.default_sampling_params["num_inference_steps"] == (40 if name.startswith("wan") else 50)
 
 
@@ -80,18 +81,22 @@ def test_missing_file_is_an_error_listing_the_packaged_ones():
         load_deploy_config("/nonexistent/deploy.yaml")
 
 
-def settings(tmp_path, *flags: str) -> EngineSettings:
+def resolved(tmp_path, *flags: str) -> tuple[EngineArgs, DeployConfig]:
     args = build_parser().parse_args(
         ["serve", "tiny/qwen-image", "--deploy-config", str(write(tmp_path, GOOD)), *flags]
     )
-    return engine_settings_from_args(args)
+    return engine_args_from_cli(args)
+
+
+def settings(tmp_path, *flags: str) -> EngineArgs:
+    return resolved(tmp_path, *flags)[0]
 
 
 def test_yaml_applies_where_no_flag_is_given(tmp_path):
-    resolved = settings(tmp_path)
-    assert resolved.parallel_config.ulysses_degree == 2 and resolved.parallel_config.mask_sp_padding is True
-    assert resolved.default_sampling_params == {"num_inference_steps": 8, "true_cfg_scale": 2.5}
-    assert resolved.devices == [0, 1]
+    engine, deploy = resolved(tmp_path)
+    assert engine.parallel_config.ulysses_degree == 2 and engine.parallel_config.mask_sp_padding is True
+    assert deploy.default_sampling_params == {"num_inference_steps": 8, "true_cfg_scale": 2.5}
+    assert deploy.devices == [0, 1]
 
 
 def test_given_flags_override_the_yaml(tmp_path):
@@ -115,10 +120,10 @@ def test_the_tokens_per_step_limit_is_the_models_unless_the_yaml_or_a_flag_sets_
     assert limits.for_model(spec).max_tokens_per_step == spec.max_tokens_per_step == 131072
     yaml = str(write(tmp_path, GOOD + "    limits: {max_tokens_per_step: 200000}\n"))
     parse = build_parser().parse_args
-    limits = engine_settings_from_args(parse(["serve", "tiny/qwen-image", "--deploy-config", yaml])).limits
+    limits = engine_args_from_cli(parse(["serve", "tiny/qwen-image", "--deploy-config", yaml]))[0].limits
     assert limits.for_model(spec).max_tokens_per_step == 200000
     flags = ["serve", "tiny/qwen-image", "--deploy-config", yaml, "--max-tokens-per-step", "5000"]
-    assert engine_settings_from_args(parse(flags)).limits.max_tokens_per_step == 5000
+    assert engine_args_from_cli(parse(flags))[0].limits.max_tokens_per_step == 5000
 
 
 def test_deadline_flags_reach_the_engine_config_and_default_to_the_env(tmp_path, monkeypatch):
@@ -147,7 +152,7 @@ def test_yaml_limits_apply_and_limit_flags_override_them(tmp_path):
             "12",
         ]
     )
-    limits = engine_settings_from_args(args).limits
+    limits = engine_args_from_cli(args)[0].limits
     assert (limits.max_frames, limits.max_steps, limits.max_n) == (61, 12, 4)
 
 
@@ -160,15 +165,15 @@ def test_yaml_limits_apply_and_limit_flags_override_them(tmp_path):
 )
 def test_the_packaged_video_deploy_defaults_fit_its_limits_and_the_frame_rule(name, pipeline, size, heads):
     deploy = load_deploy_config(name)
-    defaults, limits = deploy.default_sampling_params, deploy.limits
+    defaults, engine = deploy.default_sampling_params, EngineArgs(name, **deploy.options)
     assert (defaults["width"], defaults["height"], defaults["num_frames"]) == size
-    assert defaults["num_frames"] % 4 == 1 and defaults["num_frames"] <= limits["max_frames"]
-    assert max(defaults["width"], defaults["height"]) <= limits["max_image_size"]
-    assert heads % deploy.parallel_config["ulysses_degree"] == 0  # the heads split evenly
+    assert defaults["num_frames"] % 4 == 1 and defaults["num_frames"] <= engine.max_frames
+    assert max(defaults["width"], defaults["height"]) <= engine.max_image_size
+    assert heads % engine.ulysses_degree == 0  # the heads split evenly
     spec = REGISTRY[pipeline]
     assert defaults["width"] % spec.size_multiple == 0 == defaults["height"] % spec.size_multiple
     tokens = spec.tokens_per_step(defaults["width"], defaults["height"], defaults["num_frames"], [])
-    assert tokens <= EngineLimits(**limits).for_model(spec).max_tokens_per_step
+    assert tokens <= engine.limits.for_model(spec).max_tokens_per_step
 
 
 def test_sampling_defaults_fill_only_what_the_request_left_out():
@@ -180,18 +185,18 @@ def test_sampling_defaults_fill_only_what_the_request_left_out():
 
 
 def test_devices_count_within_an_existing_cuda_visible_devices(tmp_path, monkeypatch):
-    resolved = settings(tmp_path)
+    engine, deploy = resolved(tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    resolved.apply_devices()
+    deploy.apply_devices(engine)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5"
-    too_few = settings(tmp_path, "--ulysses-degree", "3")
+    too_few, deploy = resolved(tmp_path, "--ulysses-degree", "3")
     with pytest.raises(ValueError, match="needs 3"):
-        too_few.apply_devices()
+        deploy.apply_devices(too_few)
 
 
 def test_executor_backend_comes_from_the_yaml_or_the_flag_and_the_ray_address_from_the_flag(tmp_path):
     text = GOOD.replace("mask_sp_padding: true}", "mask_sp_padding: true, distributed_executor_backend: ray}")
-    yaml_only = EngineSettings.resolve("tiny/qwen-image", deploy_config=str(write(tmp_path, text)))
+    yaml_only = EngineArgs.from_layers("tiny/qwen-image", load_deploy_config(write(tmp_path, text)).options)
     assert yaml_only.parallel_config.distributed_executor_backend == "ray"
     assert settings(tmp_path).parallel_config.distributed_executor_backend == "mp"  # the default
     resolved = settings(tmp_path, "--distributed-executor-backend", "ray", "--ray-address", "10.0.0.1:6379")
@@ -204,15 +209,15 @@ def test_executor_backend_comes_from_the_yaml_or_the_flag_and_the_ray_address_fr
 def test_the_step_cache_comes_from_the_yaml_and_the_flags_override_its_threshold(tmp_path):
     yaml = write(tmp_path, GOOD + "    cache: {policy: first_block, threshold: 0.2}\n")
 
-    def resolve(*flags: str) -> EngineSettings:
+    def resolve(*flags: str) -> EngineArgs:
         args = build_parser().parse_args(["serve", "tiny/qwen-image", "--deploy-config", str(yaml), *flags])
-        return engine_settings_from_args(args)
+        return engine_args_from_cli(args)[0]
 
-    assert resolve().cache == StepCacheConfig("first_block", 0.2)
-    assert resolve("--cache-threshold", "0.3").cache == StepCacheConfig("first_block", 0.3)
+    assert resolve().step_cache == StepCacheConfig("first_block", 0.2)
+    assert resolve("--cache-threshold", "0.3").step_cache == StepCacheConfig("first_block", 0.3)
     assert resolve().engine_config().cache == StepCacheConfig("first_block", 0.2)
-    assert settings(tmp_path).cache is None  # no YAML cache, no flag: none
-    assert settings(tmp_path, "--cache", "first_block").cache == StepCacheConfig()
+    assert settings(tmp_path).step_cache is None  # no YAML cache, no flag: none
+    assert settings(tmp_path, "--cache", "first_block").step_cache == StepCacheConfig()
 
 
 @pytest.mark.parametrize(

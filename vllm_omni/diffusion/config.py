@@ -17,8 +17,12 @@ ExecutorBackend = Literal["mp", "ray"]
 EXECUTOR_BACKENDS = ("mp", "ray")
 
 
+def _is_positive_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
 def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _is_positive_int(value):
         raise ValueError(f"{name} must be a positive integer (1, 2, 3, ...), got {value!r}")
 
 
@@ -216,6 +220,16 @@ class OmniDiffusionConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype is not None:
             self.dtype = normalize_dtype_name(self.dtype)
+        _check_bool("enforce_eager", self.enforce_eager)
+        if self.warmup is not None:
+            _check_bool("warmup", self.warmup)
+        if self.warmup_size is not None:
+            size = self.warmup_size
+            if not isinstance(size, (tuple, list)) or len(size) != 2 or any(not _is_positive_int(v) for v in size):
+                raise ValueError(f"warmup_size must be (width, height) in pixels, got {size!r}")
+            self.warmup_size = tuple(size)
+        if self.attention_backend is not None and not isinstance(self.attention_backend, str):
+            raise ValueError(f"attention_backend must be a backend's name, got {self.attention_backend!r}")
         if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
             raise ValueError(
                 f"ray_address must be a non-empty address such as 'auto' or 'HEAD_IP:6379', got {self.ray_address!r}"

@@ -6,17 +6,10 @@ with Omni("tiny/qwen-image", ulysses_degree=2) as omni:
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 from typing import Any
 
-from vllm_omni.diffusion.config import (
-    DiffusionParallelConfig,
-    EngineLimits,
-    OmniDiffusionConfig,
-    StepCacheConfig,
-    normalize_dtype_name,
-)
+from vllm_omni.diffusion.engine.args import EngineArgs
 from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME
 from vllm_omni.diffusion.request import GenerationParams
 
@@ -34,63 +27,18 @@ class Omni:
     each output's `step_cache` says which steps it skipped.
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        ulysses_degree: int = 1,
-        ring_degree: int = 1,
-        cfg_parallel_size: int = 1,
-        mask_sp_padding: bool = False,
-        trim_sp_padding: bool = True,
-        vae_parallel: bool | None = None,
-        device: str | None = None,
-        dtype: Any = None,
-        attention_backend: str | None = None,
-        enforce_eager: bool = False,
-        quantization: str | None = None,
-        cache: str | StepCacheConfig | None = None,
-        cache_threshold: float | None = None,
-        warmup: bool | None = None,
-        warmup_size: tuple[int, int] | None = None,
-        distributed_executor_backend: str = "mp",
-        data_parallel_size: int = 1,
-        ray_address: str | None = None,
-        limits: EngineLimits | None = None,
-        load_timeout_s: float | None = None,
-        stall_timeout_s: float | None = None,
-    ) -> None:
+    def __init__(self, model: str, **options: Any) -> None:
+        """`options` are the engine options, by name: `EngineArgs`' fields (diffusion/engine/args.py),
+        e.g. ulysses_degree, mask_sp_padding, device, dtype, quantization, cache, limits' max_steps; an
+        unknown name is a TypeError naming it. `limits=EngineLimits(...)` and `cache=StepCacheConfig(...)`
+        are accepted as shorthands."""
         from vllm_omni.diffusion.engine.core import DiffusionEngine
 
-        parallel = DiffusionParallelConfig(
-            ulysses_degree=ulysses_degree,
-            ring_degree=ring_degree,
-            cfg_parallel_size=cfg_parallel_size,
-            mask_sp_padding=mask_sp_padding,
-            trim_sp_padding=trim_sp_padding,
-            vae_parallel=vae_parallel,
-            distributed_executor_backend=distributed_executor_backend,
-            data_parallel_size=data_parallel_size,
-        )
-        config = OmniDiffusionConfig(
-            model=model,
-            parallel_config=parallel,
-            device=device,
-            dtype=None if dtype is None else normalize_dtype_name(dtype),
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            quantization=quantization,
-            cache=_step_cache(cache, cache_threshold),
-            warmup=warmup,
-            warmup_size=warmup_size,
-            ray_address=ray_address,
-            load_timeout_s=load_timeout_s,  # None: the env var, else the default
-            stall_timeout_s=stall_timeout_s,
-        )
+        self.engine_args = EngineArgs.from_kwargs(model, **options)  # every check, before any worker starts
         self.engines: list[DiffusionEngine] = []
         try:
-            for replica in range(data_parallel_size):  # each loads in the background while the next starts
-                self.engines.append(DiffusionEngine(dataclasses.replace(config, replica=replica), limits))
+            for replica in range(self.engine_args.data_parallel_size):  # each loads while the next starts
+                self.engines.append(DiffusionEngine(self.engine_args.engine_config(replica), self.engine_args.limits))
             for engine in self.engines:
                 engine.wait_until_ready()
         except BaseException:
@@ -142,15 +90,3 @@ class Omni:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _step_cache(cache: str | StepCacheConfig | None, threshold: float | None) -> StepCacheConfig | None:
-    if isinstance(cache, StepCacheConfig):
-        if threshold is not None:
-            raise ValueError("cache_threshold goes inside the StepCacheConfig given as cache")
-        return cache
-    if cache is None:
-        if threshold is not None:
-            raise ValueError('cache_threshold needs a cache: give cache="first_block"')
-        return None
-    return StepCacheConfig(cache) if threshold is None else StepCacheConfig(cache, threshold)

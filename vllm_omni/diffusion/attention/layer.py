@@ -151,8 +151,6 @@ class JointAttention(nn.Module):
 
     @staticmethod
     def _attend_ulysses(ctx: SequenceParallelContext, order: list[str], streams: dict[str, QKV]) -> list[torch.Tensor]:
-        if ctx.ring_degree > 1:
-            raise NotImplementedError("Ring attention is not available yet; use ulysses_degree with ring_degree=1")
         query = streams[IMAGE][0]
         if query.shape[2] % ctx.world_size:
             raise ValueError(

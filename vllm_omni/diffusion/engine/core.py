@@ -110,8 +110,6 @@ def _join_ray(config: OmniDiffusionConfig):
 class DiffusionEngine:
     def __init__(self, config: OmniDiffusionConfig, limits: EngineLimits | None = None) -> None:
         parallel = config.parallel_config
-        if parallel.ring_degree > 1:
-            raise ValueError("ring_degree > 1 is not supported yet (Ring attention is not built); use ulysses_degree")
         check_attention_backend(config.attention_backend, parallel.mask_sp_padding)
         self.limits = limits or EngineLimits()
         self.model_path = resolve_model_path(config.model)

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_omni.diffusion.engine.args import positive_int
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
-from vllm_omni.entrypoints.cli.serve import add_engine_args, positive_int
+from vllm_omni.entrypoints.cli.serve import add_engine_args
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
@@ -63,45 +64,28 @@ def output_paths(output: str, count: int) -> list[Path]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from vllm_omni.entrypoints.cli.serve import engine_settings_from_args
+    from vllm_omni.entrypoints.cli.serve import engine_args_from_cli
     from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
     from vllm_omni.entrypoints.openai.protocol import parse_size
 
-    settings = engine_settings_from_args(args)
+    engine, deploy = engine_args_from_cli(args)
     width = height = None
     if args.size is not None and args.size != "auto":
-        width, height = parse_size(args.size, settings.limits.max_image_size)
+        width, height = parse_size(args.size, engine.limits.max_image_size)
     images = None
     if args.image:
         images = args.image if len(args.image) > 1 else args.image[0]  # paths; the engine reads them
     request = apply_sampling_defaults(
-        dict(request_values(args), height=height, width=width), settings.default_sampling_params
+        dict(request_values(args), height=height, width=width), deploy.default_sampling_params if deploy else {}
     )
-    settings.apply_devices()
+    if deploy is not None:
+        deploy.apply_devices(engine)
 
     from vllm_omni.entrypoints.omni import Omni
 
-    parallel = settings.parallel_config
     start = time.perf_counter()
-    with Omni(
-        settings.model,
-        ulysses_degree=parallel.ulysses_degree,
-        ring_degree=parallel.ring_degree,
-        cfg_parallel_size=parallel.cfg_parallel_size,
-        mask_sp_padding=parallel.mask_sp_padding,
-        trim_sp_padding=parallel.trim_sp_padding,
-        vae_parallel=parallel.vae_parallel,
-        device=settings.device,
-        dtype=settings.dtype,
-        attention_backend=settings.attention_backend,
-        enforce_eager=settings.enforce_eager,
-        quantization=settings.quantization,
-        cache=settings.cache,
-        warmup=False,  # one request: warming up first would only double the work
-        limits=settings.limits,
-        load_timeout_s=settings.load_timeout_s,
-        stall_timeout_s=settings.stall_timeout_s,
-    ) as omni:
+    # One request: a warm-up, or a second replica, would only add work.
+    with Omni(engine.model, **dict(engine.values(), warmup=False, data_parallel_size=1)) as omni:
         print(f"Engine ready in {time.perf_counter() - start:.1f} s", flush=True)
         video = omni.engine.spec.modality == "video"
         results = omni.generate(args.prompt, image=images, output_type="uint8" if video else "pil", **request)

@@ -22,8 +22,9 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from vllm_omni.diffusion.engine.args import EngineArgs
 from vllm_omni.diffusion.engine.scheduler import Scheduler
-from vllm_omni.entrypoints.deploy_config import EngineSettings
+from vllm_omni.entrypoints.deploy_config import DeployConfig
 from vllm_omni.entrypoints.openai import metrics
 from vllm_omni.entrypoints.openai.body_limits import BodyLimits
 from vllm_omni.entrypoints.openai.errors import ApiError, install_error_handlers
@@ -37,7 +38,8 @@ logger = init_logger(__name__)
 
 @dataclass
 class ServerSettings:
-    engine: EngineSettings
+    engine: EngineArgs
+    deploy: DeployConfig | None = None  # the deploy YAML: its GPUs and request defaults
     host: str = "0.0.0.0"
     port: int = 8000
     served_model_name: str | None = None  # default: engine.model
@@ -46,6 +48,11 @@ class ServerSettings:
     graceful_shutdown_s: float = 30.0
     videos: VideoStorageSettings = field(default_factory=VideoStorageSettings)
     bodies: BodyLimits = field(default_factory=BodyLimits)  # request bodies: deadline, text field size
+
+    @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        """The deploy's request defaults ({} without a deploy YAML)."""
+        return self.deploy.default_sampling_params if self.deploy is not None else {}
 
     @property
     def model_names(self) -> set[str]:
@@ -86,7 +93,8 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
     def create_engine(replica: int) -> Any:
         from vllm_omni.diffusion.engine.core import DiffusionEngine
 
-        settings.engine.apply_devices()
+        if settings.deploy is not None:
+            settings.deploy.apply_devices(settings.engine)
         return DiffusionEngine(settings.engine.engine_config(replica), settings.engine.limits)
 
     scheduler = Scheduler(
@@ -177,7 +185,7 @@ def run_server(settings: ServerSettings) -> int:
         settings.host,
         settings.port,
         settings.engine.parallel_config.to_dict(),
-        f", deploy config {settings.engine.deploy_config}" if settings.engine.deploy_config else "",
+        f", deploy config {settings.deploy.path}" if settings.deploy is not None else "",
     )
     server.run(sockets=[sock])
     return exit_code

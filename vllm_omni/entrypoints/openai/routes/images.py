@@ -137,7 +137,7 @@ def image_params(http: Request, body: Any, prompt: str, images: list[bytes] | No
                 given["width"], given["height"] = parse_size(size, settings.engine.limits.max_image_size)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="size") from None
-    values = apply_sampling_defaults(given, settings.engine.default_sampling_params)
+    values = apply_sampling_defaults(given, settings.default_sampling_params)
     if auto:
         values["height"] = values["width"] = None  # an explicit "auto" beats the deploy's default size
     image = images if images and len(images) > 1 else images[0] if images else None

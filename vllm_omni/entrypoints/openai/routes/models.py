@@ -36,11 +36,11 @@ async def models(http: Request) -> ModelList:
         task=engine.spec.task if engine is not None else None,
         ready=scheduler.ready and scheduler.health().ok,
         parallel_config=settings.engine.parallel_config.to_dict(),
-        default_sampling_params=settings.engine.default_sampling_params,
+        default_sampling_params=settings.default_sampling_params,
         limits={k: v for k, v in asdict(limits).items() if v is not None},  # None: the model's, not known yet
         batching=asdict(settings.engine.batching),
         quantization=settings.engine.quantization,
-        cache=asdict(settings.engine.cache) if settings.engine.cache is not None else None,
+        cache=asdict(settings.engine.step_cache) if settings.engine.step_cache is not None else None,
     )
     return ModelList(data=[card])
 

@@ -286,7 +286,7 @@ def _params(http: Request, body: VideoCreateRequest, reference: bytes | None) ->
     spec = http.app.state.scheduler.engine.spec
     # One deploy file serves text- and image-to-video: defaults for fields a pipeline does not
     # take (the size, for image-to-video) are left out rather than refused on every request.
-    defaults = {k: v for k, v in settings.engine.default_sampling_params.items() if spec.takes(k)}
+    defaults = {k: v for k, v in settings.default_sampling_params.items() if spec.takes(k)}
     width = height = None
     if body.size is not None:
         if not spec.takes("width"):

@@ -1,0 +1,507 @@
+"""`EngineArgs`: every engine option declared once, with the faces and the checks generated from it.
+
+A field carries its help, flag, help group and the config it feeds (which is also its deploy-YAML
+place). The `serve`/`generate` flags, the deploy YAML's keys (entrypoints/deploy_config.py) and
+`Omni(model, **options)` all come from here; `validate()` holds every check across options.
+Torch-free (only config.py at module level), so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from vllm_omni.diffusion.config import (
+    CACHE_POLICIES,
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    QUANTIZATION_METHODS,
+    BatchingConfig,
+    DiffusionParallelConfig,
+    EngineLimits,
+    OmniDiffusionConfig,
+    StepCacheConfig,
+    normalize_dtype_name,
+)
+
+# ---- flag value parsers (argparse `type=`) --------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def width_x_height(text: str) -> tuple[int, int]:
+    width, sep, height = text.lower().partition("x")
+    try:
+        size = (int(width), int(height))
+    except ValueError:
+        size = (0, 0)
+    if not sep or min(size) < 1:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT in pixels, like 1024x1024, got {text!r}")
+    return size
+
+
+# ---- declaring an option ----------------------------------------------------------------------
+
+# The config an option feeds -> (its class, its section of a deploy YAML's stage; None: the stage itself).
+CONFIGS: dict[str, tuple[type, str | None]] = {
+    "parallel": (DiffusionParallelConfig, "parallel_config"),
+    "engine": (OmniDiffusionConfig, None),
+    "limits": (EngineLimits, "limits"),
+    "batching": (BatchingConfig, "batching"),
+    "cache": (StepCacheConfig, "cache"),
+}
+
+PARALLEL = "parallelism (world size = cfg_parallel_size * ulysses_degree * ring_degree)"
+ENGINE = "engine"
+LIMITS = "limits (requests beyond them are refused with 400 naming the field)"
+QUEUE = "queue and batching"
+
+_UNSET = object()
+
+
+def option(
+    config: str,
+    help: str,
+    group: str,
+    *,
+    key: str | None = None,
+    default: Any = _UNSET,
+    flag: str | None = None,
+    default_text: str | Callable[[dataclasses.Field], str] | None = None,
+    **cli: Any,
+) -> Any:
+    """An `EngineArgs` field that feeds `config` (a CONFIGS name) as its field `key` (default: the option's name).
+
+    The default is that config field's own (`_config_defaults`), unless given. `flag` defaults to
+    `--the-name`; `cli` holds argparse extras (type, choices, metavar, action); `default_text` is
+    appended to the help as "(default: ...)".
+    """
+    metadata = {"config": config, "key": key, "help": help, "group": group, "flag": flag, "cli": cli}
+    metadata["default_text"] = default_text
+    return field(default=default, metadata=metadata)
+
+
+def _limit(text: str) -> Any:
+    return option("limits", text, LIMITS, type=positive_int, metavar="N", default_text=_limit_default)
+
+
+def _limit_default(f: dataclasses.Field) -> str:
+    """An EngineLimits default, or for max_tokens_per_step each family's own."""
+    if f.default is not None:
+        return str(f.default)
+    from vllm_omni.diffusion.models.registry import FAMILIES  # the model's own (models/registry.py)
+
+    return "the model's: " + ", ".join(f"{fam.package} {getattr(fam.specs[0], f.name)}" for fam in FAMILIES)
+
+
+def _config_defaults(cls: type) -> type:
+    """An option's default is the one of the config field it feeds, read off that config (one source)."""
+    for name, value in list(vars(cls).items()):
+        if isinstance(value, dataclasses.Field) and value.default is _UNSET:
+            config_class, _ = CONFIGS[value.metadata["config"]]
+            key = value.metadata["key"] or name
+            value.default = next(f.default for f in dataclasses.fields(config_class) if f.name == key)
+    return cls
+
+
+_CACHE_DEFAULT = StepCacheConfig()
+_BATCHING_DEFAULT = BatchingConfig()
+_LIMITS_DEFAULT = EngineLimits()
+
+
+@dataclass(frozen=True)
+@_config_defaults
+class EngineArgs:
+    """Every option of the engine. `EngineArgs("tiny/qwen-image", ulysses_degree=2).engine_config()`."""
+
+    model: str  # the one positional: `serve MODEL`, `Omni(MODEL)`; a deploy YAML is written for a model
+
+    ulysses_degree: int = option(
+        "parallel",
+        "Ulysses sequence-parallel degree: GPUs (or CPU worker processes) that split each request; "
+        "must divide the model's attention heads (default: 1)",
+        PARALLEL,
+        type=positive_int,
+        metavar="N",
+    )
+    ring_degree: int = option(
+        "parallel",
+        "Ring attention degree; Ring attention is not built yet, so values above 1 are refused (default: 1)",
+        PARALLEL,
+        type=positive_int,
+        metavar="N",
+    )
+    cfg_parallel_size: int = option(
+        "parallel",
+        "2 runs the positive and negative CFG branches on separate ranks (default: 1)",
+        PARALLEL,
+        type=positive_int,
+        metavar="N",
+    )
+    mask_sp_padding: bool = option(
+        "parallel",
+        "mask the SP padding tokens (exact, masked attention kernel) instead of trimming them "
+        "(default: off; --no-mask-sp-padding overrides a deploy YAML that turns it on)",
+        PARALLEL,
+    )
+    trim_sp_padding: bool = option(
+        "parallel",
+        "with the mask off, slice the SP padding off after the all-to-all (exact, dense kernel); "
+        "--no-trim-sp-padding leaves it in unmasked (dense, approximate, warns once) (default: on)",
+        PARALLEL,
+    )
+    data_parallel_size: int = option(
+        "parallel",
+        "replicas: N groups of cfg_parallel_size x ulysses_degree ranks, each on its own GPUs, behind one "
+        "queue; a request runs on an idle replica (default: 1)",
+        PARALLEL,
+        type=positive_int,
+        metavar="N",
+    )
+    vae_parallel: bool | None = option(
+        "parallel",
+        "tile the VAE decode and split the tiles over every rank (equal to one rank's tiled decode); "
+        "--no-vae-parallel decodes whole on every rank (default: on with several ranks at sizes where it pays)",
+        PARALLEL,
+    )
+    distributed_executor_backend: str = option(
+        "parallel",
+        "who starts the ranks: mp, one process each on this machine; ray, one Ray actor each, across the "
+        "machines of a Ray cluster (pip install 'vllm_omni[ray]'; docs/multinode.md) (default: mp)",
+        PARALLEL,
+        choices=EXECUTOR_BACKENDS,
+    )
+    ray_address: str | None = option(
+        "engine",
+        "with --distributed-executor-backend ray: the cluster to join, 'auto' (the one `ray start` runs on "
+        "this machine) or HEAD_IP:6379 (default: a private Ray instance on this machine; RAY_ADDRESS is not read)",
+        PARALLEL,
+        metavar="ADDRESS",
+    )
+
+    device: str | None = option(
+        "engine",
+        "where the workers run (default: cuda when there are world-size GPUs, else cpu)",
+        ENGINE,
+        choices=("cuda", "cpu"),
+    )
+    dtype: str | None = option(
+        "engine", f"weights and activations: {', '.join(DTYPES)} (default: bfloat16 on cuda, float32 on cpu)", ENGINE
+    )
+    quantization: str | None = option(
+        "engine",
+        "fp8: the denoisers' large linear layers run FP8 matmuls (torchao float8 dynamic activation and "
+        "weight, row-wise scales; CUDA GPUs of compute capability 8.9+, bfloat16; pip install 'vllm_omni[fp8]'); "
+        "YAML stages[0].quantization (default: none)",
+        ENGINE,
+        choices=QUANTIZATION_METHODS,
+    )
+    cache: str | None = option(
+        "cache",
+        "step caching in the denoisers: first_block (diffusers' First-Block-Cache: a step whose first block "
+        "changed little since the last computed step skips the other blocks; decided for the whole SP group); "
+        "YAML stages[0].cache (default: none)",
+        ENGINE,
+        key="policy",
+        default=None,  # no step cache; a YAML `cache` mapping turns it on
+        choices=CACHE_POLICIES,
+    )
+    cache_threshold: float | None = option(
+        "cache",
+        f"the step cache's threshold: higher skips more steps (default: {_CACHE_DEFAULT.threshold})",
+        ENGINE,
+        key="threshold",
+        default=None,  # StepCacheConfig's
+        type=float,
+    )
+    attention_backend: str | None = option(
+        "engine",
+        "attention kernel: sdpa (dense) or sdpa_masked (default: sdpa_masked when the padding is "
+        "masked, else sdpa; env VLLM_OMNI_ATTENTION_BACKEND)",
+        ENGINE,
+    )
+    warmup: bool | None = option(
+        "engine",
+        "run one short request at the deploy's default size once the workers are up, before /health "
+        "answers 200, so the first user request does not pay compilation and graph capture "
+        "(default: on for CUDA, off for CPU and with --enforce-eager)",
+        ENGINE,
+    )
+    warmup_size: tuple[int, int] | None = option(
+        "engine",
+        "the warm-up request's width x height (default: the deploy's default size, else the pipeline's)",
+        ENGINE,
+        type=width_x_height,
+        metavar="WxH",
+    )
+    enforce_eager: bool = option(
+        "engine",
+        "run the transformer eagerly: no CUDA graphs (CUDA only; CPU always runs eagerly)",
+        ENGINE,
+        action="store_true",
+    )
+    load_timeout_s: float | None = option(
+        "engine",
+        "every worker must have loaded the model within this, or the start fails "
+        "(default: env VLLM_OMNI_LOAD_TIMEOUT_S, else 600)",
+        ENGINE,
+        flag="--load-timeout",
+        type=positive_seconds,
+        metavar="SECONDS",
+    )
+    stall_timeout_s: float | None = option(
+        "engine",
+        "a request in which no worker reports progress (a finished step) for this long fails and the "
+        "workers restart (default: env VLLM_OMNI_STALL_TIMEOUT_S, else 300)",
+        ENGINE,
+        flag="--stall-timeout",
+        type=positive_seconds,
+        metavar="SECONDS",
+    )
+
+    max_image_size: int = _limit("largest width or height of an output image, in pixels")
+    max_steps: int = _limit("largest num_inference_steps a request may ask for")
+    max_n: int = _limit("most images (n) one request may ask for")
+    max_input_images: int = _limit("most source images one edit request may upload")
+    max_upload_bytes: int = _limit("largest uploaded image file, in bytes")
+    max_input_pixels: int = _limit(
+        "largest decoded source image, width*height (uploads claiming more are refused before decoding)"
+    )
+    max_prompt_tokens: int = _limit(
+        "longest prompt (and negative prompt), in the model's tokens; a pipeline that reads fewer refuses "
+        "beyond its own limit"
+    )
+    max_frames: int = _limit("most video frames one request may ask for")
+    max_fps: int = _limit("largest video fps a request may ask for")
+    max_tokens_per_step: int | None = _limit(
+        "most image (video) tokens one denoising step may process: the output's latent patches x latent frames, "
+        "plus reference images' tokens where the model adds them; bounds a step's time against --stall-timeout"
+    )
+
+    max_queue: int = option(
+        "limits",
+        f"requests that may wait behind the running one; more get 429 (default: {_LIMITS_DEFAULT.max_queue})",
+        QUEUE,
+        type=positive_int,
+        metavar="N",
+    )
+    max_batch_size: int = option(
+        "batching",
+        "request batching: up to N queued requests that can share a forward (same size, frames, steps and "
+        "guidance; n=1, no source images) run as one pipeline call, each with its own seed (default: "
+        f"{_BATCHING_DEFAULT.max_batch_size}, off; YAML stages[0].batching)",
+        QUEUE,
+        type=positive_int,
+        metavar="N",
+    )
+    batch_wait_ms: float = option(
+        "batching",
+        "how long a request that could be batched waits for company before it runs alone "
+        f"(default: {_BATCHING_DEFAULT.batch_wait_ms:g})",
+        QUEUE,
+        type=non_negative_float,
+        metavar="MS",
+    )
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:  # 'bf16' and torch.bfloat16 are 'bfloat16' from here on
+            object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype))
+        if isinstance(self.warmup_size, list):  # YAML's [width, height]
+            object.__setattr__(self, "warmup_size", tuple(self.warmup_size))
+
+    # ---- the options ---------------------------------------------------------------------------
+
+    @classmethod
+    def options(cls) -> tuple[dataclasses.Field, ...]:
+        """Every engine option (every field but `model`), in declaration order."""
+        return tuple(f for f in dataclasses.fields(cls) if "config" in f.metadata)
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in cls.options())
+
+    def values(self) -> dict[str, Any]:
+        """The options as `Omni` keywords: `Omni(args.model, **args.values())`."""
+        return {name: getattr(self, name) for name in self.option_names()}
+
+    # ---- the configs the engine consumes -------------------------------------------------------
+
+    def _config_values(self, config: str) -> dict[str, Any]:
+        """The options that feed `config`, by that config's field names; None leaves the config's default."""
+        values = {}
+        for f in self.options():
+            if f.metadata["config"] == config and getattr(self, f.name) is not None:
+                values[f.metadata["key"] or f.name] = getattr(self, f.name)
+        return values
+
+    @cached_property
+    def parallel_config(self) -> DiffusionParallelConfig:
+        return DiffusionParallelConfig(**self._config_values("parallel"))
+
+    @cached_property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(**self._config_values("limits"))
+
+    @cached_property
+    def batching(self) -> BatchingConfig:
+        return BatchingConfig(**self._config_values("batching"))
+
+    @cached_property
+    def step_cache(self) -> StepCacheConfig | None:
+        """The step cache; None when `cache` is unset."""
+        return None if self.cache is None else StepCacheConfig(**self._config_values("cache"))
+
+    def engine_config(self, replica: int = 0) -> OmniDiffusionConfig:
+        """The `OmniDiffusionConfig` for `DiffusionEngine` (of replica `replica` when data_parallel_size > 1)."""
+        return OmniDiffusionConfig(
+            model=self.model,
+            parallel_config=self.parallel_config,
+            cache=self.step_cache,
+            replica=replica,
+            **self._config_values("engine"),
+        )
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def validate(self) -> EngineArgs:
+        """Every check: each config's own (it checks itself when built), then the ones across options.
+
+        Every face calls it (the CLI and the deploy YAML through `from_layers`, `Omni` through
+        `from_kwargs`), so a combination is refused with the same words wherever it was given.
+        """
+        _ = (self.parallel_config, self.limits, self.batching, self.step_cache, self.engine_config())
+        if self.ring_degree > 1:
+            raise ValueError(
+                f"ring_degree > 1 is not supported yet (Ring attention is not built), got ring_degree="
+                f"{self.ring_degree}: leave it at 1 and split with ulysses_degree (--ulysses-degree) instead"
+            )
+        if self.cache_threshold is not None and self.cache is None:
+            raise ValueError(
+                "--cache-threshold needs a cache: give --cache first_block (or stages[0].cache, or Omni's "
+                'cache="first_block")'
+            )
+        if self.cache is not None and self.batching.max_batch_size > 1:
+            raise ValueError(
+                f"--cache with --max-batch-size {self.batching.max_batch_size}: a batch's rows would share one step "
+                "cache; use one of them"
+            )
+        return self
+
+    @classmethod
+    def check_value(cls, name: str, value: Any) -> None:
+        """The check of one option's value alone, by the config it feeds (how the YAML loader names the key)."""
+        f = next(f for f in cls.options() if f.name == name)
+        config_class, _ = CONFIGS[f.metadata["config"]]
+        values = {f.metadata["key"] or name: value}
+        if config_class is OmniDiffusionConfig:
+            values["model"] = "-"
+        config_class(**values)
+
+    # ---- the faces -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_layers(cls, model: str, *layers: dict[str, Any]) -> EngineArgs:
+        """Options laid over the defaults, a later layer over an earlier (the deploy YAML's, then the flags given);
+        checked."""
+        merged: dict[str, Any] = {}
+        for layer in layers:
+            merged.update(layer)
+        return cls(model, **merged).validate()
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
+        """`Omni(model, **kwargs)`: the options by name; an unknown name is a TypeError naming it.
+
+        Two shorthands of the earlier keywords stay: `limits=EngineLimits(...)` sets the max_* options,
+        and `cache=StepCacheConfig(...)` sets cache and cache_threshold.
+        """
+        unknown = sorted(set(kwargs) - set(cls.option_names()) - {"limits"})
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {', '.join(unknown)}; EngineArgs takes: {', '.join(cls.option_names())}"
+            )
+        limits = kwargs.pop("limits", None)
+        if limits is not None:
+            if not isinstance(limits, EngineLimits):
+                raise TypeError(f"limits must be an EngineLimits, got {type(limits).__name__}")
+            for name, value in dataclasses.asdict(limits).items():
+                if kwargs.setdefault(name, value) != value:
+                    raise ValueError(f"{name} is given twice: as a keyword and inside limits")
+        cache = kwargs.get("cache")
+        if isinstance(cache, StepCacheConfig):
+            if kwargs.get("cache_threshold") is not None:
+                raise ValueError("cache_threshold goes inside the StepCacheConfig given as cache")
+            kwargs.update(cache=cache.policy, cache_threshold=cache.threshold)
+        return cls(model, **kwargs).validate()
+
+    @classmethod
+    def yaml_keys(cls) -> dict[str | None, dict[str, str]]:
+        """A deploy stage's option keys: section (None: the stage itself) -> {key: option name}."""
+        keys: dict[str | None, dict[str, str]] = {section: {} for _, section in CONFIGS.values()}
+        for f in cls.options():
+            _, section = CONFIGS[f.metadata["config"]]
+            keys[section][f.metadata["key"] or f.name] = f.name
+        return keys
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """The model (positional) and a flag per option; every flag defaults to None, "not given"."""
+        from vllm_omni.diffusion.models.registry import TINY_MODELS
+
+        parser.add_argument(
+            "model",
+            help=f"model to serve: a tiny embedded model ({', '.join(TINY_MODELS)}), a local diffusers folder, "
+            "or a hub id already in the Hugging Face cache",
+        )
+        groups: dict[str, Any] = {}
+        for f in cls.options():
+            meta = f.metadata
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_argument_group(meta["group"])
+            cli = dict(meta["cli"])
+            if "type" not in cli and "action" not in cli and f.type in ("bool", "bool | None"):
+                cli["action"] = argparse.BooleanOptionalAction
+            help_text = meta["help"]
+            if meta["default_text"] is not None:
+                default = meta["default_text"]
+                help_text += f" (default: {default(f) if callable(default) else default})"
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            groups[meta["group"]].add_argument(flag, dest=f.name, default=None, help=help_text, **cli)
+
+    @classmethod
+    def cli_values(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The options given on the command line (a flag left out is None and sets nothing)."""
+        return {name: getattr(args, name) for name in cls.option_names() if getattr(args, name, None) is not None}
