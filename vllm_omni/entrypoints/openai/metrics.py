@@ -9,7 +9,7 @@ server already holds and never asks the workers:
   finished (kind: the job's id prefix, `img` or `video`; outcome: completed, failed, cancelled),
   histograms of seconds `vllm_omni_request_queue_seconds`, `..._run_seconds` (in the engine)
   and `..._total_seconds` per kind; of the phases inside the workers, per completed request
-  (rank 0's figures, engine.py): `vllm_omni_request_preprocess_seconds`, `..._encode_seconds`
+  (rank 0's figures, engine/core.py): `vllm_omni_request_preprocess_seconds`, `..._encode_seconds`
   (text encoded once per SP group, before the pipeline call), `..._denoise_seconds` (the call up to
   its last step) and `..._decode_seconds` (the rest: the VAE); `vllm_omni_request_steps_per_second`
   (denoising steps over denoise seconds), `vllm_omni_batch_size` (requests per pipeline call,
