@@ -119,7 +119,7 @@ def test_a_dead_actor_is_seen_at_once_while_idle_the_group_restarts_and_shutdown
     assert _gone_within(old[0].pid, 10)  # the survivor is killed too (under NCCL it would hang)
     # (The server test runs a request on a restarted group.) Shutdown while it loads leaves nothing:
     omni.close()
-    assert executor.status().state == "shut_down"
+    assert executor.status().state == "shutting_down"
     deadline = time.monotonic() + 30  # a hang guard: the cluster learns of freed bundles asynchronously
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -79,7 +79,9 @@ def test_a_hung_rank_fails_the_request_at_the_stall_deadline_and_the_group_resta
 
     # The next request waits for the new group and runs; progress comes from rank 0, step by step.
     progress: list[tuple[int, int]] = []
-    images = executor.execute(engine.preprocess(_params()), on_progress=lambda *step: progress.append(step))
+    images = executor.execute(
+        engine.preprocess(_params()), on_progress=lambda done, total, _: progress.append((done, total))
+    )
     assert images.shape == (1, 32, 32, 3)
     assert progress == [(step, STEPS) for step in range(STEPS + 1)]
     assert executor.status().state == "ok" and executor.restarts == 1
@@ -95,7 +97,7 @@ def test_shutdown_during_a_hung_request_wins_over_the_deadline_and_restarts_noth
     def run() -> None:
         try:
             request = engine.preprocess(_params(HANG_PROMPT))
-            executor.execute(request, on_progress=lambda done, _: done and started.set())
+            executor.execute(request, on_progress=lambda done, _total, _phase: done and started.set())
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             outcome["error"] = exc
 
@@ -111,6 +113,6 @@ def test_shutdown_during_a_hung_request_wins_over_the_deadline_and_restarts_noth
     assert isinstance(outcome.get("error"), RequestCancelled) and "shutting down" in str(outcome["error"])
     assert executor.restarts == restarts and executor._procs == group
     assert not any(proc.is_alive() for proc in group)
-    assert executor.status().state == "shut_down"
+    assert executor.status().state == "shutting_down"
     with pytest.raises(RequestCancelled, match="not run: the engine is shutting down"):
         engine.step(_params())

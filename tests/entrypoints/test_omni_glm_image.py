@@ -115,7 +115,7 @@ def test_the_ar_runs_once_on_rank_0_reports_every_token_and_a_cancel_in_it_stops
         encode = [report for report in progress if report[2:] == ("encode",)]
         total = encode[0][1]  # 16x16 preview tokens, 2x2 image tokens on the 32-pixel grid, the end token
         assert total == 16 * 16 + 2 * 2 + 1 and [done for done, *_ in encode] == list(range(1, total + 1))
-        assert progress[-1] == (2, 2)  # then the denoising steps
+        assert progress[-1] == (2, 2, "denoise")  # then the denoising steps
         log = capfd.readouterr().err
         assert re.search(r"Worker rank 1 loaded .*without vision_language_encoder, processor", log), log[-3000:]
         assert log.count(f"encode {total}/{total} token(s)") == 1  # one AR for the request, on rank 0

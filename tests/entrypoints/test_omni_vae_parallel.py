@@ -87,7 +87,7 @@ def test_a_cancel_during_the_split_decode_stops_every_rank_at_a_tile(faulty_engi
     request = faulty_engine.preprocess(_params(PAUSE_PROMPT))
     done = threading.Event()
 
-    def cancel_after_the_last_step(steps: int, total: int) -> None:
+    def cancel_after_the_last_step(steps: int, total: int, phase: str) -> None:
         # The last step's cancel check has passed: from here only the decode's tile checks can see it.
         if steps == total and not done.is_set():
             done.set()

@@ -4,11 +4,15 @@ move as requests run (the `openai` client makes them)."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import HTTP_TIMEOUT_S, start_server
+
+from vllm_omni.diffusion.engine.health import HealthState
 
 KEY = "metrics-test-key"
 
@@ -35,6 +39,14 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
 def test_metrics_need_the_key(server):
     assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 401
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # still open
+
+
+def test_the_exported_states_are_exactly_the_health_states(server):
+    samples = scrape(server)
+    server_states = {dict(labels)["state"] for name, labels in samples if name == "vllm_omni_server_state"}
+    replica_states = {dict(labels)["state"] for name, labels in samples if name == "vllm_omni_replica_state"}
+    assert server_states == replica_states == set(get_args(HealthState))
+    assert sum(value for (name, _), value in samples.items() if name == "vllm_omni_server_state") == 1
 
 
 def test_counters_move_as_requests_run(server):

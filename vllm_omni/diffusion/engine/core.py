@@ -22,8 +22,11 @@ import numpy as np
 from vllm_omni.diffusion.attention.backends import check_attention_backend
 from vllm_omni.diffusion.config import EngineLimits, OmniDiffusionConfig
 from vllm_omni.diffusion.engine.batching import batch_key
+from vllm_omni.diffusion.engine.health import HealthState
 from vllm_omni.diffusion.engine.preprocess import RequestPreprocessor
-from vllm_omni.diffusion.executor.base import MultiprocExecutor, ProgressCallback, WorkerGroupExecutor
+from vllm_omni.diffusion.executor.base import WorkerGroupExecutor
+from vllm_omni.diffusion.executor.multiproc import MultiprocExecutor
+from vllm_omni.diffusion.executor.protocol import ProgressCallback
 from vllm_omni.diffusion.models.registry import PipelineSpec
 from vllm_omni.diffusion.request import DiffusionOutput, DiffusionRequest, GenerationParams, RequestCancelled
 from vllm_omni.diffusion.worker.loader import check_ulysses_degree, read_pipeline_spec, resolve_model_path
@@ -33,11 +36,6 @@ from vllm_omni.diffusion.worker.weight_prefetch import WeightPrefetch
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
-
-# loading: the first load; warming_up: a loaded group runs its warm-up requests; ok: serving;
-# restarting: a new group loads after a restart;
-# unhealthy: a worker died while idle (respawned before the next request); failed: lost for good.
-HealthState = Literal["loading", "warming_up", "ok", "restarting", "unhealthy", "failed", "shut_down"]
 
 
 def _cuda_device_count() -> int:
@@ -244,15 +242,15 @@ class DiffusionEngine:
     def last_graph_capture_failure(self) -> str | None:
         return self.executor.last_graph_capture_failure
 
-    def rank_counts(self, name: str) -> dict[int, int]:
-        """Each rank's `name` ("graph_captures", "compiles") since its group started, as of its last request."""
-        return {rank: s[name] for rank, s in sorted(self.executor.rank_stats.items()) if name in s}
+    def rank_counts(self, name: Literal["graph_captures", "compiles"]) -> dict[int, int]:
+        """Each rank's `name` (a count of protocol.Stats) since its group started, as of its last request."""
+        return {rank: getattr(s, name) for rank, s in sorted(self.executor.rank_stats.items())}
 
     @property
     def peak_memory_bytes(self) -> dict[int, int]:
         """Each CUDA rank's peak allocated memory during its last request (none on the CPU)."""
         stats = self.executor.rank_stats
-        return {rank: s["peak_memory_bytes"] for rank, s in sorted(stats.items()) if "peak_memory_bytes" in s}
+        return {rank: s.peak_memory_bytes for rank, s in sorted(stats.items()) if s.peak_memory_bytes is not None}
 
     def check_workers(self) -> None:
         """Respawn the group if a worker died while idle; the server's watchdog calls it."""
@@ -304,8 +302,8 @@ class DiffusionEngine:
         """Run one request end to end and log the time of each phase.
 
         A `DiffusionRequest` from `preprocess` (the server validates before queueing) is run as is.
-        `on_progress(steps_done, total_steps)` is called, in this thread, as the request starts
-        (0) and as the workers report finished denoising steps.
+        `on_progress(done, total, phase)` is called, in this thread, as the request starts (0) and
+        as the workers report finished denoising steps ("denoise") or encode tokens ("encode").
         """
         request = params if isinstance(params, DiffusionRequest) else self.preprocess(params)
         return self._run(request, on_progress)[0]
@@ -350,7 +348,8 @@ class DiffusionEngine:
             "total": request.preprocess_ms + (done - preprocessed) * 1e3,
         }
         # Inside the workers (rank 0's): encode (text encoded once per SP group), denoise, decode.
-        phases = self.executor.rank_stats.get(0, {}).get("phase_seconds", {})
+        rank0 = self.executor.rank_stats.get(0)
+        phases = rank0.phase_seconds if rank0 is not None else {}
         timings.update({name: seconds * 1e3 for name, seconds in phases.items()})
         logger.info(
             "DiffusionEngine.step breakdown: preprocess=%.2f ms, add_req_and_wait=%.2f ms, "
@@ -361,7 +360,7 @@ class DiffusionEngine:
         )
         cache = None
         if self.config.cache is not None:  # every rank's record: under CFG parallel each group has one branch
-            records = [s["step_cache"] for s in self.executor.rank_stats.values() if "step_cache" in s]
+            records = [s.step_cache for s in self.executor.rank_stats.values() if s.step_cache is not None]
             cache = step_cache_report(self.config.cache.policy, request.cache_threshold, records)
         for output in outputs:
             output.timings_ms = dict(timings)

@@ -46,6 +46,8 @@ from typing import Any, Literal, Protocol
 
 from vllm_omni.diffusion.config import BatchingConfig, EngineLimits
 from vllm_omni.diffusion.engine.batching import batch_key
+from vllm_omni.diffusion.engine.health import HealthState
+from vllm_omni.diffusion.executor.protocol import ProgressCallback
 from vllm_omni.diffusion.request import (
     DiffusionOutput,
     DiffusionRequest,
@@ -75,13 +77,13 @@ class Engine(Protocol):
     spec: Any
 
     def preprocess(self, params: GenerationParams) -> DiffusionRequest: ...
-    def step(self, request: DiffusionRequest, on_progress: Callable[[int, int], None] | None = None) -> Any: ...
+    def step(self, request: DiffusionRequest, on_progress: ProgressCallback | None = None) -> Any: ...
     def step_batch(
-        self, requests: list[DiffusionRequest], on_progress: Callable[[int, int], None] | None = None
+        self, requests: list[DiffusionRequest], on_progress: ProgressCallback | None = None
     ) -> list[Any]: ...
     def cancel(self, request_id: str) -> None: ...
     def wait_until_ready(self) -> None: ...
-    def health_status(self) -> tuple[str, str | None]: ...
+    def health_status(self) -> tuple[HealthState, str | None]: ...
     def check_workers(self) -> None: ...
     def begin_shutdown(self) -> None: ...
     def close(self) -> None: ...
@@ -138,7 +140,7 @@ class Job:
 
 @dataclass(frozen=True)
 class Health:
-    state: str  # loading, warming_up, ok, restarting, unhealthy, failed, shutting_down
+    state: HealthState
     detail: str | None = None
     restarts: int = 0  # worker-group restarts so far
     last_restart_reason: str | None = None
@@ -167,7 +169,7 @@ class Health:
 class Unavailable(Exception):
     """No work is taken now; `state` is "loading", "failed" or "shutting_down"."""
 
-    def __init__(self, state: str, message: str) -> None:
+    def __init__(self, state: HealthState, message: str) -> None:
         super().__init__(message)
         self.state = state
 

@@ -1,45 +1,43 @@
-"""Runs each request on every rank of a worker group and collects the result: the group's lifecycle.
+"""The worker group's lifecycle, shared by every executor backend (`WorkerGroupExecutor`).
 
-`WorkerGroupExecutor` holds what does not depend on how ranks are started; `MultiprocExecutor`
-starts one worker process per rank on this machine, and `RayExecutor` (ray_executor.py,
-`--distributed-executor-backend ray`) one Ray actor per rank, on one machine or several. Both
-run the same rank body (worker.run_rank) and speak the same reports ("ready", "progress",
-"done", "error", "cancelled").
+DiffusionEngine runs each request through it on every rank and gets rank 0's images back.
+multiproc.MultiprocExecutor starts one worker process per rank on this machine, ray.RayExecutor
+one Ray actor per rank; both run worker.run_rank, whose reports are the types of protocol.py.
 
 One request runs at a time (the engine queues them). Every wait on the workers has a deadline
 (OmniDiffusionConfig): every rank must load within `load_timeout_s`, and a request fails when no
-rank has reported progress (its start, a finished denoising step, its end) for `stall_timeout_s`.
-A missed deadline, a dead worker, or ranks still busy after another rank failed fail the request
-in flight and restart the whole group (its process group is broken); the new group loads in the
-background and the next request waits for it. Every group, the first and each restarted one, runs
-the warm-up requests (`warmup_requests`, set by the engine) as soon as it has loaded and before it
-takes a request, so its blocks compile and its CUDA graphs are captured then ("warming_up").
-A group that cannot load marks the executor failed;
-the server then exits non-zero. Once `shutdown()` begins, nothing is executed, collected or
-respawned. Workers never outlive this process: MultiprocExecutor spawns them from one
-long-lived thread and they bind their lives to ours (worker.bind_lifetime_to_parent).
-
-The server's /health reads `status()` (with the CUDA graph captures that failed, as the ranks
-report them); `execute(request, on_progress)` reports denoising progress.
+rank has reported progress for `stall_timeout_s`. A missed deadline, a dead worker, or ranks still
+busy after another rank failed fail the request in flight and restart the whole group (its process
+group is broken); the new group loads in the background and runs the warm-up requests before it
+takes a request ("warming_up"). A group that cannot load marks the executor failed. Once
+`shutdown()` begins, nothing is executed, collected or respawned. /health reads `status()`.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import os
 import queue
-import socket
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from vllm_omni.diffusion.config import OmniDiffusionConfig
+from vllm_omni.diffusion.executor.protocol import (
+    Cancelled,
+    Done,
+    Failed,
+    GraphCaptureFailed,
+    HealthState,
+    LoadFailed,
+    Progress,
+    ProgressCallback,
+    RankReport,
+    Ready,
+    RequestReport,
+    Stats,
+)
 from vllm_omni.diffusion.request import DiffusionRequest, RequestCancelled, RequestError, RequestFailed
-from vllm_omni.diffusion.worker.worker import worker_main
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -47,16 +45,6 @@ logger = init_logger(__name__)
 POLL_S = 0.2
 STUCK_AFTER_ERROR_S = 30.0  # ranks still busy this long after another rank failed are stuck (capped by stall)
 IDLE_EXIT_S = 10.0  # at shutdown, idle workers get this long to leave their loop before they are killed
-
-# (denoising steps done, total steps), or (done, total, "encode") as a family's long encode stage
-# advances (GLM-Image's AR tokens, before any step).
-ProgressCallback = Callable[..., None]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class WorkerStartError(RuntimeError):
@@ -69,17 +57,17 @@ class _ShutDown(Exception):
 
 @dataclass(frozen=True)
 class ExecutorStatus:
-    """The worker group as /health reports it (`MultiprocExecutor.status()`).
+    """The worker group as /health reports it (`WorkerGroupExecutor.status()`).
 
-    state: "loading" (first load), "warming_up" (loaded, running the warm-up requests), "ok"
-    (serving), "restarting" (a new group is loading after `last_restart_reason`), "unhealthy" (a
-    worker died while idle; the group is respawned at the next `check_workers` or request),
-    "failed" (it cannot be brought back; `detail` says why), "shut_down". `restarts` counts the
-    group restarts so far; `graph_capture_failures` the CUDA graph captures that failed on a rank
-    (each sent that rank's SP group eager until the next restart), the last one's reason with it.
+    state (protocol.HealthState): "restarting" while a new group loads after `last_restart_reason`,
+    "unhealthy" when a worker died while idle (the group is respawned at the next `check_workers`
+    or request), "failed" when it cannot be brought back (`detail` says why), "shutting_down" once
+    `shutdown()` ran. `restarts` counts the group restarts so far; `graph_capture_failures` the CUDA
+    graph captures that failed on a rank (each sent that rank's SP group eager until the next
+    restart), the last one's reason with it.
     """
 
-    state: Literal["loading", "warming_up", "ok", "restarting", "unhealthy", "failed", "shut_down"]
+    state: HealthState
     detail: str | None = None
     restarts: int = 0
     last_restart_reason: str | None = None
@@ -133,15 +121,14 @@ class WorkerGroupExecutor:
         self._last_warmup_failed = False
         self.graph_capture_failures = 0
         self.last_graph_capture_failure: str | None = None
-        # Each rank's figures from its last finished request: "phase_seconds" (encode, denoise,
-        # decode), "graph_captures" and "compiles" so far (since the group started) and, on CUDA,
-        # "peak_memory_bytes" (the metrics read them; no worker is asked).
-        self.rank_stats: dict[int, dict[str, Any]] = {}
+        # Each rank's figures from its last finished request (the engine and the metrics read them;
+        # no worker is asked).
+        self.rank_stats: dict[int, Stats] = {}
 
     # ---- what a kind of group supplies -------------------------------------------------------
 
     def _start_group(self) -> None:
-        """Start every rank (needs self._group_lock); they load in the background and report "ready"."""
+        """Start every rank (needs self._group_lock); they load in the background and report `Ready`."""
         raise NotImplementedError
 
     def _kill_group(self) -> None:
@@ -152,8 +139,8 @@ class WorkerGroupExecutor:
         """A rank that is gone, and how ("exited with code -9"), or None. Never waits."""
         raise NotImplementedError
 
-    def _next_report(self, timeout: float) -> tuple[str, int, str | None, Any]:
-        """The next report of any rank, (kind, rank, request_id, payload); queue.Empty after `timeout`."""
+    def _next_report(self, timeout: float) -> RankReport:
+        """The next report of any rank; queue.Empty after `timeout`."""
         raise NotImplementedError
 
     def _send_request(self, request: DiffusionRequest) -> None:
@@ -220,7 +207,7 @@ class WorkerGroupExecutor:
                 )
             try:
                 wait_s = max(0.0, min(POLL_S, until - now, self._load_deadline - now))
-                kind, rank, _, detail = self._next_report(wait_s)
+                report = self._next_report(wait_s)
             except queue.Empty:
                 dead = self._dead_worker()
                 if dead is not None:
@@ -228,10 +215,10 @@ class WorkerGroupExecutor:
                 if time.monotonic() >= until:
                     return False
                 continue
-            if kind == "load_error":
-                self._fail_start(f"worker rank {rank} could not load {self.config.model}: {detail}")
-            elif kind == "ready":
-                self._ready_ranks.add(rank)
+            if isinstance(report, LoadFailed):
+                self._fail_start(f"worker rank {report.rank} could not load {self.config.model}: {report.detail}")
+            elif isinstance(report, Ready):
+                self._ready_ranks.add(report.rank)
                 if len(self._ready_ranks) == self.world_size:
                     self._ready.set()
                     if self.restarts:
@@ -291,7 +278,7 @@ class WorkerGroupExecutor:
             last_graph_capture_failure=self.last_graph_capture_failure,
         )
         if self._closing.is_set():
-            return ExecutorStatus("shut_down", **history)
+            return ExecutorStatus("shutting_down", **history)
         if self.failed:
             return ExecutorStatus("failed", self.failed, **history)
         if not self._ready.is_set():
@@ -378,10 +365,11 @@ class WorkerGroupExecutor:
     def execute(self, request: DiffusionRequest, on_progress: ProgressCallback | None = None) -> Any:
         """Run `request` on every rank and return rank 0's images.
 
-        `on_progress(steps_done, total_steps)` is called in this thread as rank 0 reports the start (0)
-        and each finished denoising step. Raises RequestFailed when the request fails (the group is
-        restarted when it was left dead, stuck or hung past `stall_timeout_s`), RequestCancelled when
-        it was cancelled or the executor is shutting down (begin_shutdown() or shutdown()).
+        `on_progress(done, total, phase)` is called in this thread as rank 0 reports the start (0),
+        each finished denoising step, and the tokens of a family's encode stage ("encode"). Raises
+        RequestFailed when the request fails (the group is restarted when it was left dead, stuck or
+        hung past `stall_timeout_s`), RequestCancelled when it was cancelled or the executor is
+        shutting down (begin_shutdown() or shutdown()).
         """
         with self._lock:
             if self._stopping.is_set():
@@ -403,8 +391,8 @@ class WorkerGroupExecutor:
 
     def _collect(self, request: DiffusionRequest, on_progress: ProgressCallback | None) -> Any:
         stall_s = self.config.stall_timeout_s
-        replies: dict[int, tuple[str, Any]] = {}
-        steps: dict[int, tuple[int, int] | None] = dict.fromkeys(range(self.world_size))
+        replies: dict[int, Done | Failed | Cancelled] = {}
+        steps: dict[int, Progress | None] = dict.fromkeys(range(self.world_size))
         last_progress = time.monotonic()
         stuck_after = math.inf  # when ranks still busy after another rank's error count as stuck
         while len(replies) < self.world_size:
@@ -412,7 +400,7 @@ class WorkerGroupExecutor:
                 raise _ShutDown()
             now = time.monotonic()
             if now > stuck_after:  # the first error is the cause; the ranks left waiting are its effect
-                error = next(payload for kind, payload in replies.values() if kind == "error")
+                error = next(reply.error for reply in replies.values() if isinstance(reply, Failed))
                 busy = sorted(set(range(self.world_size)) - set(replies))
                 self._fail_hung(request, f"failed ({error}) and rank(s) {busy} did not finish")
             if now - last_progress > stall_s:
@@ -421,7 +409,7 @@ class WorkerGroupExecutor:
                 )
                 self._fail_hung(request, f"made no progress for {stall_s:g} s (stall_timeout_s): {where}")
             try:
-                kind, rank, request_id, payload = self._next_report(POLL_S)
+                report = self._next_report(POLL_S)
             except queue.Empty:
                 dead = self._dead_worker()
                 if dead is not None:
@@ -431,39 +419,39 @@ class WorkerGroupExecutor:
                         f"a worker died while running the request (rank {rank} {how}); the workers are restarting"
                     ) from None
                 continue
-            if request_id != request.request_id:
+            if not isinstance(report, RequestReport) or report.request_id != request.request_id:
                 continue  # a late message about an earlier request
             last_progress = time.monotonic()
-            if kind == "graph_capture_failed":
-                self.graph_capture_failures += 1
-                self.last_graph_capture_failure = f"rank {rank}: {payload}"
-                logger.warning("CUDA graph capture failed on rank %d during %s: %s", rank, request_id, payload)
-                continue
-            if kind == "stats":
-                self.rank_stats[rank] = payload
-                continue
-            if kind == "progress":
-                steps[rank] = payload
-                if rank == 0 and on_progress is not None:
-                    try:
-                        on_progress(*payload)
-                    except Exception:  # noqa: BLE001 - a broken callback must not break the request
-                        logger.exception("Progress callback failed for %s; not called again", request.request_id)
-                        on_progress = None
-                continue
-            replies[rank] = (kind, payload)
-            if kind == "error" and stuck_after == math.inf:
-                stuck_after = last_progress + min(STUCK_AFTER_ERROR_S, stall_s)
+            match report:
+                case GraphCaptureFailed(rank=rank, reason=reason):
+                    self.graph_capture_failures += 1
+                    self.last_graph_capture_failure = f"rank {rank}: {reason}"
+                    logger.warning(
+                        "CUDA graph capture failed on rank %d during %s: %s", rank, request.request_id, reason
+                    )
+                case Stats():
+                    self.rank_stats[report.rank] = report
+                case Progress():
+                    steps[report.rank] = report
+                    if report.rank == 0 and on_progress is not None:
+                        try:
+                            on_progress(report.done, report.total, report.phase)
+                        except Exception:  # noqa: BLE001 - a broken callback must not break the request
+                            logger.exception("Progress callback failed for %s; not called again", request.request_id)
+                            on_progress = None
+                case Done() | Failed() | Cancelled():
+                    replies[report.rank] = report
+                    if isinstance(report, Failed) and stuck_after == math.inf:
+                        stuck_after = last_progress + min(STUCK_AFTER_ERROR_S, stall_s)
         self._group_idle = True
-        kinds = {kind for kind, _ in replies.values()}
-        if kinds == {"done"}:
-            return replies[0][1]
-        if "error" in kinds:
-            error = next(payload for kind, payload in replies.values() if kind == "error")
-            if isinstance(error, RequestError):  # the client's mistake, found in a worker (a damaged image)
-                raise error
-            raise RequestFailed(error)
-        raise RequestCancelled(replies[0][1] if replies[0][0] == "cancelled" else "cancelled")
+        if all(isinstance(reply, Done) for reply in replies.values()):
+            return replies[0].images
+        failed = next((reply for reply in replies.values() if isinstance(reply, Failed)), None)
+        if failed is not None:
+            if isinstance(failed.error, RequestError):  # the client's mistake, found in a worker (a damaged image)
+                raise failed.error
+            raise RequestFailed(failed.error)
+        raise RequestCancelled(replies[0].reason if isinstance(replies[0], Cancelled) else "cancelled")
 
     def _fail_hung(self, request: DiffusionRequest, why: str) -> None:
         """The group is stuck in this request: restart it, and fail the request saying why."""
@@ -471,92 +459,13 @@ class WorkerGroupExecutor:
         raise RequestFailed(f"request {request.request_id} {why}; the workers are restarting")
 
 
-class MultiprocExecutor(WorkerGroupExecutor):
-    """One worker process per rank on this machine, started with the spawn method."""
-
-    def __init__(self, config: OmniDiffusionConfig, model_path: str) -> None:
-        super().__init__(config, model_path)
-        self._ctx = mp.get_context("spawn")
-        self._cancel_token = self._ctx.Value("q", -1)
-        # PR_SET_PDEATHSIG fires when the *thread* that spawned a worker ends: spawn from one that
-        # lives as long as the executor, never from a request's or a thread pool's passing thread.
-        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-spawner")
-        self._procs: list[mp.process.BaseProcess] = []
-        self._request_queues: list[Any] = []
-        self._results: Any = None
-        with self._group_lock:
-            self._spawn_locked()
-
-    def _start_group(self) -> None:
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self._request_queues = [self._ctx.Queue() for _ in range(self.world_size)]
-        self._results = self._ctx.Queue()
-        self._procs = [
-            self._ctx.Process(
-                target=worker_main,
-                name=f"omni-worker-r{self.config.replica}-{rank}"
-                if self.config.parallel_config.data_parallel_size > 1
-                else f"omni-worker-{rank}",
-                args=(
-                    rank,
-                    self.config,
-                    self.model_path,
-                    init_method,
-                    os.getpid(),
-                    self._request_queues[rank],
-                    self._results,
-                    self._cancel_token,
-                ),
-                daemon=True,
-            )
-            for rank in range(self.world_size)
-        ]
-        procs = self._procs
-        self._spawner.submit(lambda: [proc.start() for proc in procs]).result()
-
-    def _dead_worker(self) -> tuple[int, str] | None:
-        for rank, proc in enumerate(self._procs):
-            if not proc.is_alive():
-                return rank, f"exited with code {proc.exitcode}"
-        return None
-
-    def _next_report(self, timeout: float) -> tuple[str, int, str | None, Any]:
-        return self._results.get(timeout=timeout)
-
-    def _send_request(self, request: DiffusionRequest) -> None:
-        for q in self._request_queues:
-            q.put(request)
-
-    def _stop_idle_group(self, deadline: float) -> None:
-        for q in self._request_queues:
-            q.put(None)
-        for proc in self._procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-
-    def _kill_group(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self._procs:
-            proc.join(timeout=10)
-        for q in [*self._request_queues, self._results]:
-            if q is not None:
-                q.close()
-                q.cancel_join_thread()  # the readers are gone: do not wait to flush
-
-    def _release(self) -> None:
-        self._spawner.shutdown(wait=False)
-
-    def cancel(self, cancel_token: int) -> None:
-        self._cancel_token.value = cancel_token
-
-
 def _request_shape(request: DiffusionRequest) -> str:
     size = f"{request.width}x{request.height}" if request.width else "default size"
     return size + (f"x{request.num_frames}" if request.num_frames else "")
 
 
-def _step_text(step: tuple | None) -> str:
-    if step is None:
+def _step_text(progress: Progress | None) -> str:
+    if progress is None:
         return "had not started"
-    return f"encoding at {step[0]}/{step[1]}" if step[2:] == ("encode",) else f"at step {step[0]}/{step[1]}"
+    where = "encoding at" if progress.phase == "encode" else "at step"
+    return f"{where} {progress.done}/{progress.total}"

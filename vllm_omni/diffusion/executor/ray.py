@@ -1,8 +1,9 @@
 """The ranks as Ray actors (`--distributed-executor-backend ray`): one machine, or several in a Ray cluster.
 
-`RayExecutor` behaves as the multiprocessing executor does (executor.WorkerGroupExecutor holds
-their shared lifecycle: load and stall deadlines, group restarts, status, shutdown); only how
-ranks start and talk differs:
+DiffusionEngine creates `RayExecutor` for that backend; it behaves as the multiprocessing executor
+does (base.WorkerGroupExecutor holds their shared lifecycle: deadlines, restarts, status,
+shutdown), with the same reports (protocol.py) plus `Placed` and `Log`; only how ranks start and
+talk differs:
 
 - One `RankActor` per rank, each in its own bundle of one placement group (one GPU per bundle
   on CUDA, one CPU on CPU; PACK). Bundles on one node get consecutive ranks, so an SP group
@@ -29,6 +30,7 @@ ranks start and talk differs:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -55,6 +57,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 
 from vllm_omni.diffusion.config import OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.executor.base import WorkerGroupExecutor, WorkerStartError  # noqa: E402
+from vllm_omni.diffusion.executor.protocol import Done, LoadFailed, Log, Placed, RankReport  # noqa: E402
 from vllm_omni.diffusion.request import DiffusionRequest  # noqa: E402
 from vllm_omni.logger import init_logger  # noqa: E402
 
@@ -196,7 +199,7 @@ class _ReportHandler(logging.Handler):
             record = logging.makeLogRecord({**record.__dict__, "msg": message, "args": None, "exc_info": None})
             record.exc_text = None
             record.processName = f"omni-ray-rank-{self.rank}"
-            self.reports.put(("log", self.rank, None, record))
+            self.reports.put(Log(self.rank, record))
         except Exception:  # noqa: BLE001 - logging must never break the rank
             self.handleError(record)
 
@@ -214,7 +217,7 @@ class RankActor:
             logging.getLogger("vllm_omni").addHandler(_ReportHandler(rank, self._reports))
         node_id = ray.get_runtime_context().get_node_id()
         where = RankPlacement(rank, node_id, bundle_index, ray.util.get_node_ip_address(), os.getpid())
-        self._reports.put(("placed", rank, None, where))
+        self._reports.put(Placed(rank, where))
 
     def open_rendezvous(self) -> str:
         """Rank 0: the process-group address every rank joins, on this node (a free port here)."""
@@ -225,7 +228,7 @@ class RankActor:
         return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
     def start(self, config: OmniDiffusionConfig, model_path: str, init_method: str) -> None:
-        """Join the groups and load in the background; "ready" or "load_error" follows in the reports."""
+        """Join the groups and load in the background; `Ready` or `LoadFailed` follows in the reports."""
         self._thread = threading.Thread(
             target=self._run, args=(config, model_path, init_method), name=f"omni-rank-{self.rank}", daemon=True
         )
@@ -241,7 +244,7 @@ class RankActor:
             if not (Path(model_path) / "model_index.json").is_file():
                 model_path = str(resolve_model_path(config.model))
         except Exception as exc:  # noqa: BLE001 - reported like any load failure
-            self._reports.put(("load_error", self.rank, None, f"{type(exc).__name__} on this node: {exc}"))
+            self._reports.put(LoadFailed(self.rank, f"{type(exc).__name__} on this node: {exc}"))
             return
         gpu = _ray_gpu_index() if config.device == "cuda" else 0
         run_rank(self.rank, config, model_path, init_method, self._requests, self._reports, self._cancel_token, gpu)
@@ -252,7 +255,7 @@ class RankActor:
     def cancel(self, cancel_token: int) -> None:
         self._cancel_token.value = cancel_token
 
-    def poll(self, wait_s: float) -> list[tuple]:
+    def poll(self, wait_s: float) -> list[RankReport]:
         """The reports so far, waiting up to `wait_s` for the first one."""
         try:
             batch = [self._reports.get(timeout=wait_s)]
@@ -319,7 +322,7 @@ class RayExecutor(WorkerGroupExecutor):
         self._lifelines: dict[Any, int] = {}  # lifeline call -> rank
         self._polls: dict[Any, int] = {}  # the one poll in flight per live actor -> rank
         self._starts: dict[Any, int] = {}  # start calls not finished yet -> rank (they fail if rank 0 cannot open)
-        self._reports: deque[tuple] = deque()
+        self._reports: deque[RankReport] = deque()
         self._dead: dict[int, str] = {}  # rank -> how it died
         self._watch_lock = threading.Lock()  # _dead and the lifelines, read by status() from any thread
         self.placements: dict[int, RankPlacement] = {}
@@ -449,7 +452,7 @@ class RayExecutor(WorkerGroupExecutor):
         for actor in list(self._actors):
             actor.cancel.remote(cancel_token)
 
-    def _next_report(self, timeout: float) -> tuple[str, int, str | None, Any]:
+    def _next_report(self, timeout: float) -> RankReport:
         deadline = time.monotonic() + timeout
         while not self._reports:
             remaining = deadline - time.monotonic()
@@ -473,7 +476,7 @@ class RayExecutor(WorkerGroupExecutor):
             pass  # its lifeline tells
         except Exception as exc:  # noqa: BLE001 - e.g. rank 0 could not name the rendezvous: nobody loads
             if rank is not None:
-                self._reports.append(("load_error", rank, None, f"{type(exc).__name__}: {exc}"))
+                self._reports.append(LoadFailed(rank, f"{type(exc).__name__}: {exc}"))
 
     def _take_poll(self, ref: Any) -> None:
         rank = self._polls.pop(ref, None)
@@ -492,13 +495,15 @@ class RayExecutor(WorkerGroupExecutor):
                 self._dead.setdefault(rank, f"lost its reports ({type(exc).__name__}: {exc})")
             return
         self._polls[actors[rank].poll.remote(POLL_WAIT_S)] = rank
-        for kind, sender, request_id, payload in batch:
-            if kind == "log":
-                logging.getLogger(payload.name).handle(payload)
-            elif kind == "placed":
-                self.placements[sender] = payload
-                logger.info("Rank %d: Ray actor on %s", sender, payload)
-            else:
-                if kind == "done" and payload is not None:
-                    payload = np.array(payload)  # writable, and no longer pinning Ray's shared memory
-                self._reports.append((kind, sender, request_id, payload))
+        for report in batch:
+            match report:
+                case Log(record=record):
+                    logging.getLogger(record.name).handle(record)
+                case Placed(rank=sender, where=where):
+                    self.placements[sender] = where
+                    logger.info("Rank %d: Ray actor on %s", sender, where)
+                case Done(images=images) if images is not None:
+                    # Writable, and no longer pinning Ray's shared memory.
+                    self._reports.append(dataclasses.replace(report, images=np.array(images)))
+                case _:
+                    self._reports.append(report)

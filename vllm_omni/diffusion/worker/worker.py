@@ -1,21 +1,17 @@
 """One rank of the worker group: join the process groups, load the pipeline, serve requests (`run_rank`).
 
-MultiprocExecutor (executor.py) runs it in a process per rank, started with the spawn method
-(`worker_main`); RayExecutor (ray_executor.py) in a thread of a Ray actor per rank. Every rank
-runs the whole pipeline on the same request and seed; the transformer splits its work over the SP group.
-Rank 0 sends the images back; every rank reports its start, each finished denoising step
-(the executor's stall deadline and the progress callback read them), a CUDA graph capture
-that failed on it ("graph_capture_failed", with the reason) and done / cancelled / error, so
-the executor can tell a request that failed everywhere (bad input: the engine goes on) from one that
-left ranks stuck in a collective (the executor restarts the workers).
-A worker process never outlives the executor's process (`bind_lifetime_to_parent`); Ray ties
-an actor's life to the process that created it.
+MultiprocExecutor (executor/multiproc.py) runs it in a process per rank (`worker_main`),
+RayExecutor (executor/ray.py) in a thread of a Ray actor per rank. Every rank runs the whole
+pipeline on the same request and seed; rank 0 sends the images back. What a rank reports (ready,
+progress, a failed graph capture, stats, done / cancelled / failed) is in executor/protocol.py:
+the executor's deadlines read the progress, and it tells a request that failed everywhere (bad
+input) from one that left ranks stuck in a collective (it restarts the group). A worker process
+never outlives the executor's process (`bind_lifetime_to_parent`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import multiprocessing
 import os
 import signal
@@ -23,20 +19,29 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from vllm_omni.diffusion.config import OmniDiffusionConfig
+from vllm_omni.diffusion.executor.protocol import (
+    Cancelled,
+    Done,
+    Failed,
+    GraphCaptureFailed,
+    LoadFailed,
+    Progress,
+    Ready,
+    Stats,
+)
 from vllm_omni.diffusion.request import DiffusionRequest, RequestCancelled, RequestError
 from vllm_omni.diffusion.worker.step_cache import step_cache_line
 from vllm_omni.logger import init_logger
+from vllm_omni.testing.faults import InjectedFault
 
 logger = init_logger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-TEST_FAULT_ENV = "VLLM_OMNI_TEST_FAULT"
 
 
 def _cpu_threads(world_size: int) -> int:
@@ -69,58 +74,6 @@ def _exit_when_gone(parent: Any) -> None:
     os._exit(1)  # no cleanup: a collective or a CUDA call could block it
 
 
-@dataclass(frozen=True)
-class InjectedFault:
-    """Test hook (off unless env VLLM_OMNI_TEST_FAULT is set): one rank hangs or raises at one step.
-
-    VLLM_OMNI_TEST_FAULT='{"kind": "hang", "rank": 1, "step": 1, "prompt": "stall here"}' makes
-    rank 1 block forever (or raise, with "raise"; or, with "pause", wait until the request is
-    cancelled) at the end of denoising step 1 (0-based) of every request whose prompt is "stall
-    here" (every request when "prompt" is left out), before the group agrees on the step: its peers
-    then wait in a collective. With "phase": "decode", "step" is a tile of the split VAE decode; with
-    "encode", a token of a family's encode stage (GLM-Image's AR), on the rank that runs it.
-    A JSON list sets several faults. The
-    deadline tests (tests/diffusion/test_worker_deadlines.py, tests/entrypoints/test_serve_lifetime.py)
-    use it.
-    """
-
-    kind: str
-    rank: int
-    step: int
-    prompt: str | None = None
-    phase: str = "step"  # "decode": `step` is a tile of a split VAE decode; "encode": a token of an encode stage
-
-    @classmethod
-    def from_env(cls) -> list[InjectedFault]:
-        text = os.environ.get(TEST_FAULT_ENV)
-        if not text:
-            return []
-        specs = json.loads(text)
-        faults = [cls(**spec) for spec in (specs if isinstance(specs, list) else [specs])]
-        for fault in faults:
-            if fault.kind not in ("hang", "raise", "pause"):
-                raise ValueError(f"{TEST_FAULT_ENV}: kind must be 'hang', 'raise' or 'pause', got {fault.kind!r}")
-            if fault.phase not in ("step", "decode", "encode"):
-                raise ValueError(f"{TEST_FAULT_ENV}: phase must be 'step', 'decode' or 'encode', got {fault.phase!r}")
-        return faults
-
-    def trigger(
-        self, rank: int, step: int, request: DiffusionRequest, phase: str = "step", cancelled: Any = None
-    ) -> None:
-        if rank != self.rank or step != self.step or phase != self.phase or self.prompt not in (None, request.prompt):
-            return
-        logger.warning(
-            "Test fault: rank %d %ss at %s %d of request %s", rank, self.kind, phase, step, request.request_id
-        )
-        if self.kind == "raise":
-            raise RuntimeError(f"test fault on rank {rank} at {phase} {step}")
-        if self.kind == "pause":  # until the request is cancelled: a cancel that lands inside this phase
-            while not cancelled():
-                threading.Event().wait(0.01)
-            return
-        threading.Event().wait()  # until the executor kills this process
-
-
 def worker_main(
     rank: int,
     config: OmniDiffusionConfig,
@@ -149,20 +102,20 @@ def run_rank(
     cancel_token: Any,
     cuda_index: int,
 ) -> None:
-    """One rank from start to end: join the groups, load, report "ready", serve until a None request.
+    """One rank from start to end: join the groups, load, report `Ready`, serve until a None request.
 
     Both executors run it: MultiprocExecutor in a process per rank, RayExecutor in a thread of an
     actor per rank. `requests.get()` gives the next DiffusionRequest (None: leave), `reports.put(
-    (kind, rank, request_id, payload))` reaches the executor, `cancel_token.value` is the cancel
-    token the executor last set. `cuda_index` is the GPU to use on CUDA (a Ray actor sees only the
-    one Ray gave it, as device 0). A load failure is reported ("load_error"), not raised.
+    report)` sends a protocol.RankReport to the executor, `cancel_token.value` is the cancel token
+    the executor last set. `cuda_index` is the GPU to use on CUDA (a Ray actor sees only the one
+    Ray gave it, as device 0). A load failure is reported (`LoadFailed`), not raised.
     """
     try:
         runner, _ = _load(rank, config, model_path, init_method, cuda_index)
     except BaseException as exc:  # noqa: BLE001 - reported to the executor, which raises it
-        reports.put(("load_error", rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        reports.put(LoadFailed(rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
-    reports.put(("ready", rank, None, None))
+    reports.put(Ready(rank))
     _serve(rank, runner, requests, reports, cancel_token)
 
 
@@ -225,7 +178,7 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
         if request is None:
             break
         total = request.num_inference_steps
-        reports.put(("progress", rank, request.request_id, (0, total)))
+        reports.put(Progress(rank, request.request_id, 0, total))
 
         def on_step_end(step: int, request: DiffusionRequest = request, total: int = total) -> None:
             for fault in faults:
@@ -233,7 +186,7 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
             # All ranks must stop at the same step, or the others would wait in a collective forever.
             if any_rank(cancel_token.value == request.cancel_token):
                 raise RequestCancelled(f"request {request.request_id} cancelled at step {step + 1}")
-            reports.put(("progress", rank, request.request_id, (min(step + 1, total), total)))
+            reports.put(Progress(rank, request.request_id, min(step + 1, total), total))
 
         def on_decode_tile(tile: int, request: DiffusionRequest = request, total: int = total) -> None:
             for fault in faults:
@@ -241,7 +194,7 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
             # Every rank reaches every tile start of a split decode: a cancel stops them all at one tile.
             if any_rank(cancel_token.value == request.cancel_token):
                 raise RequestCancelled(f"request {request.request_id} cancelled while decoding (tile {tile + 1})")
-            reports.put(("progress", rank, request.request_id, (total, total)))  # alive: the stall deadline
+            reports.put(Progress(rank, request.request_id, total, total))  # alive: the stall deadline
 
         encoded: list[tuple[int, int]] = []
 
@@ -255,7 +208,7 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
             if cancel_token.value == request.cancel_token:
                 raise RequestCancelled(f"request {request.request_id} cancelled while encoding ({done}/{total})")
             encoded[:] = [(done, total)]
-            reports.put(("progress", rank, request.request_id, (done, total, "encode")))
+            reports.put(Progress(rank, request.request_id, done, total, "encode"))
 
         start = time.perf_counter()
         try:
@@ -265,20 +218,20 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
                 # Before the request's last report: the executor stops reading once every rank answered.
                 while runner.graph_capture_failures:
                     reason = runner.graph_capture_failures.pop(0)
-                    reports.put(("graph_capture_failed", rank, request.request_id, reason))
+                    reports.put(GraphCaptureFailed(rank, request.request_id, reason))
         except RequestCancelled as exc:
             logger.info("%s", exc)
-            reports.put(("cancelled", rank, request.request_id, str(exc)))
+            reports.put(Cancelled(rank, request.request_id, str(exc)))
             continue
         except RequestError as exc:  # bad input only the worker could see (a source image's data): a 400
             logger.info("Request %s refused on rank %d: %s", request.request_id, rank, exc)
-            reports.put(("error", rank, request.request_id, exc))  # pickles with its param
+            reports.put(Failed(rank, request.request_id, exc))  # pickles with its param
             continue
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
             logger.warning(
                 "Request %s failed on rank %d: %s: %s", request.request_id, rank, type(exc).__name__, exc, exc_info=True
             )
-            reports.put(("error", rank, request.request_id, f"{type(exc).__name__}: {exc}"))
+            reports.put(Failed(rank, request.request_id, f"{type(exc).__name__}: {exc}"))
             continue
         records = runner.cache.summary() if runner.cache is not None else None
         cache = None if records is None else runner.cache.report()
@@ -297,18 +250,21 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
                 ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
                 "" if cache is None else f"; {step_cache_line(cache)}",
             )
-        stats: dict[str, Any] = {
-            "phase_seconds": runner.phase_seconds,
-            "graph_captures": runner.graph_captures,
-            "compiles": runner.compiles(),
-        }
-        if records is not None:
-            stats["step_cache"] = records
+        peak_memory = None
         if runner.device.type == "cuda":
             import torch
 
-            stats["peak_memory_bytes"] = torch.cuda.max_memory_allocated(runner.device)
+            peak_memory = torch.cuda.max_memory_allocated(runner.device)
             torch.cuda.reset_peak_memory_stats(runner.device)
-        reports.put(("stats", rank, request.request_id, stats))
-        reports.put(("done", rank, request.request_id, images if rank == 0 else None))
+        stats = Stats(
+            rank,
+            request.request_id,
+            phase_seconds=dict(runner.phase_seconds),  # a copy: a Ray rank's report waits for its poll
+            graph_captures=runner.graph_captures,
+            compiles=runner.compiles(),
+            step_cache=records,
+            peak_memory_bytes=peak_memory,
+        )
+        reports.put(stats)
+        reports.put(Done(rank, request.request_id, images if rank == 0 else None))
     destroy_parallel_state()

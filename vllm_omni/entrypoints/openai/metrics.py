@@ -9,7 +9,7 @@ server already holds and never asks the workers:
   finished (kind: the job's id prefix, `img` or `video`; outcome: completed, failed, cancelled),
   histograms of seconds `vllm_omni_request_queue_seconds`, `..._run_seconds` (in the engine)
   and `..._total_seconds` per kind; of the phases inside the workers, per completed request
-  (rank 0's figures, engine.py): `vllm_omni_request_preprocess_seconds`, `..._encode_seconds`
+  (rank 0's figures, engine/core.py): `vllm_omni_request_preprocess_seconds`, `..._encode_seconds`
   (text encoded once per SP group, before the pipeline call), `..._denoise_seconds` (the call up to
   its last step) and `..._decode_seconds` (the rest: the VAE); `vllm_omni_request_steps_per_second`
   (denoising steps over denoise seconds), `vllm_omni_batch_size` (requests per pipeline call,
@@ -18,7 +18,7 @@ server already holds and never asks the workers:
 - State, read at each scrape: `vllm_omni_queue_length` (the one queue every replica takes from),
   `vllm_omni_running_requests`, `vllm_omni_worker_restarts_total`,
   `vllm_omni_graph_capture_failures_total`, `vllm_omni_server_state{state}` (1 for the current one
-  of loading, warming_up, ok, restarting, unhealthy, failed, shutting_down); per replica
+  of engine.health.HEALTH_STATES); per replica
   (data_parallel_size): `vllm_omni_replica_running_requests{replica}`,
   `vllm_omni_replica_state{replica, state}`, `vllm_omni_replica_worker_restarts_total{replica}`;
   `vllm_omni_graph_captures{replica, rank}` and `vllm_omni_compiles{replica, rank}` (since the
@@ -37,10 +37,11 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from vllm_omni.diffusion.engine.health import HEALTH_STATES
+
 if TYPE_CHECKING:
     from vllm_omni.diffusion.engine.scheduler import Job, Scheduler
 
-STATES = ("loading", "warming_up", "ok", "restarting", "unhealthy", "failed", "shutting_down")
 # Seconds, from a tiny model's fraction of a second to a long video's tens of minutes.
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
 
@@ -147,7 +148,7 @@ class _StateCollector:
             "vllm_omni_graph_capture_failures", "CUDA graph captures that failed", value=health.graph_capture_failures
         )
         state = GaugeMetricFamily("vllm_omni_server_state", "1 for the server's current state", labels=["state"])
-        for name in STATES:
+        for name in HEALTH_STATES:
             state.add_metric([name], 1.0 if health.state == name else 0.0)
         yield state
         running = GaugeMetricFamily("vllm_omni_replica_running_requests", "requests running", labels=["replica"])
@@ -168,7 +169,7 @@ class _StateCollector:
         for replica, (health, jobs, engine) in enumerate(self.scheduler.replica_states()):
             label = str(replica)
             running.add_metric([label], len(jobs))
-            for name in STATES:
+            for name in HEALTH_STATES:
                 states.add_metric([label, name], 1.0 if health.state == name else 0.0)
             restarts.add_metric([label], health.restarts)
             for rank, peak in getattr(engine, "peak_memory_bytes", {}).items():

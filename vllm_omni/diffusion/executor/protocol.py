@@ -1,0 +1,122 @@
+"""What a rank reports to its executor (one frozen dataclass per report), and the group's health states.
+
+The worker (worker.run_rank) and a Ray rank actor (ray.RankActor) send these; the executors
+(base.WorkerGroupExecutor, ray.RayExecutor) match them by type. They cross processes pickled (a
+multiprocessing queue, Ray's object store), so they hold plain data. `HealthState` lives here, the
+lowest layer that needs it (the executor's status); engine/health.py gives it to the layers above.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from vllm_omni.diffusion.request import RequestError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from vllm_omni.diffusion.executor.ray import RankPlacement
+
+# loading: the first load; warming_up: a loaded group runs its warm-up requests; ok: serving;
+# restarting: a new group loads after a restart; unhealthy: a worker died while idle (respawned
+# before the next request); failed: lost for good; shutting_down: stopping, or stopped.
+HealthState = Literal["loading", "warming_up", "ok", "restarting", "unhealthy", "failed", "shutting_down"]
+HEALTH_STATES: tuple[HealthState, ...] = get_args(HealthState)
+
+# "encode": a family's long encode stage (GLM-Image's AR tokens, before any step); "denoise": the
+# denoising steps (and the split decode's tiles, reported as the last step: the rank is alive).
+ProgressPhase = Literal["denoise", "encode"]
+# on_progress(done, total, phase), called in the executor's thread as rank 0 reports progress.
+ProgressCallback = Callable[[int, int, ProgressPhase], None]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """Any report; `rank` sent it."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Ready(RankReport):
+    """The rank joined its process groups and loaded the pipeline."""
+
+
+@dataclass(frozen=True)
+class LoadFailed(RankReport):
+    """The rank could not load; `detail` is the error and its traceback."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
+class Log(RankReport):
+    """A Ray rank's vllm_omni log record, plain data, for the driver's log."""
+
+    record: logging.LogRecord
+
+
+@dataclass(frozen=True)
+class Placed(RankReport):
+    """Where Ray placed the rank's actor."""
+
+    where: RankPlacement
+
+
+@dataclass(frozen=True)
+class RequestReport(RankReport):
+    """A report about one request; one about an earlier request arrives late and is dropped."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Progress(RequestReport):
+    """`done` of `total` in `phase`: the request's start (0), each step or encode token, each decode tile."""
+
+    done: int
+    total: int
+    phase: ProgressPhase = "denoise"
+
+
+@dataclass(frozen=True)
+class GraphCaptureFailed(RequestReport):
+    """A CUDA graph capture failed on this rank (its SP group runs eager until the next restart)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stats(RequestReport):
+    """The rank's figures once the request finished; the engine and the metrics read the last one per rank."""
+
+    phase_seconds: dict[str, float]  # encode, denoise, decode
+    graph_captures: int  # since the rank's group started
+    compiles: int  # graphs torch.compile compiled, likewise
+    step_cache: dict[str, Any] | None = None  # the step cache's record (step_cache.CacheRecord.summary)
+    peak_memory_bytes: int | None = None  # on CUDA: peak allocated memory during the request
+
+
+@dataclass(frozen=True)
+class Done(RequestReport):
+    """The request finished on this rank; `images` are rank 0's (uint8 or float32 array), None elsewhere."""
+
+    images: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Failed(RequestReport):
+    """The request failed on this rank: bad input only a worker could see (a RequestError, with its
+    param), or any other error as its text."""
+
+    error: RequestError | str
+
+
+@dataclass(frozen=True)
+class Cancelled(RequestReport):
+    """The request was cancelled; every rank stopped at the same step."""
+
+    reason: str
