@@ -158,6 +158,9 @@ class QueuePlace:
 
 
 class Scheduler:
+    """Lives on one event loop: `start` it there, `submit` jobs and wait for them, `stop` it. The engines'
+    blocking calls run in threads of their own."""
+
     def __init__(
         self,
         engine_factory: Callable[[int], Engine],
