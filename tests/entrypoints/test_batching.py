@@ -122,6 +122,28 @@ def test_two_http_requests_sent_at_once_share_a_call_and_each_gets_its_own_image
         assert np.abs(image - alone.astype(np.int16)).max() <= 1  # PNG of uint8 pixels; 1: rounding
 
 
+def test_omni_batches_calls_from_two_threads_and_each_thread_sees_its_own_output(engine):
+    """`Omni(max_batch_size=2, batch_wait_ms=60000)`: the first call waits for company (not for the
+    minute: the second call fills the batch); each thread gets its own image and its own last_output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = dict(height=48, width=80, num_inference_steps=2, output_type="np")
+    with Omni("tiny/qwen-image", max_batch_size=2, batch_wait_ms=60_000) as omni:
+
+        def call(i: int):
+            image = omni.generate(PROMPTS[i], seed=SEEDS[i], **args)[0]
+            return image, omni.last_output
+
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(call, range(2)))
+        assert omni.last_output is None  # this thread made no call
+    for i, (image, output) in enumerate(results):
+        assert output.batch_size == 2 and output.seed == SEEDS[i]
+        alone = engine.step(engine.preprocess(GenerationParams(PROMPTS[i], seed=SEEDS[i], **args))).images[0]
+        np.testing.assert_allclose(image, alone, atol=1e-5, rtol=0)  # float pixels: reassociation only
+    assert results[0][1].request_id != results[1][1].request_id
+
+
 @pytest.mark.parametrize(
     ("model", "size"),
     [

@@ -329,7 +329,7 @@ def test_data_parallel_replicas_run_calls_from_two_threads_at_once():
 
         thread = threading.Thread(target=long_call)
         thread.start()
-        while omni._idle.qsize() != 1:  # the long call holds one replica
+        while omni.scheduler.running != 1:  # the long call holds one replica
             time.sleep(0.001)
         short = omni.generate(PROMPT, height=32, width=32, num_inference_steps=2, seed=4, output_type="np")[0]
         assert thread.is_alive() and "long" not in done  # finished while the long call still ran

@@ -1,4 +1,4 @@
-"""`Omni`: the offline engine. `from vllm_omni import Omni`.
+"""`Omni`: the offline engine, over the same scheduler as the HTTP server. `from vllm_omni import Omni`.
 
 with Omni("tiny/qwen-image", ulysses_degree=2) as omni:
     images = omni.generate("a cat", height=208, width=240, num_inference_steps=4, seed=0)
@@ -6,12 +6,18 @@ with Omni("tiny/qwen-image", ulysses_degree=2) as omni:
 
 from __future__ import annotations
 
-import queue
+import asyncio
+import dataclasses
+import sys
+import threading
+from collections.abc import Coroutine
 from typing import Any
 
 from vllm_omni.diffusion.engine.args import EngineArgs
+from vllm_omni.diffusion.engine.replicas import Engine, engine_factory
 from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME
-from vllm_omni.diffusion.request import GenerationParams
+from vllm_omni.diffusion.engine.scheduler import InternalError, Job, Scheduler
+from vllm_omni.diffusion.request import DiffusionOutput, GenerationParams, RequestCancelled, RequestFailed
 
 
 class Omni:
@@ -21,7 +27,9 @@ class Omni:
     connection if it has one, else the cluster at `ray_address` ("auto" or "HEAD_IP:6379"), else
     a private Ray instance on this machine (docs/multinode.md). `data_parallel_size=N` starts N
     replicas, each a group of its own ranks (and GPUs): `generate` is thread-safe, and calls made
-    at once from N threads run at once, each on an idle replica. `quantization="fp8"`: FP8 matmuls in
+    at once from N threads run at once, each on an idle replica. `max_batch_size=B` (with
+    `batch_wait_ms`) runs up to B calls made at once that can share a forward as one pipeline call
+    (docs/serving.md, request batching). `quantization="fp8"`: FP8 matmuls in
     the denoisers' large linear layers (CUDA GPUs of compute capability 8.9+, `pip install 'vllm_omni[fp8]'`).
     `cache="first_block"` (with `cache_threshold`): step caching in the denoisers (diffusion/worker/step_cache.py);
     each output's `step_cache` says which steps it skipped.
@@ -32,23 +40,42 @@ class Omni:
         e.g. ulysses_degree, mask_sp_padding, device, dtype, quantization, cache, limits' max_steps; an
         unknown name is a TypeError naming it. `limits=EngineLimits(...)` and `cache=StepCacheConfig(...)`
         are accepted as shorthands."""
-        from vllm_omni.diffusion.engine.core import DiffusionEngine
-
-        self.engine_args = EngineArgs.from_kwargs(model, **options)  # every check, before any worker starts
-        self.engines: list[DiffusionEngine] = []
+        self.engine_args = args = EngineArgs.from_kwargs(model, **options)  # every check, before any worker starts
+        self.scheduler = Scheduler(
+            engine_factory(args.engine_config, args.limits),
+            # Offline callers wait their turn in `generate` instead of being refused; no watchdog: a dead
+            # worker is respawned by the next call, as the engine does on its own.
+            dataclasses.replace(args.limits, max_queue=sys.maxsize),
+            watchdog_interval_s=None,
+            replicas=args.data_parallel_size,
+            batching=args.batching,
+        )
+        self._outputs = threading.local()  # each calling thread's last output
+        # The scheduler lives on an event loop of its own, so callers need none.
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="omni-scheduler", daemon=True)
+        self._loop_thread.start()
         try:
-            for replica in range(self.engine_args.data_parallel_size):  # each loads while the next starts
-                self.engines.append(DiffusionEngine(self.engine_args.engine_config(replica), self.engine_args.limits))
-            for engine in self.engines:
-                engine.wait_until_ready()
+            self._call(self.scheduler.start())
+            self._call(self.scheduler.wait_until_loaded())
         except BaseException:
             self.close()
             raise
-        self.engine = self.engines[0]
-        self._idle: queue.Queue[DiffusionEngine] = queue.Queue()
-        for engine in self.engines:
-            self._idle.put(engine)
-        self.last_output = None
+
+    @property
+    def engine(self) -> Engine:
+        """The first replica's engine."""
+        return self.scheduler.engine
+
+    @property
+    def engines(self) -> list[Engine]:
+        """Each replica's engine."""
+        return self.scheduler.engines
+
+    @property
+    def last_output(self) -> DiffusionOutput | None:
+        """The output of this thread's latest `generate` call (its seed, size, timings, `batch_size`)."""
+        return getattr(self._outputs, "output", None)
 
     def generate(
         self,
@@ -65,7 +92,8 @@ class Omni:
         seed, and for video models num_frames and fps. `image` is a path, bytes or a PIL image, or
         a list of them. Returns PIL images (a video: a list of PIL frames), float32 arrays in
         [0, 1] with output_type="np", uint8 arrays with "uint8". The seed used (drawn when not
-        given), the real size and the timings are in `self.last_output`.
+        given), the real size, the timings and the batch size are in `self.last_output` (this thread's).
+        Bad input raises a RequestError (a ValueError naming the field); a failed run what the engine raised.
         """
         unknown = sorted(set(fields) - set(FIELDS_BY_NAME))
         if unknown:
@@ -73,20 +101,56 @@ class Omni:
                 f"generate() got unknown argument(s) {', '.join(unknown)}; request fields: {', '.join(FIELDS_BY_NAME)}"
             )
         params = GenerationParams(prompt=prompt, image=image, output_type=output_type, **fields)
-        engine = self._idle.get()  # waits while every replica runs another thread's request
         try:
-            output = engine.step(params)
+            job = self._call(self._run(params))
+        except InternalError as exc:
+            # The engine's checks failed unexpectedly: raise what they raised, as the engine would.
+            raise (exc.__context__ or exc) from None
+        if job.status != "completed":
+            raise job.exception or _error(job)
+        self._outputs.output = job.result
+        return job.result.images
+
+    async def _run(self, params: GenerationParams) -> Job:
+        job = await self.scheduler.submit(params)
+        try:
+            return await job.wait()
+        except asyncio.CancelledError:  # the caller stopped waiting (Ctrl-C): so does the job
+            self.scheduler.cancel(job.id, "the caller stopped waiting")
+            raise
         finally:
-            self._idle.put(engine)
-        self.last_output = output  # with several threads: the latest call's
-        return output.images
+            self.scheduler.forget(job.id)
+
+    def _call(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """Run `coroutine` on the scheduler's loop and wait for its result in this thread."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # a no-op once it finished
+            raise
 
     def close(self) -> None:
-        for engine in self.engines:
-            engine.close()
+        """Cancel what runs, close the engines and their workers."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self.scheduler.stop())
+            self._call(self._loop.shutdown_default_executor())  # the threads that created the engines
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join()
+            self._loop.close()
 
     def __enter__(self) -> Omni:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _error(job: Job) -> Exception:
+    """The exception for a job that ended without one of its own (cancelled while queued, or by shutdown)."""
+    if job.status == "cancelled":
+        return RequestCancelled(job.error.message)
+    return RequestFailed(job.error.message)

@@ -1,32 +1,6 @@
-"""The scheduler behind the HTTP server: one engine, its FIFO queue of jobs, cancellation, worker health.
-
-No HTTP here: the routes (routes/) translate between requests and jobs, and tests drive the
-scheduler with a fake engine (tests/entrypoints/test_scheduler.py).
-
-- The engine is created and loads in the background (`start`); until every worker has loaded
-  and run the warm-up, `submit` raises `Unavailable` and `health()` says "loading", then
-  "warming_up". Both answers come from one state (`health()`): /health is 200 only when a
-  request would be taken.
-- `submit(params)` checks the queue's capacity before the engine's checks (which read the
-  uploads' headers and count prompt tokens) and holds a place meanwhile, so concurrent submits
-  cannot overfill it; a route that must read a large upload first holds one (`hold_place`)
-  (so uploads in flight are bounded by the queue too). A queued job carries the checked
-  request, source images still compressed.
-- One consumer per replica (`replicas`, data_parallel_size: engines of their own GPUs) runs jobs
-  first in, first out: a job goes to the first idle replica (`engine.step` blocks, so each runs
-  in a thread of its own). A replica whose workers fail restarts alone while the others serve.
-- Request batching (`batching`, off by default): the job at the head of the queue takes with it
-  the queued jobs that can share its forwards (`data.batch_key`), up to `max_batch_size`, waiting
-  at most `batch_wait_ms` for them; they run as one pipeline call (`engine.step_batch`), each with
-  its own seed, result and progress. Cancelling one of them ends that job at once; its rows keep
-  computing to the end of the call (dropping them would change the call's shapes mid-run), and the
-  call itself is cancelled only once all of its jobs are.
-- A job lives on its own, whether or not anyone waits for it: an id, a status, progress 0-100,
-  its times, and in the end a result or an error (`JobError`: a code, a one-line message, the
-  field at fault). Callers wait for it (`Job.wait`), poll it (`get`) or cancel it (`cancel`);
-  finished jobs are kept (the latest `max_finished_jobs`) until `forget`.
-- A watchdog has dead workers respawned while idle and calls `on_fatal` when they are lost.
-- `begin_shutdown` refuses new work, ends the queued jobs and cancels the running one.
+"""The scheduler below the entrypoints: one FIFO queue of jobs for the replicas' engines (replicas.py),
+request batching (batching.py), cancellation, health and a watchdog. The HTTP routes and `Omni` submit
+to it; docs/serving.md describes the policy, and tests drive it with a fake engine.
 """
 
 from __future__ import annotations
@@ -35,7 +9,6 @@ import asyncio
 import contextlib
 import dataclasses
 import math
-import threading
 import time
 import uuid
 from collections import deque
@@ -47,7 +20,7 @@ from typing import Any, Literal, Protocol
 from vllm_omni.diffusion.config import BatchingConfig, EngineLimits
 from vllm_omni.diffusion.engine.batching import batch_key
 from vllm_omni.diffusion.engine.health import HealthState
-from vllm_omni.diffusion.executor.protocol import ProgressCallback
+from vllm_omni.diffusion.engine.replicas import Engine, ReplicaEngines
 from vllm_omni.diffusion.request import (
     DiffusionOutput,
     DiffusionRequest,
@@ -69,24 +42,6 @@ class Observer(Protocol):
 
     def job_finished(self, job: Job) -> None: ...
     def steps_done(self, count: int) -> None: ...
-
-
-class Engine(Protocol):
-    """What the scheduler needs of a DiffusionEngine (tests pass a fake)."""
-
-    spec: Any
-
-    def preprocess(self, params: GenerationParams) -> DiffusionRequest: ...
-    def step(self, request: DiffusionRequest, on_progress: ProgressCallback | None = None) -> Any: ...
-    def step_batch(
-        self, requests: list[DiffusionRequest], on_progress: ProgressCallback | None = None
-    ) -> list[Any]: ...
-    def cancel(self, request_id: str) -> None: ...
-    def wait_until_ready(self) -> None: ...
-    def health_status(self) -> tuple[HealthState, str | None]: ...
-    def check_workers(self) -> None: ...
-    def begin_shutdown(self) -> None: ...
-    def close(self) -> None: ...
 
 
 def one_line(error: BaseException | str) -> str:
@@ -113,6 +68,9 @@ class JobError:
 
 @dataclass(eq=False)
 class Job:
+    """One request's life, whether or not anyone waits for it: its status, progress and times, then a
+    result or an error. Callers wait for it (`wait`), poll it (`Scheduler.get`) or cancel it."""
+
     id: str  # also the engine's request id, in every log line about it
     request: DiffusionRequest
     status: JobStatus = "queued"
@@ -123,6 +81,7 @@ class Job:
     completed_at: float | None = None
     result: DiffusionOutput | None = None
     error: JobError | None = None
+    exception: BaseException | None = field(default=None, repr=False)  # what its run raised (`Omni` raises it)
     replica: int | None = None  # the replica that runs it, once it runs
     batch_key: tuple | None = None  # jobs with equal keys may share a forward (None: never batched)
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -200,12 +159,15 @@ class QueuePlace:
 
 
 class Scheduler:
+    """Lives on one event loop: `start` it there, `submit` jobs and wait for them, `stop` it. The engines'
+    blocking calls run in threads of their own."""
+
     def __init__(
         self,
         engine_factory: Callable[[int], Engine],
         limits: EngineLimits,
         *,
-        watchdog_interval_s: float = 2.0,
+        watchdog_interval_s: float | None = 2.0,  # None: no watchdog
         max_finished_jobs: int = 256,
         on_fatal: Callable[[str], None] = lambda reason: None,
         observer: Observer | None = None,
@@ -219,11 +181,10 @@ class Scheduler:
         self.watchdog_interval_s = watchdog_interval_s
         self.max_finished_jobs = max_finished_jobs
         self.on_fatal = on_fatal  # the workers are lost for good, or the model cannot load: the server ends
-        self._engine_factory = engine_factory
-        self._engines: list[Engine | None] = [None] * replicas  # each set once constructed (may still be loading)
-        self._engine_lock = threading.Lock()  # engine creation vs. shutdown
+        self._engines = ReplicaEngines(engine_factory, replicas)
         self._loaded = False  # the first load finished; later restarts do not reset it
         self._load_error: str | None = None
+        self._load_failure: BaseException | None = None  # what the load raised
         self._step_thread = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="engine-step")
         self._waiting: deque[Job] = deque()
         self._reserved = 0  # submits past the capacity check, still in the engine's checks
@@ -239,19 +200,34 @@ class Scheduler:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Begin loading the engine; start the consumer and the watchdog. Returns at once."""
+        """Begin loading the engines (in the background: until every replica has loaded and run its warm-up,
+        `submit` raises Unavailable); start one consumer per replica and the watchdog. Returns at once."""
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._tasks = [
             asyncio.create_task(self._load_engine(), name="load-engine"),
             *(asyncio.create_task(self._consume(i), name=f"consume-queue-{i}") for i in range(self.replicas)),
-            asyncio.create_task(self._watchdog(), name="watchdog"),
         ]
+        if self.watchdog_interval_s is not None:
+            self._tasks.append(asyncio.create_task(self._watchdog(), name="watchdog"))
+
+    async def wait_until_loaded(self) -> None:
+        """Until every replica has loaded and warmed up; raises what the load raised (`Omni` waits here)."""
+        await asyncio.shield(self._tasks[0])
+        if self._load_failure is not None:
+            raise self._load_failure
+        if not self._loaded:
+            raise Unavailable("shutting_down", "shut down while the engine was loading")
 
     @property
     def engine(self) -> Engine | None:
         """The first replica's engine (the model's spec, the request checks: the same in every replica)."""
         return self._engines[0]
+
+    @property
+    def engines(self) -> list[Engine | None]:
+        """Each replica's engine (None while it is created)."""
+        return list(self._engines)
 
     @property
     def ready(self) -> bool:
@@ -260,42 +236,30 @@ class Scheduler:
     async def _load_engine(self) -> None:
         started = time.perf_counter()
         try:
-            await asyncio.gather(*(asyncio.to_thread(self._create_engine_and_wait, i) for i in range(self.replicas)))
+            await self._engines.load()
         except Exception as exc:  # noqa: BLE001 - any failure to load ends the server
             if self._shutting_down:
                 return
             logger.error("Could not start the engine: %s", exc)
+            self._load_failure = exc
             self._load_error = one_line(f"{type(exc).__name__}: {exc}")
             self.on_fatal(self._load_error)
             return
-        if all(engine is not None for engine in self._engines) and not self._shutting_down:
+        if self._engines.created and not self._shutting_down:
             self._loaded = True
             logger.info("Engine ready in %.1f s", time.perf_counter() - started)
 
-    def _create_engine_and_wait(self, replica: int) -> None:
-        engine = self._engine_factory(replica)
-        with self._engine_lock:
-            if self._shutting_down:
-                engine.close()
-                return
-            self._engines[replica] = engine
-        engine.wait_until_ready()
-
     async def _watchdog(self) -> None:
+        """Have dead workers respawned while idle; call `on_fatal` when they are lost for good."""
         while True:
             await asyncio.sleep(self.watchdog_interval_s)
             if not self._loaded or self._shutting_down:
                 continue
-            for engine in self._engines:
-                try:
-                    await asyncio.to_thread(engine.check_workers)
-                except Exception as exc:  # noqa: BLE001 - a failed respawn shows in health_status, handled below
-                    logger.error("Respawning the workers failed: %s", exc)
-                state, detail = engine.health_status()
-                if state == "failed" and not self._shutting_down:
-                    logger.error("The workers cannot be brought back (%s); shutting down", detail)
-                    self.on_fatal(detail or "the workers are lost")
-                    return
+            lost = await self._engines.check_workers()
+            if lost is not None and not self._shutting_down:
+                logger.error("The workers cannot be brought back (%s); shutting down", lost)
+                self.on_fatal(lost)
+                return
 
     def begin_shutdown(self) -> None:
         """Refuse new work, end the queued jobs, cancel the running one (it stops at its next step)."""
@@ -306,13 +270,7 @@ class Scheduler:
         while self._waiting:
             job = self._waiting.popleft()
             self._finish(job, "cancelled", error=JobError("shutting_down", "the server is shutting down; not run"))
-        with self._engine_lock:
-            engines = list(self._engines)
-        for engine, running in zip(engines, self._running):
-            if engine is not None:
-                engine.begin_shutdown()
-                if running:
-                    engine.cancel(running[0].id)
+        self._engines.begin_shutdown([jobs[0].id if jobs else None for jobs in self._running])
 
     def begin_shutdown_threadsafe(self) -> None:
         """`begin_shutdown` from another thread (a signal handler)."""
@@ -331,11 +289,7 @@ class Scheduler:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        with self._engine_lock:
-            engines = [engine for engine in self._engines if engine is not None]
-        if engines:
-            await asyncio.gather(*(asyncio.to_thread(engine.close) for engine in engines))
-            logger.info("Workers shut down")
+        await self._engines.close()
         self._step_thread.shutdown(wait=False, cancel_futures=True)
 
     # ---- state --------------------------------------------------------------------------------
@@ -426,6 +380,7 @@ class Scheduler:
         return max(1, min(3600, math.ceil(typical - elapsed)))
 
     def get(self, job_id: str) -> Job | None:
+        """A job by id; finished ones are kept (the latest `max_finished_jobs`) until `forget`."""
         return self._jobs.get(job_id)
 
     # ---- jobs ---------------------------------------------------------------------------------
@@ -433,7 +388,9 @@ class Scheduler:
     async def submit(self, params: GenerationParams, id_prefix: str = "req", place_held: bool = False) -> Job:
         """Check, then queue; raises Unavailable, QueueFull, RequestError (bad input) or InternalError.
 
-        The queue's capacity is checked before the engine's checks, unless the caller holds a place (`hold_place`).
+        The queue's capacity is checked before the engine's checks (which read the uploads' headers and
+        count prompt tokens), and a place held meanwhile, unless the caller holds one (`hold_place`). A
+        queued job carries the checked request, source images still compressed.
         """
         with contextlib.nullcontext() if place_held else self.hold_place():
             request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
@@ -468,7 +425,11 @@ class Scheduler:
         return job
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> Job | None:
-        """A queued job ends now; a running one stops at its next denoising step. None: no such job."""
+        """A queued job ends now; a running one stops at its next denoising step. None: no such job.
+
+        A job of a batch ends at once, its rows computing on to the end of the call (dropping them would
+        change the call's shapes mid-run); the call itself is cancelled once all of its jobs are.
+        """
         job = self._jobs.get(job_id)
         if job is None or job.finished or job._cancel_reason is not None:
             return job
@@ -510,7 +471,8 @@ class Scheduler:
             self._jobs.pop(self._finished.popleft(), None)
 
     async def _consume(self, replica: int) -> None:
-        """Replica `replica`'s consumer: the next job in the queue (and those batched with it), one call at a time."""
+        """Replica `replica`'s consumer: the next job in the queue (and those batched with it), one call at a
+        time, in a step thread (`engine.step` blocks); the first idle replica takes the head of the queue."""
         loop = asyncio.get_running_loop()
         while True:
             jobs = await self._next_jobs()
@@ -586,6 +548,7 @@ class Scheduler:
 
     def _fail(self, job: Job, exc: Exception) -> None:
         """Finish `job` with what its run raised."""
+        job.exception = exc
         if isinstance(exc, RequestCancelled):
             logger.info("Request %s cancelled: %s", job.id, exc)
             if job._cancel_reason is not None:

@@ -1,7 +1,7 @@
 """The OpenAI-style server: the FastAPI app (scheduler + routes + error shape + auth) and its uvicorn runner.
 
 `vllm-omni serve` (cli/serve.py) calls `run_server(settings)`. The server has three parts:
-the scheduler (scheduler.py: engine, queue, jobs, cancellation, worker health; no HTTP; with
+the scheduler (diffusion/engine/scheduler.py: the engines, queue, jobs, cancellation, worker health; with
 video_store.py keeping the videos API's records and files), the routes (routes/: images,
 videos, models and health; /metrics in metrics.py), and the media encoders (media.py). This module wires them:
 uvicorn listens first and the engine loads in the background, so /health answers 503 until
@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from vllm_omni.diffusion.engine.args import EngineArgs
+from vllm_omni.diffusion.engine.replicas import engine_factory
 from vllm_omni.diffusion.engine.scheduler import Scheduler
 from vllm_omni.entrypoints.deploy_config import DeployConfig
 from vllm_omni.entrypoints.openai import metrics
@@ -90,15 +91,12 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
     Takes the video directory now (a ValueError when another server holds it), before anything starts.
     """
 
-    def create_engine(replica: int) -> Any:
-        from vllm_omni.diffusion.engine.core import DiffusionEngine
-
+    def pin_devices() -> None:  # a deploy's `devices`, before each replica's engine starts
         if settings.deploy is not None:
             settings.deploy.apply_devices(settings.engine)
-        return DiffusionEngine(settings.engine.engine_config(replica), settings.engine.limits)
 
     scheduler = Scheduler(
-        create_engine,
+        engine_factory(settings.engine.engine_config, settings.engine.limits, prepare=pin_devices),
         settings.engine.limits,
         watchdog_interval_s=settings.watchdog_interval_s,
         replicas=settings.engine.parallel_config.data_parallel_size,
