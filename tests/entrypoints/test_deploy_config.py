@@ -194,6 +194,18 @@ def test_devices_count_within_an_existing_cuda_visible_devices(tmp_path, monkeyp
         deploy.apply_devices(too_few)
 
 
+def test_devices_are_pinned_once_for_every_replica(tmp_path, monkeypatch):
+    """The server pins the deploy's GPUs before each replica's engine starts: the second time they are
+    already pinned, and counting "2,3" within "6,7" again would run past the list (or pick other GPUs)."""
+    engine = EngineArgs("tiny/qwen-image", ulysses_degree=2, device="cuda")
+    deploy = load_deploy_config(write(tmp_path, GOOD.replace('"0,1"', '"2,3"')))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    deploy.apply_devices(engine)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
+    deploy.apply_devices(engine)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
+
+
 def test_executor_backend_comes_from_the_yaml_or_the_flag_and_the_ray_address_from_the_flag(tmp_path):
     text = GOOD.replace("mask_sp_padding: true}", "mask_sp_padding: true, distributed_executor_backend: ray}")
     yaml_only = EngineArgs.from_layers("tiny/qwen-image", load_deploy_config(write(tmp_path, text)).options)

@@ -53,14 +53,18 @@ class DeployConfig:
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     # The engine options the file sets, by EngineArgs name (each value checked); flags override them.
     options: dict[str, Any] = field(default_factory=dict)
+    _pinned: str | None = field(default=None, init=False, repr=False)  # what apply_devices set
 
     def apply_devices(self, engine: EngineArgs) -> None:
         """Pin the deploy's GPUs (CUDA_VISIBLE_DEVICES) before any worker starts; CPU runs ignore it.
 
         The indices count within an existing CUDA_VISIBLE_DEVICES (a scheduler's allocation), as
-        CUDA would count them.
+        CUDA would count them. Called before each replica's engine starts: once pinned, it stays
+        (counting again within what it set would pick other GPUs).
         """
         if self.devices is None or engine.device == "cpu":
+            return
+        if self._pinned is not None and os.environ.get("CUDA_VISIBLE_DEVICES") == self._pinned:
             return
         parallel = engine.parallel_config
         needed = parallel.world_size * parallel.data_parallel_size
@@ -78,7 +82,7 @@ class DeployConfig:
                     f"devices {self.devices} reach beyond CUDA_VISIBLE_DEVICES={visible} ({len(allocated)} GPU(s))"
                 )
             chosen = [allocated[d] for d in self.devices]
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
+        os.environ["CUDA_VISIBLE_DEVICES"] = self._pinned = ",".join(chosen)
 
 
 def resolve_deploy_path(name: str) -> Path:
