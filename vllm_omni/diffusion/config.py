@@ -60,7 +60,7 @@ class DiffusionParallelConfig:
     `vae_parallel`: the VAE decode tiled and split over every rank (vae_parallel.py); None: on
     when there are several ranks and the output is large enough that splitting pays.
     `data_parallel_size`: replicas, each a group of `world_size` ranks on its own devices, behind
-    one server queue (entrypoints/openai/scheduler.py); the "mp" backend only, for now.
+    one queue (diffusion/engine/scheduler.py); the "mp" backend only, for now.
     """
 
     ulysses_degree: int = 1
