@@ -40,6 +40,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     sequence_parallel_context,
     shard_with_auto_pad,
 )
+from vllm_omni.diffusion.models.family import SequenceParallelTransformer
 
 MASK_REFUSED = "attention_mask is not supported (the pipeline passes none; the reference's mask path is broken)"
 KV_CACHE_REFUSED = "image-to-image (the condition image's K/V cache) is not supported"
@@ -105,7 +106,7 @@ def _patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
     return patches.permute(0, 2, 4, 1, 3, 5).flatten(3, 5).flatten(1, 2)
 
 
-class GlmImageTransformer2DModel(reference.GlmImageTransformer2DModel):
+class GlmImageTransformer2DModel(SequenceParallelTransformer, reference.GlmImageTransformer2DModel):
     """Diffusers' GLM-Image DiT, sequence-parallel under an SP process group (text-to-image)."""
 
     @functools.wraps(reference.GlmImageTransformer2DModel.__init__)  # keeps the config signature
@@ -151,7 +152,7 @@ class GlmImageTransformer2DModel(reference.GlmImageTransformer2DModel):
         # Computed here, not in the graphed forward_sharded: a CUDA graph must own what it reads
         # (as arguments, it copies them).
         rotary_cos, rotary_sin = image_rotary_emb if image_rotary_emb is not None else self.rotary_tables(hidden_states)
-        output = self.forward_sharded(
+        output = self.run_sharded(
             hidden_states=hidden_states,
             encoder_hidden_states=encoder_hidden_states,
             prior_token_id=prior_token_id,

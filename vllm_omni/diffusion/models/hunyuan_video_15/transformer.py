@@ -38,6 +38,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     sequence_parallel_context,
     shard_with_auto_pad,
 )
+from vllm_omni.diffusion.models.family import SequenceParallelTransformer
 from vllm_omni.diffusion.models.text_compaction import (
     BUCKET_MULTIPLE,
     TextCompaction,
@@ -136,7 +137,7 @@ def _row(x: torch.Tensor | None, i: int, batch: int) -> torch.Tensor | None:
     return x[i : i + 1]
 
 
-class HunyuanVideo15Transformer3DModel(reference.HunyuanVideo15Transformer3DModel):
+class HunyuanVideo15Transformer3DModel(SequenceParallelTransformer, reference.HunyuanVideo15Transformer3DModel):
     """Diffusers' HunyuanVideo 1.5 transformer, sequence-parallel under an SP process group."""
 
     # Text-length bucket (text_compaction.py); 1 disables bucketing.
@@ -206,13 +207,13 @@ class HunyuanVideo15Transformer3DModel(reference.HunyuanVideo15Transformer3DMode
             image_embeds=image_embeds,
         )
         if len(plans) == 1:
-            output = self.forward_sharded(**inputs, plan=plans[0])
+            output = self.run_sharded(**inputs, plan=plans[0])
         else:
             # Rows with different text padding cannot share one compaction: run them one by one.
             batch = hidden_states.shape[0]
             output = torch.cat(
                 [
-                    self.forward_sharded(**{k: _row(x, i, batch) for k, x in inputs.items()}, plan=plan)
+                    self.run_sharded(**{k: _row(x, i, batch) for k, x in inputs.items()}, plan=plan)
                     for i, plan in enumerate(plans)
                 ]
             )
