@@ -120,6 +120,18 @@ class SequenceParallelTransformer:
         return self.forward_sharded(**kwargs) if wrapper is None else wrapper(**kwargs)
 
 
+def declare_cache_block(block_class: type, hidden_states_index: int, encoder_hidden_states_index: int) -> None:
+    """Tell diffusers' cache hooks (the step cache, worker/step_cache.py) which of a block's outputs are its
+    hidden states and its encoder hidden states, for a block diffusers registers none for."""
+    # diffusers keeps its block registry in a private module (hooks/_helpers.py); this is its one use here.
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+
+    metadata = TransformerBlockMetadata(
+        return_hidden_states_index=hidden_states_index, return_encoder_hidden_states_index=encoder_hidden_states_index
+    )
+    TransformerBlockRegistry.register(block_class, metadata)
+
+
 def call_arg(pipe: Any, kwargs: Mapping[str, Any], name: str) -> Any:
     """The value `pipe(**kwargs)` runs with for argument `name`: the given one, else its `__call__` default."""
     if name in kwargs:

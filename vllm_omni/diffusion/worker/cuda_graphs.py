@@ -55,13 +55,13 @@ def simulated_graphs_from_env() -> SimulatedGraphs | None:
 def compile_repeated_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     """torch.compile each repeated transformer block (diffusers' `_repeated_blocks`); returns how many.
 
-    Regional compilation: one block class compiles once and every block reuses it, in seconds
-    rather than the minutes a whole-model compile takes. Inside a block, the unfused elementwise
-    work (norms, modulation, gating, GELU, casts: a third of eager GPU time) fuses into few
-    kernels. The shared attention layer is excluded from compilation (attention/layer.py), so the
-    all-to-alls and the padding policy run as written. A size the block has not seen recompiles
-    once with a dynamic sequence length, then reuses it. Inductor keeps its compiled kernels on
-    disk (TORCHINDUCTOR_CACHE_DIR, default under ~/.cache/vllm_omni), so a restart reuses them.
+    Regional compilation: one block class compiles once and every block reuses it, far sooner
+    than a whole-model compile. Inside a block, the unfused elementwise work (norms, modulation,
+    gating, GELU, casts) fuses into few kernels. The shared attention layer is excluded from
+    compilation (attention/layer.py), so the all-to-alls and the padding policy run as written. A
+    size the block has not seen recompiles once with a dynamic sequence length, then reuses it.
+    Inductor keeps its compiled kernels on disk (TORCHINDUCTOR_CACHE_DIR, default under
+    ~/.cache/vllm_omni), so a restart reuses them.
     """
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path("~/.cache/vllm_omni/inductor").expanduser()))
     names = set(getattr(model, "_repeated_blocks", None) or ())

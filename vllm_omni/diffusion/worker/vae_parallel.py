@@ -252,11 +252,8 @@ def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-# By default the split is on for videos (latents of several frames) on this many ranks or more.
-# Measured on an H200 (benchmarks/vae_decode.py, docs/benchmarks.md): one rank's share of 4 takes
-# 0.39x (HunyuanVideo 1.5 848x480x121), 0.52x and 0.67x (Wan 720p, 480p, 81 frames) of the untiled
-# decode, and a share of 2 is slower than it for Wan. Images gain at most 0.04 s (Qwen-Image
-# 1328x1328 at 8 ranks), not worth tiling's change of pixels.
+# By default the split is on for videos (latents of several frames) on this many ranks or more:
+# below it a rank's share is not faster than the untiled decode (benchmarks/vae_decode.py).
 AUTO_MIN_RANKS = 4
 
 

@@ -26,7 +26,6 @@ import functools
 from typing import Any
 
 import torch
-from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers import transformer_glm_image as reference
@@ -40,17 +39,14 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     sequence_parallel_context,
     shard_with_auto_pad,
 )
-from vllm_omni.diffusion.models.family import SequenceParallelTransformer
+from vllm_omni.diffusion.models.family import SequenceParallelTransformer, declare_cache_block
 
 MASK_REFUSED = "attention_mask is not supported (the pipeline passes none; the reference's mask path is broken)"
 KV_CACHE_REFUSED = "image-to-image (the condition image's K/V cache) is not supported"
 
 # Where diffusers' cache hooks (the step cache, diffusion/worker/step_cache.py) find the block's outputs:
 # (hidden_states, encoder_hidden_states). diffusers 0.42.1 registers none for this block.
-TransformerBlockRegistry.register(
-    reference.GlmImageTransformerBlock,
-    TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1),
-)
+declare_cache_block(reference.GlmImageTransformerBlock, hidden_states_index=0, encoder_hidden_states_index=1)
 
 
 class GlmImageSPAttnProcessor:
