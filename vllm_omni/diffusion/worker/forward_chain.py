@@ -109,10 +109,11 @@ def _install_block_cache(denoiser: torch.nn.Module, record: CacheRecord) -> Grou
 
 def _first_block_cache_head(denoiser: torch.nn.Module) -> tuple[HookRegistry, str, FBCHeadBlockHook]:
     """The registry, name and hook of the one First-Block-Cache head hook among the denoiser's blocks."""
+    # diffusers keeps a module's registry in the private `_diffusers_hook`; its public lookup creates one where none is.
     found = [
         (module._diffusers_hook, hook_name, hook)
         for module in denoiser.modules()
-        if hasattr(module, "_diffusers_hook")  # where HookRegistry.check_if_exists_or_initialize keeps it
+        if hasattr(module, "_diffusers_hook")
         for hook_name, hook in module._diffusers_hook.hooks.items()
         if isinstance(hook, FBCHeadBlockHook)
     ]
