@@ -160,11 +160,11 @@ def with_cuda_graphs(model: torch.nn.Module) -> Callable[..., Any]:
     graphed = CUDAGraphForward(model.forward_sharded)
 
     def forward(**kwargs: Any) -> Any:
-        model.forward_sharded = graphed
+        model.sharded_wrapper = graphed
         try:
             return model(**kwargs)
         finally:
-            del model.forward_sharded
+            model.sharded_wrapper = None
 
     return forward
 

@@ -29,7 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
-from vllm_omni.diffusion.worker.vae_parallel import ParallelTiledDecode  # noqa: E402
+from vllm_omni.diffusion.worker.forward_chain import install_decode_split  # noqa: E402
+from vllm_omni.diffusion.worker.vae_parallel import decode_split_class  # noqa: E402
 
 # name: (VAE class, output WxHxF, latent shape [B, C, T, H, W] (images: T=1))
 CASES = {
@@ -66,7 +67,7 @@ def run_case(name: str, iters: int) -> dict:
     cls_name, output, shape = CASES[name]
     torch.manual_seed(0)
     with torch.device("cuda"):
-        vae = getattr(diffusers, cls_name)().to(torch.bfloat16).eval()
+        vae = decode_split_class(getattr(diffusers, cls_name))().to(torch.bfloat16).eval()
     z = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     row: dict = {"case": name, "vae": cls_name, "output": output, "latent": list(shape)}
     with torch.inference_mode():
@@ -77,8 +78,9 @@ def run_case(name: str, iters: int) -> dict:
         row["tiled_vs_untiled_max_abs"] = float((tiled.float() - untiled.float()).abs().max())
         del untiled, tiled
         for world in WORLDS:
-            share = ParallelTiledDecode(vae, rank=0, world=world)  # simulated: rank 0's tiles, no gather
-            s, peak, _ = timed(lambda share=share: share(z), iters)
+            # A simulated rank 0 (no group): its tiles only, no gather; `tiled_decode` runs its share.
+            install_decode_split(vae, rank=0, world=world, group=None, control_group=None, enabled=True, on_tile=None)
+            s, peak, _ = timed(lambda: vae.tiled_decode(z), iters)
             row[f"share{world}_s"], row[f"share{world}_peak_gib"] = s, peak
     return row
 

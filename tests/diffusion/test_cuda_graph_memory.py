@@ -70,7 +70,7 @@ def model():
     yield model
     # The model and its CUDAGraphForward refer to each other: free the graphs now, not whenever the
     # garbage collector runs (during the next test's capture, say).
-    model.__dict__.pop("forward_sharded", None)
+    model.sharded_wrapper = None
     del model
     gc.collect()
     torch.cuda.synchronize()
@@ -87,7 +87,7 @@ def test_a_replay_after_the_allocator_reused_everything_equals_eager(model, mode
     with use_parallel_state(rank0), torch.inference_mode():
         expected = model(**inputs)[0].clone()
         graphed = CUDAGraphForward(model.forward_sharded)
-        model.forward_sharded = graphed
+        model.sharded_wrapper = graphed
         model(**inputs)  # captures
         assert len(graphed.graphs) == 1
         _churn()
@@ -101,7 +101,7 @@ def test_a_replay_after_its_rotary_table_left_diffusers_cache_equals_eager(model
     with torch.inference_mode():
         expected = model(**inputs)[0].clone()
         graphed = CUDAGraphForward(model.forward_sharded)
-        model.forward_sharded = graphed
+        model.sharded_wrapper = graphed
         model(**inputs)  # captures
         # More grids than the rotary cache holds: the first grid's table is evicted and freed.
         for width in range(1, ROTARY_CACHE + 8):

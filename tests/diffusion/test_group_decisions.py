@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from vllm_omni.diffusion.distributed.parallel_state import any_rank, every_rank, get_parallel_state
-from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward, SimulatedGraphs
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward
+from vllm_omni.testing.graphs import SimulatedGraphs
 
 
 def agree(flags: list[bool]) -> tuple[bool, bool, bool]:

@@ -416,9 +416,9 @@ def test_fp8_on_a_gpu_composes_with_compiled_blocks_and_cuda_graphs():
     with torch.inference_mode():
         eager = model(**inputs)[0]
         compile_repeated_blocks(model)
-        model.forward_sharded = CUDAGraphForward(model.forward_sharded)
+        model.sharded_wrapper = CUDAGraphForward(model.forward_sharded)
         captured, replayed = model(**inputs)[0], model(**inputs)[0]
-    assert model.forward_sharded.captures == 1 and not model.forward_sharded.disabled
+    assert model.sharded_wrapper.captures == 1 and not model.sharded_wrapper.disabled
     assert torch.equal(captured, replayed)
     assert 0 < relative_error(eager, bf16) < 0.05  # FP8 changes the numbers, a little
     # Compiled, the activation quantization fuses into the op before it: the same FP8 math, rounded alike

@@ -45,7 +45,7 @@ def test_both_experts_are_compiled_graphed_and_equal_eager():
     runner = PipelineRunner(path, spec, device, torch.float32, rank=0)
     actual = [_run(runner, seed) for seed in (1, 2)]
     for name in ("transformer", "transformer_2"):
-        graphs = runner.denoisers[name].forward_sharded
+        graphs = runner.denoisers[name].sharded_wrapper
         assert isinstance(graphs, CUDAGraphForward) and not graphs.disabled
         # One shape per expert (cond and uncond share it): one capture, replayed by the second request.
         assert graphs.captures == 1, (name, graphs.captures)
@@ -82,7 +82,7 @@ def test_the_step_cache_with_real_graphs_decides_as_eager_and_replays_its_residu
     del eager
     runner = PipelineRunner(path, spec, device, torch.float32, rank=0, cache=cache)
     actual = [(_run_request(runner, seed), runner.cache.summary()["decisions"]) for seed in (1, 2)]
-    graphs = runner.denoisers["transformer"].forward_sharded
+    graphs = runner.denoisers["transformer"].sharded_wrapper
     assert isinstance(graphs, CachedForward) and not graphs.graphed.disabled
     assert graphs.captures == 2  # the prompt's and the negative prompt's text lengths
     assert runner.graph_capture_failures == []

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
+from vllm_omni.diffusion.worker.forward_chain import install_decode_split
 from vllm_omni.diffusion.worker.loader import resolve_model_path
-from vllm_omni.diffusion.worker.vae_parallel import ParallelTiledDecode
+from vllm_omni.diffusion.worker.vae_parallel import decode_split_class
 
 # tiny model, VAE class, latent shape, tiling: 5 x 5 = 25 tiles each, which neither 2 nor 3 ranks divide
 CASES = {
@@ -44,7 +45,8 @@ def _vae(case: str):
         import diffusers
 
         name, cls, _, tiling = CASES[case]
-        vae = getattr(diffusers, cls).from_pretrained(resolve_model_path(name), subfolder="vae").eval()
+        vae = decode_split_class(getattr(diffusers, cls)).from_pretrained(resolve_model_path(name), subfolder="vae")
+        vae.eval()
         if tiling is None:  # FLUX.2's VAE tiles at its config's sample size: make it small
             vae.enable_tiling()
             vae.tile_sample_min_size, vae.tile_latent_min_size = 32, 4
@@ -67,15 +69,13 @@ def decode_on_rank(case: str) -> tuple[int, torch.Tensor, int]:
     state = get_parallel_state()
     vae = _vae(case)
     seen = []
-    decode = ParallelTiledDecode(
-        vae, state.rank, state.world_size, torch.distributed.group.WORLD, state.control_group, on_tile=seen.append
-    )
-    vae.tiled_decode = decode
+    group = torch.distributed.group.WORLD
+    install_decode_split(vae, state.rank, state.world_size, group, state.control_group, True, on_tile=seen.append)
     try:
         with torch.no_grad():
             out = vae.decode(_latent(case), return_dict=False)[0]
     finally:
-        del vae.tiled_decode
+        vae.decode_split = None  # the reference decode (rank 0's process) is the VAE's own
     return state.rank, out, len(seen)
 
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 from diffusers.hooks import HookRegistry
 
-from vllm_omni.diffusion.models.family import is_denoiser
+from vllm_omni.diffusion.models.family import FamilyPipeline, SequenceParallelTransformer, is_denoiser
 from vllm_omni.diffusion.models.registry import TINY_MODELS
 from vllm_omni.diffusion.models.wan22.pipeline import Wan22Family
 from vllm_omni.diffusion.worker.cuda_graphs import TEST_GRAPHS_ENV, CUDAGraphForward
+from vllm_omni.diffusion.worker.forward_chain import CountForwards
 from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
-from vllm_omni.diffusion.worker.runner import CountForwards, PipelineRunner
+from vllm_omni.diffusion.worker.runner import PipelineRunner
 
 
 def _runner(name: str) -> PipelineRunner:
@@ -28,12 +29,16 @@ def _runner(name: str) -> PipelineRunner:
 def test_every_denoiser_is_declared_loaded_and_wrapped(name, monkeypatch):
     monkeypatch.setenv(TEST_GRAPHS_ENV, "simulate")  # graphs on, as on GPUs
     runner = _runner(name)
+    assert isinstance(runner.family, FamilyPipeline)
     denoisers = {n: c for n, c in runner.pipe.components.items() if c is not None and is_denoiser(c)}
     assert denoisers and denoisers.keys() == runner.denoisers.keys()
     for component, model in denoisers.items():
         assert model is runner.denoisers[component]
         assert type(model) is runner.family.denoisers[component]
-        assert isinstance(model.forward_sharded, CUDAGraphForward)
+        # The SP transformer contract (models/family.py): forward_sharded declared by the mixin, implemented here.
+        assert isinstance(model, SequenceParallelTransformer)
+        assert type(model).forward_sharded is not SequenceParallelTransformer.forward_sharded
+        assert isinstance(model.sharded_wrapper, CUDAGraphForward)
         assert HookRegistry.check_if_exists_or_initialize(model).get_hook(CountForwards.NAME) is not None
     assert runner.attention_heads == {n: m.config.num_attention_heads for n, m in denoisers.items()}
     if name in ("tiny/wan2.2-t2v", "tiny/wan2.2-i2v"):

@@ -1,7 +1,9 @@
-"""The family contract: what a model family declares to the generic runner (runner.py).
+"""The family contract: what a model family declares to the generic runner (worker/runner.py).
 
-A family's `pipeline.py` defines `FAMILY`, an instance of a `FamilyPipeline` subclass. The
-runner reads nothing else of a family:
+Two halves: `FamilyPipeline`, the abstract base of a family's pipeline adapter (its `pipeline.py`
+defines `FAMILY`, an instance of a subclass), and `SequenceParallelTransformer`, the mixin every
+family transformer (`models/<family>/transformer.py`) inherits, declaring `forward_sharded`.
+The runner reads nothing else of a family:
 
 - `denoisers`: every denoiser its pipelines can have, by pipeline component name, with the SP
   class that replaces diffusers' own (`transformer`; Wan2.2 A14B adds `transformer_2`, its
@@ -27,6 +29,7 @@ runner reads nothing else of a family:
 
 from __future__ import annotations
 
+import abc
 import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -38,8 +41,8 @@ if TYPE_CHECKING:
     from vllm_omni.diffusion.request import DiffusionRequest
 
 
-class FamilyPipeline:
-    """Base of every family's `FAMILY`; subclasses set `denoisers` and override `pipeline_kwargs`."""
+class FamilyPipeline(abc.ABC):
+    """Base of every family's `FAMILY`; subclasses set `denoisers` and implement `pipeline_kwargs`."""
 
     denoisers: ClassVar[Mapping[str, type[torch.nn.Module]]] = {}
     default_negative_prompt: ClassVar[str] = ""
@@ -51,8 +54,9 @@ class FamilyPipeline:
     # progress and can be cancelled (GLM-Image's AR); else only when SP peers wait for its output.
     encodes_first: ClassVar[bool] = False
 
+    @abc.abstractmethod
     def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
-        raise NotImplementedError
+        """The pipeline `__call__`'s per-request keyword arguments (None fields: the pipeline's defaults)."""
 
     def call_kwargs(self, pipe: Any, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         """The pipeline call's keyword arguments (a family with per-request pipeline state overrides it)."""
@@ -81,6 +85,51 @@ class FamilyPipeline:
             return kwargs
         prompts = {name: None for name in ("prompt", "negative_prompt") if name in kwargs}
         return {**kwargs, **prompts, **embeds}
+
+
+class SequenceParallelTransformer:
+    """Mixin of every family transformer (before diffusers' class): the `forward_sharded` contract.
+
+    A family transformer keeps diffusers' `forward` (same arguments, same output) and splits it in two:
+    `forward` does the host-side preparation (text-mask compaction, rotary tables from evicting caches,
+    per-row plans), then calls `run_sharded(**kwargs)` inside the SP context; `forward_sharded` is the
+    per-step work on this rank's shards. Its contract:
+
+    - keyword arguments only; every tensor it reads is an argument or built inside it (a CUDA graph
+      replays it with the tensor arguments copied in: no cache it could outlive, no host sync);
+    - its inputs arrive whole (every rank the same full sequence): it shards the token streams itself
+      with `shard_with_auto_pad` (distributed/sequence_parallel.py), and the SP layout is the
+      context's, not an argument;
+    - it returns one tensor, the denoiser's output sample for the whole sequence (gathered with
+      `gather_sequence`), the same on every rank of the SP group.
+
+    `run_sharded` is the one call site: it runs `forward_sharded` through `sharded_wrapper`, the wrapper
+    the forward chain installs (worker/forward_chain.py: step-cache probe, CUDA graph replay), or
+    directly where none is installed.
+    """
+
+    # Set once by worker/forward_chain.py; called with forward_sharded's keyword arguments.
+    sharded_wrapper: Callable[..., torch.Tensor] | None = None
+
+    def forward_sharded(self, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward_sharded")
+
+    def run_sharded(self, **kwargs: Any) -> torch.Tensor:
+        """`forward_sharded(**kwargs)`, through the forward chain's wrapper where one is installed."""
+        wrapper = self.sharded_wrapper
+        return self.forward_sharded(**kwargs) if wrapper is None else wrapper(**kwargs)
+
+
+def declare_cache_block(block_class: type, hidden_states_index: int, encoder_hidden_states_index: int) -> None:
+    """Tell diffusers' cache hooks (the step cache, worker/step_cache.py) which of a block's outputs are its
+    hidden states and its encoder hidden states, for a block diffusers registers none for."""
+    # diffusers keeps its block registry in a private module (hooks/_helpers.py); this is its one use here.
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+
+    metadata = TransformerBlockMetadata(
+        return_hidden_states_index=hidden_states_index, return_encoder_hidden_states_index=encoder_hidden_states_index
+    )
+    TransformerBlockRegistry.register(block_class, metadata)
 
 
 def call_arg(pipe: Any, kwargs: Mapping[str, Any], name: str) -> Any:

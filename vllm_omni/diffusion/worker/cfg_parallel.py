@@ -59,7 +59,7 @@ class CFGParallel:
 
 
 class CFGParallelHook(ModelHook):
-    """The exchange on a denoiser's `forward`, through diffusers' hook registry (runner.py installs it)."""
+    """The exchange on a denoiser's `forward`, through diffusers' hook registry (forward_chain.py installs it)."""
 
     NAME = "vllm_omni.cfg_parallel"
 

@@ -1,19 +1,15 @@
-"""Replays a transformer's forward as a CUDA graph, one graph per input shape.
+"""CUDA graphs for a denoiser's sharded forward (`CUDAGraphForward`) and regional compilation.
 
-At Ulysses 2 and above a rank's GPU work per layer shrinks but the host still launches the
-same ~200 kernels per layer, so eager PyTorch becomes bound by launch time (measured on an
-H200: Qwen-Image U2 at 1328x1328 took 188 ms eagerly, about what the host needs to launch it).
-A denoising loop calls the transformer with the same shapes at every step, so the runner
-captures the forward once per shape (the all-to-alls included) and replays it.
-
-The runner wraps each transformer's `forward_sharded` (the per-step work on a rank's shards,
-keyword arguments only, one tensor out); the model's `forward` does the host-side preparation
-(text-mask compaction, say) before it. The wrapped function must not synchronise with the
-host or copy from host memory; calls it cannot replay (CPU tensors, tensors inside lists such
-as ControlNet residuals) run eagerly. Whether graphs are used at all is decided by the ranks that
-share the graph, the SP group (`every_sp_rank`): a failed capture on any of them makes all of
-them eager for the life of the group (logged with its reason and reported, see `on_failure`);
-a restarted group captures again.
+The forward chain (forward_chain.py) wraps each denoiser's `forward_sharded` in a
+`CUDAGraphForward`: at Ulysses 2 and above a rank's GPU work per layer shrinks but the host still
+launches the same kernels, so eager PyTorch becomes bound by launch time; a denoising loop calls the
+transformer with the same shapes at every step, so the forward is captured once per shape (the
+all-to-alls included) and replayed. The model's `forward` does the host-side preparation before it.
+The wrapped function must not synchronise with the host or copy from host memory; calls it cannot
+replay (CPU tensors, tensors inside lists such as ControlNet residuals) run eagerly. Whether graphs
+are used at all is decided by the ranks that share the graph, the SP group (`every_sp_rank`): a
+failed capture on any of them makes all of them eager for the life of the group (logged with its
+reason and reported, see `on_failure`); a restarted group captures again.
 
 A captured graph owns every tensor it reads: tensors are either arguments (copied into the
 graph's static inputs) or built inside the capture, in its memory pool. So the warm-up run and
@@ -21,10 +17,8 @@ the capture each open a fresh SP context (the padding mask is built within the c
 cached from the warm-up), and a model computes tables that live in an evicting cache (rotary
 tables) before the graphed function and passes them in.
 
-Test-only: `VLLM_OMNI_TEST_CUDA_GRAPHS=simulate` in the workers' environment runs the same keys,
-cache and agreement on CPU ranks, with a "graph" that re-runs the forward on its static inputs
-at each replay; `simulate:fail-rank=N` makes the first capture on rank N fail. CI uses it
-(tests/entrypoints/test_omni_graph_decisions.py) for what only multi-GPU runs reach.
+Test-only: `VLLM_OMNI_TEST_CUDA_GRAPHS=simulate` switches in the simulated graphs of
+vllm_omni/testing/graphs.py (`simulated_graphs_from_env`) on CPU ranks.
 """
 
 from __future__ import annotations
@@ -32,9 +26,8 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,21 +35,33 @@ from vllm_omni.diffusion.distributed.parallel_state import every_sp_rank, get_pa
 from vllm_omni.diffusion.distributed.sequence_parallel import fresh_sp_context
 from vllm_omni.logger import init_logger
 
+if TYPE_CHECKING:
+    from vllm_omni.testing.graphs import SimulatedGraphs
+
 logger = init_logger(__name__)
 
-TEST_GRAPHS_ENV = "VLLM_OMNI_TEST_CUDA_GRAPHS"
+TEST_GRAPHS_ENV = "VLLM_OMNI_TEST_CUDA_GRAPHS"  # switches on vllm_omni/testing/graphs.py
+
+
+def simulated_graphs_from_env() -> SimulatedGraphs | None:
+    """The test double for graphs on CPU ranks where VLLM_OMNI_TEST_CUDA_GRAPHS asks for it, else None."""
+    if not os.environ.get(TEST_GRAPHS_ENV):
+        return None
+    from vllm_omni.testing.graphs import SimulatedGraphs
+
+    return SimulatedGraphs.from_env()
 
 
 def compile_repeated_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     """torch.compile each repeated transformer block (diffusers' `_repeated_blocks`); returns how many.
 
-    Regional compilation: one block class compiles once and every block reuses it, in seconds
-    rather than the minutes a whole-model compile takes. Inside a block, the unfused elementwise
-    work (norms, modulation, gating, GELU, casts: a third of eager GPU time) fuses into few
-    kernels. The shared attention layer is excluded from compilation (attention/layer.py), so the
-    all-to-alls and the padding policy run as written. A size the block has not seen recompiles
-    once with a dynamic sequence length, then reuses it. Inductor keeps its compiled kernels on
-    disk (TORCHINDUCTOR_CACHE_DIR, default under ~/.cache/vllm_omni), so a restart reuses them.
+    Regional compilation: one block class compiles once and every block reuses it, far sooner
+    than a whole-model compile. Inside a block, the unfused elementwise work (norms, modulation,
+    gating, GELU, casts) fuses into few kernels. The shared attention layer is excluded from
+    compilation (attention/layer.py), so the all-to-alls and the padding policy run as written. A
+    size the block has not seen recompiles once with a dynamic sequence length, then reuses it.
+    Inductor keeps its compiled kernels on disk (TORCHINDUCTOR_CACHE_DIR, default under
+    ~/.cache/vllm_omni), so a restart reuses them.
     """
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path("~/.cache/vllm_omni/inductor").expanduser()))
     names = set(getattr(model, "_repeated_blocks", None) or ())
@@ -81,34 +86,6 @@ class _Graph:
 
 class _NotReplayable(Exception):
     pass
-
-
-@dataclass(frozen=True)
-class SimulatedGraphs:
-    """Test-only stand-in for CUDA graphs on CPU ranks (env VLLM_OMNI_TEST_CUDA_GRAPHS, see the module doc)."""
-
-    fail_rank: int | None = None  # the first capture on this rank raises
-
-    @classmethod
-    def from_env(cls) -> SimulatedGraphs | None:
-        text = os.environ.get(TEST_GRAPHS_ENV, "")
-        if not text:
-            return None
-        mode, _, option = text.partition(":")
-        if mode != "simulate" or (option and not option.startswith("fail-rank=")):
-            raise ValueError(f"{TEST_GRAPHS_ENV} must be 'simulate' or 'simulate:fail-rank=N', got {text!r}")
-        return cls(int(option.removeprefix("fail-rank=")) if option else None)
-
-
-class _SimulatedGraph:
-    """Replays by running the forward again on the captured call's static inputs, into its output."""
-
-    def __init__(self, forward: Callable[..., torch.Tensor], call: dict[str, Any], output: torch.Tensor) -> None:
-        self.forward, self.call, self.output = forward, call, output
-
-    def replay(self) -> None:
-        with fresh_sp_context():
-            self.output.copy_(self.forward(**self.call))
 
 
 def _static_value(value: Any) -> Hashable:
@@ -144,7 +121,7 @@ class CUDAGraphForward:
         simulated: SimulatedGraphs | None = None,
         pool: Any = None,
     ) -> None:
-        self.forward = forward
+        self.eager = forward  # the wrapped function, run eagerly where a call cannot replay
         self.max_graphs = max_graphs
         self.on_failure = on_failure
         self.simulated = simulated
@@ -155,11 +132,11 @@ class CUDAGraphForward:
 
     def __call__(self, **kwargs: Any) -> torch.Tensor:
         if self.disabled:
-            return self.forward(**kwargs)
+            return self.eager(**kwargs)
         try:
             key = self._key(kwargs, allow_cpu=self.simulated is not None)
         except _NotReplayable:
-            return self.forward(**kwargs)
+            return self.eager(**kwargs)
         entry = self.graphs.get(key)
         if entry is None:
             try:
@@ -179,7 +156,7 @@ class CUDAGraphForward:
                 )
                 self.disabled = True
                 self.graphs.clear()
-                return self.forward(**kwargs)
+                return self.eager(**kwargs)
             self.graphs[key] = entry
             if len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
@@ -220,30 +197,20 @@ class CUDAGraphForward:
         call = dict(kwargs, **inputs)
         self.captures += 1
         if self.simulated is not None:
-            return self._simulate_capture(call, inputs)
+            graph, output = self.simulated.capture(self.eager, call, self.captures, self._key(call, True)[0])
+            return _Graph(graph, inputs, output)
         # Warm up on a side stream (lazy inits, caches, NCCL communicators), then capture. Each run
         # opens its own SP context, so what the capture reads of it (the padding mask) is built in
         # the graph's pool rather than kept from the warm-up's allocations.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), fresh_sp_context():
-            self.forward(**call)
+            self.eager(**call)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: share memory
         with torch.cuda.graph(graph, pool=self.pool), fresh_sp_context():
-            output = self.forward(**call)
+            output = self.eager(**call)
         logger.debug("Captured a CUDA graph for the transformer: %s", self._key(kwargs)[0])
         return _Graph(graph, inputs, output)
-
-    def _simulate_capture(self, call: dict[str, Any], inputs: dict[str, torch.Tensor]) -> _Graph:
-        state = get_parallel_state()
-        rank = state.rank if state is not None else 0
-        with fresh_sp_context():
-            output = self.forward(**call)
-        # It fails after the forward, as a real capture does: its peers went through the collectives too.
-        if self.simulated.fail_rank == rank and self.captures == 1:
-            raise RuntimeError(f"simulated capture failure on rank {rank} ({TEST_GRAPHS_ENV})")
-        logger.info("Rank %d: simulated CUDA graph capture %d (%s)", rank, self.captures, self._key(call, True)[0])
-        return _Graph(_SimulatedGraph(self.forward, call, output), inputs, output)

@@ -2,14 +2,10 @@
 
 A worker (worker.py) builds one `PipelineRunner` and calls `run` per request. What every family
 shares lives here: loading the pipeline with the family's SP class for each of its denoisers
-(models/family.py: `transformer`, and Wan2.2's `transformer_2`), decoding the source images
-(they arrive as the compressed files the engine checked), the chain a denoising forward goes
-through (`install_forward_chain`: CFG parallel, then the model's host-side preparation, then
-CUDA graphs around its sharded work), the VAE decode split over the ranks (vae_parallel.py),
-one CPU generator seeded identically on every rank (so every rank holds the same latents), the
-per-step hook (`_per_step_hook`: cancellation, progress, the end of a CFG step), the progress
-bar on rank 0 only, and the result as uint8 (images [n, H, W, 3], videos [n, F, H, W, 3])
-unless the caller asked for float arrays.
+(models/family.py), the wrappers on its denoisers, scheduler and VAE (forward_chain.py, once at
+load), decoding the source images, one CPU generator seeded identically on every rank, the
+per-step hook (cancellation, progress, the end of a CFG step), and the result as uint8 (images
+[n, H, W, 3], videos [n, F, H, W, 3]) unless the caller asked for float arrays.
 
 A family supplies only what differs, as `FAMILY` in `models/<family>/pipeline.py`.
 """
@@ -19,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import itertools
 import json
 import time
 from collections import Counter
@@ -30,7 +25,6 @@ from typing import Any
 import diffusers
 import numpy as np
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
 
 from vllm_omni.diffusion.config import StepCacheConfig
 from vllm_omni.diffusion.distributed.comm import SourceFailed, broadcast_tensors
@@ -39,62 +33,23 @@ from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, undeclared_denoisers
 from vllm_omni.diffusion.models.registry import PipelineSpec
 from vllm_omni.diffusion.request import DiffusionRequest
-from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, CFGParallelHook, swap_prompts
-from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward, SimulatedGraphs, compile_repeated_blocks
+from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, swap_prompts
+from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks, simulated_graphs_from_env
+from vllm_omni.diffusion.worker.forward_chain import (
+    install_decode_split,
+    install_denoiser_chain,
+    install_step_report,
+    load_decode_split_vae,
+    reset_step_cache,
+    sharded_graphs,
+)
 from vllm_omni.diffusion.worker.quantization import quantize_denoisers, stored_bytes
-from vllm_omni.diffusion.worker.step_cache import CachedForward, CacheRecord, install_step_cache
-from vllm_omni.diffusion.worker.vae_parallel import install_decode_split
+from vllm_omni.diffusion.worker.step_cache import CacheRecord
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
 StepCallback = Callable[[int], None]
-
-
-class CountForwards(ModelHook):
-    """Counts a denoiser's forwards (the step log reports what each expert served)."""
-
-    NAME = "vllm_omni.count_forwards"
-
-    def __init__(self, counts: Counter, name: str) -> None:
-        super().__init__()
-        self.counts, self.name = counts, name
-
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        self.counts[self.name] += 1
-        return args, kwargs
-
-
-def install_forward_chain(
-    denoiser: torch.nn.Module,
-    graphs: dict[str, Any] | None,
-    cfg: CFGParallel | None,
-    counts: Counter,
-    name: str,
-    cache: CacheRecord | None = None,
-) -> None:
-    """Install, on one denoiser, every wrapper a forward goes through; nowhere else installs one.
-
-    pipeline -> `forward`: diffusers hooks, outermost first: CountForwards, then CFGParallelHook
-        (computes one branch, exchanges it with the other group), then BranchContext (the step
-        cache's context) -> the model's own forward (host-side preparation: text compaction, rotary
-        tables) -> `forward_sharded`: CachedForward (the step cache's decision, with graphs) ->
-        CUDAGraphForward (capture once per shape, replay) -> the blocks under the SP context, the
-        first one with the step cache's hook (step_cache.py) -> attention/layer.py.
-    `graphs`: CUDAGraphForward's keyword arguments, None for eager. `cache`: the step cache's record, None for none.
-    """
-    head = install_step_cache(denoiser, cache) if cache is not None else None  # innermost hook
-    registry = HookRegistry.check_if_exists_or_initialize(denoiser)
-    if cfg is not None:
-        registry.register_hook(CFGParallelHook(cfg), CFGParallelHook.NAME)
-    registry.register_hook(CountForwards(counts, name), CountForwards.NAME)  # the last registered runs first
-    if graphs is not None:
-        # Only the sharded part is replayed: the host-side preparation in `forward` decides shapes
-        # and runs eagerly before it.
-        eager = denoiser.forward_sharded
-        denoiser.forward_sharded = CUDAGraphForward(eager, **graphs)
-        if head is not None:  # a graph cannot branch on the host: the cache decides before it replays
-            denoiser.forward_sharded = CachedForward(eager, denoiser.forward_sharded, head)
 
 
 def present_components(path: Path, names: Iterable[str]) -> list[str]:
@@ -131,9 +86,17 @@ class PipelineRunner:
         self.text_peers = state is not None and state.sp_world_size > 1 and bool(self.family.text_encoders)
         self.encodes_text = not self.text_peers or state.sp_rank == 0
         self.skipped: list[str] = [] if self.encodes_text else present_components(path, self.family.text_encoders)
+        # The VAE decode, tiled and split over every rank of the group (SP and CFG ranks hold the same latents).
+        world = state.world_size if state is not None else 1
+        vae_parallel = state.config.vae_parallel if state is not None else None
+        vae = load_decode_split_vae(path, dtype, world, vae_parallel)
         pipeline_class = getattr(diffusers, spec.diffusers_class)
         self.pipe = pipeline_class.from_pretrained(
-            path, **self.denoisers, **dict.fromkeys(self.skipped), dtype=dtype
+            path,
+            **self.denoisers,
+            **dict.fromkeys(self.skipped),
+            **({"vae": vae} if vae is not None else {}),
+            dtype=dtype,
         ).to(device)
         undeclared = undeclared_denoisers(self.pipe, self.denoisers)
         if undeclared:
@@ -145,7 +108,7 @@ class PipelineRunner:
 
         self.graph_capture_failures: list[str] = []  # this rank's, since the worker last reported them
         graphs = None
-        simulated = SimulatedGraphs.from_env()  # test-only: the graph decisions on CPU ranks
+        simulated = simulated_graphs_from_env()  # test-only: the graph decisions on CPU ranks
         if (device.type == "cuda" or simulated is not None) and not enforce_eager:
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # one for all experts
             graphs = dict(on_failure=self.graph_capture_failures.append, simulated=simulated, pool=pool)
@@ -159,9 +122,10 @@ class PipelineRunner:
         for name, denoiser in self.denoisers.items():
             if graphs is not None and spec.compile_blocks and device.type == "cuda":
                 compile_repeated_blocks(denoiser)
-            install_forward_chain(denoiser, graphs, self.cfg, self.forwards, name, self.cache)
-        # The VAE decode, tiled and split over every rank of the group (SP and CFG ranks hold the same latents).
-        world = state.world_size if state is not None else 1
+            install_denoiser_chain(denoiser, graphs, self.cfg, self.forwards, name, self.cache)
+        # HunyuanVideo 1.5's pipeline has no step callback: its scheduler's `step` reports instead.
+        self.step_callback = "callback_on_step_end" in inspect.signature(self.pipe.__call__).parameters
+        self.step_report = install_step_report(self.pipe, self.step_callback)
         self._on_decode_tile: Callable[[int], None] | None = None
         self.decode_split = install_decode_split(
             self.pipe.vae,
@@ -169,7 +133,7 @@ class PipelineRunner:
             world,
             torch.distributed.group.WORLD if world > 1 else None,
             state.control_group if state is not None else None,
-            state.config.vae_parallel if state is not None else None,
+            vae_parallel,
             on_tile=lambda tile: self._on_decode_tile is not None and self._on_decode_tile(tile),
         )
 
@@ -182,8 +146,8 @@ class PipelineRunner:
     @property
     def graph_captures(self) -> int:
         """CUDA graphs this rank captured so far (one per shape of each denoiser's sharded forward)."""
-        wrappers = [getattr(d.forward_sharded, "graphed", d.forward_sharded) for d in self.denoisers.values()]
-        return sum(w.captures for w in wrappers if isinstance(w, CUDAGraphForward))
+        wrappers = [sharded_graphs(denoiser) for denoiser in self.denoisers.values()]
+        return sum(w.captures for w in wrappers if w is not None)
 
     @staticmethod
     def compiles() -> int:
@@ -238,7 +202,7 @@ class PipelineRunner:
         self.forwards.clear()
         if self.cache is not None:
             for denoiser in self.denoisers.values():
-                denoiser._reset_stateful_cache()  # a new request starts with empty caches
+                reset_step_cache(denoiser)  # a new request starts with empty caches
             swapped = self.cfg is not None and self.cfg.active and self.cfg_rank == 1
             self.cache.start_request(request.cache_threshold or self.cache.config.threshold, swapped)
         last_step = request.num_inference_steps - 1
@@ -316,29 +280,17 @@ class PipelineRunner:
         """Call `step_end(step)` after every denoising step, through the pipeline's own callback.
 
         `callback_on_step_end` runs after the step's scheduler update in every pipeline that has
-        one; HunyuanVideo 1.5's has none, so there (only) the scheduler's `step` is wrapped for
-        the call.
+        one; HunyuanVideo 1.5's has none, so there (only) its scheduler reports the step
+        (forward_chain.StepReportingScheduler).
         """
-        if "callback_on_step_end" in inspect.signature(self.pipe.__call__).parameters:
-
-            def callback(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-                step_end(step)
-                return {}  # nothing replaced
-
-            kwargs["callback_on_step_end"] = callback
-            yield
+        if self.step_report is not None:
+            with self.step_report.reporting(step_end):
+                yield
             return
-        scheduler = self.pipe.scheduler
-        scheduler_step = scheduler.step
-        steps = itertools.count()
 
-        def step_and_report(*args: Any, **step_kwargs: Any) -> Any:
-            out = scheduler_step(*args, **step_kwargs)
-            step_end(next(steps))
-            return out
+        def callback(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            step_end(step)
+            return {}  # nothing replaced
 
-        scheduler.step = step_and_report
-        try:
-            yield
-        finally:
-            del scheduler.step  # back to the class's method
+        kwargs["callback_on_step_end"] = callback
+        yield

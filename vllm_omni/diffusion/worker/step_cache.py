@@ -1,5 +1,8 @@
 """Step caching through diffusers' First-Block-Cache, decided for the whole SP group.
 
+Holds the hooks and the per-request record; forward_chain.py installs them on a denoiser, the
+runner starts and ends requests and steps on the record, the engine merges the ranks' reports.
+
 diffusers' First-Block-Cache (`diffusers.hooks.apply_first_block_cache`) runs a denoiser's first
 block at every step and measures how much that block's residual changed since the last computed
 step: below `threshold` the remaining blocks are skipped, and the residual they added last time is
@@ -36,8 +39,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
-from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, ModelHook, apply_first_block_cache
-from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK, FBCHeadBlockHook
+from diffusers.hooks import ModelHook
+from diffusers.hooks.first_block_cache import FBCHeadBlockHook
 from diffusers.hooks.hooks import CacheContext
 
 from vllm_omni.diffusion.config import StepCacheConfig
@@ -56,25 +59,25 @@ class CacheRecord:
     def __init__(self, config: StepCacheConfig) -> None:
         self.config = config
         self.threshold = config.threshold  # the current request's (its cache_threshold)
-        self.step = 0
+        self.step_index = 0  # the current request's denoising step
         self.calls = 0  # computed calls in this step (BranchContext's names)
         self.swapped = False  # CFG parallel group 1: its "cond" context runs the negative prompt
         self.decisions: dict[str, dict[int, bool]] = {}
         self.changes: list[float] = []  # the first block's relative changes this request (the median is reported)
 
     def start_request(self, threshold: float, swapped: bool) -> None:
-        self.step, self.calls, self.threshold, self.swapped, self.decisions = 0, 0, threshold, swapped, {}
+        self.step_index, self.calls, self.threshold, self.swapped, self.decisions = 0, 0, threshold, swapped, {}
         self.changes = []
 
     def end_step(self) -> None:
-        self.step += 1
+        self.step_index += 1
         self.calls = 0
 
     def add(self, context: str, computed: bool, change: float = math.inf) -> None:
         context = context.removeprefix("pred_")  # HunyuanVideo 1.5's guider names them pred_cond, pred_uncond
         if self.swapped and context in BRANCHES:
             context = BRANCHES[1 - BRANCHES.index(context)]
-        self.decisions.setdefault(context, {})[self.step] = computed
+        self.decisions.setdefault(context, {})[self.step_index] = computed
         if math.isfinite(change):
             self.changes.append(change)
 
@@ -102,6 +105,7 @@ class ComputeInGraph(Exception):
 class GroupFirstBlockHook(FBCHeadBlockHook):
     """diffusers' First-Block-Cache head hook, deciding on the group's statistic (`relative_change`).
 
+    forward_chain.py puts it in place of diffusers' own head hook.
     `mode`: "decide" (no graphs: decide and go on), "probe" (CachedForward's eager pass: a computed
     step raises ComputeInGraph) or "replay" (inside the graphed forward: compute, decided already).
     """
@@ -120,7 +124,7 @@ class GroupFirstBlockHook(FBCHeadBlockHook):
         change = math.inf if previous is None else relative_change(hidden_states_residual, previous)
         computed = change > self.record.threshold
         context = self.state_manager.context.name
-        logger.debug("Step cache, step %d (%s): change %.6f, %s", self.record.step, context, change, computed)
+        logger.debug("Step cache, step %d (%s): change %.6f, %s", self.record.step_index, context, change, computed)
         self.record.add(context, computed, change)
         if computed and self.mode == "probe":
             self.probed = hidden_states_residual
@@ -141,24 +145,17 @@ class BranchContext(ModelHook):
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         record = self.head.record
         record.calls += 1
-        if self.head.state_manager._context is not None:  # the pipeline named it
+        if pipeline_context(self.head.state_manager) is not None:  # the pipeline named it
             return self.fn_ref.original_forward(*args, **kwargs)
         name = BRANCHES[record.calls - 1] if record.calls <= len(BRANCHES) else f"call{record.calls}"
         with module.cache_context(name):
             return self.fn_ref.original_forward(*args, **kwargs)
 
 
-def install_step_cache(denoiser: torch.nn.Module, record: CacheRecord) -> GroupFirstBlockHook:
-    """diffusers' First-Block-Cache on `denoiser`, its head hook replaced by the group-deciding one."""
-    apply_first_block_cache(denoiser, FirstBlockCacheConfig(threshold=record.config.threshold))
-    registries = [getattr(m, "_diffusers_hook", None) for m in denoiser.modules()]
-    (registry,) = [r for r in registries if r is not None and r.get_hook(_FBC_LEADER_BLOCK_HOOK) is not None]
-    diffusers_head = registry.get_hook(_FBC_LEADER_BLOCK_HOOK)
-    registry.remove_hook(_FBC_LEADER_BLOCK_HOOK)
-    head = GroupFirstBlockHook(diffusers_head.state_manager, record)
-    registry.register_hook(head, _FBC_LEADER_BLOCK_HOOK)
-    HookRegistry.check_if_exists_or_initialize(denoiser).register_hook(BranchContext(head), BranchContext.NAME)
-    return head
+def pipeline_context(manager: Any) -> CacheContext | None:
+    """The cache context a state manager holds now; None where none is set."""
+    # diffusers' StateManager exposes it only through a property that raises when unset: `_context` tells "none".
+    return manager._context
 
 
 class CachedForward:
@@ -178,7 +175,8 @@ class CachedForward:
 
     def __call__(self, **kwargs: Any) -> torch.Tensor:
         manager = self.head.state_manager
-        if manager._context is None:
+        context = pipeline_context(manager)
+        if context is None:
             raise RuntimeError("the step cache needs a cache context (BranchContext sets one)")
         self.head.mode = "probe"
         try:
@@ -187,7 +185,7 @@ class CachedForward:
             pass
         finally:
             self.head.mode = "decide"
-        context, key = manager._context, self.graphed.key(kwargs)
+        key = self.graphed.key(kwargs)
         manager.set_context(SCRATCH)  # one scratch state for every graph: what each wrote is kept per key
         scratch = manager.get_state()
         scratch.tail_block_residuals = None

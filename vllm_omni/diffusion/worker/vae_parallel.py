@@ -1,9 +1,14 @@
 """The VAE decode split over the ranks of a worker group (SP and CFG ranks together).
 
+Holds the split's logic; forward_chain.py loads the pipeline's VAE as a `DecodeSplitVAE` subclass of
+its class and installs the split on it, the runner passes the cancel check (`on_tile`).
+
 Every rank reaches the pipeline's VAE decode with the same latents. With tiling on, diffusers'
 `tiled_decode` cuts the latent into overlapping tiles, decodes each with `vae.decoder` (a causal
 video VAE frame by frame, its feature cache cleared at each tile), then blends the tiles into the
-output. `ParallelTiledDecode` runs the VAE's own `tiled_decode` twice, answering its decoder calls:
+output. `ParallelTiledDecode` runs the VAE's own `tiled_decode` twice, answering its decoder calls
+(a `TilePass` on the VAE for the length of one run: the decoder's hook and the subclass's
+`clear_cache`, `blend_v`, `blend_h` consult it):
 
 1. Decode: tile t belongs to rank t % world. A rank decodes its own tiles and answers the others'
    decoder calls with empty placeholders; the first blend call (the loop is over) ends the pass.
@@ -22,57 +27,174 @@ shape, which every rank shares: nothing else needs agreeing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from diffusers.hooks import ModelHook
 
 
 class _TilesDecoded(Exception):
     """Raised at the first blend call of the decode pass: every tile has been through the decoder."""
 
 
-class ParallelTiledDecode:
-    """Replaces a VAE's `tiled_decode` (runner.py installs it) with the split decode described above.
+class TilePass:
+    """One run of a VAE's own `tiled_decode` with its decoder calls going to `answer(tile, call, decode, *args)`.
 
-    `group`: the data group (NCCL on GPUs); `control_group`: gloo, for the tiles' shapes. With
-    `group=None` and `world > 1` the instance acts as `rank` of a simulated group: it decodes that
-    rank's share and returns None (benchmarks time one rank's work on one GPU).
+    A tile starts at each decoder call of a VAE without a feature cache, and at the first call after
+    each `clear_cache()` of one with (Wan's, Qwen-Image's: they clear it per tile).
     """
 
     def __init__(
         self,
-        vae: torch.nn.Module,
+        answer: Callable[..., torch.Tensor],
+        tile_start: Callable[[int], None] | None,
+        cached: bool,
+        stop_at_blend: bool = False,
+        count: list[int] | None = None,
+    ) -> None:
+        self.answer, self.tile_start, self.cached = answer, tile_start, cached
+        self.stop_at_blend, self.count = stop_at_blend, count
+        self.tile, self.call, self.new_tile = -1, 0, not cached
+
+    def cache_cleared(self) -> None:
+        self.new_tile = True
+
+    def blend(self) -> None:
+        if self.stop_at_blend:
+            raise _TilesDecoded
+
+    def decoder_call(self, decode: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.new_tile or not self.cached:
+            self.tile += 1
+            self.call = 0
+            self.new_tile = False
+            if self.tile_start is not None:
+                self.tile_start(self.tile)
+        out = self.answer(self.tile, self.call, decode, *args, **kwargs)
+        self.call += 1
+        if self.count is not None:
+            self.count[self.tile] += 1
+        return out
+
+
+class DecodeSplitVAE:
+    """Mixin placed before a diffusers VAE class (`decode_split_class`): the split's entry points.
+
+    `decode` goes through `decode_split` (a VAEDecodeSplit) where one is set, `tiled_decode` through
+    its ParallelTiledDecode; during a `tile_pass` the blends report to it. Unset, the VAE is its class.
+    """
+
+    decode_split: VAEDecodeSplit | None = None  # set by forward_chain.install_decode_split
+    tile_pass: TilePass | None = None  # set by ParallelTiledDecode for one run of `own_tiled_decode`
+
+    def decode(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.decode_split is None:
+            return super().decode(z, *args, **kwargs)
+        return self.decode_split(super().decode, z, *args, **kwargs)
+
+    def tiled_decode(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        split = self.decode_split
+        if split is None or split.parallel is None:
+            return super().tiled_decode(z, *args, **kwargs)
+        return split.parallel(z, *args, **kwargs)
+
+    def own_tiled_decode(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The VAE class's own `tiled_decode` (diffusers' loop and blending)."""
+        return super().tiled_decode(z, *args, **kwargs)
+
+    def blend_v(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.tile_pass is not None:
+            self.tile_pass.blend()
+        return super().blend_v(*args, **kwargs)
+
+    def blend_h(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.tile_pass is not None:
+            self.tile_pass.blend()
+        return super().blend_h(*args, **kwargs)
+
+
+class FeatureCacheTiles:
+    """Mixin for a VAE with a feature cache cleared per tile (`clear_cache`): a clear starts a tile."""
+
+    tile_pass: TilePass | None = None
+
+    def clear_cache(self, *args: Any, **kwargs: Any) -> Any:
+        if self.tile_pass is not None:
+            self.tile_pass.cache_cleared()
+        return super().clear_cache(*args, **kwargs)
+
+
+@functools.cache
+def decode_split_class(vae_class: type) -> type:
+    """`vae_class` with the split's entry points (same config, same parameter names, same decode unset)."""
+    mixins = (DecodeSplitVAE, FeatureCacheTiles) if hasattr(vae_class, "clear_cache") else (DecodeSplitVAE,)
+    return type(f"{vae_class.__name__}WithDecodeSplit", (*mixins, vae_class), {})
+
+
+class DecoderCalls(ModelHook):
+    """The hook on a DecodeSplitVAE's `decoder`: its calls go to the VAE's current TilePass, if any."""
+
+    NAME = "vllm_omni.vae_decoder_calls"
+
+    def __init__(self, vae: DecodeSplitVAE) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        tile_pass = self.vae.tile_pass
+        if tile_pass is None:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        return tile_pass.decoder_call(self.fn_ref.original_forward, *args, **kwargs)
+
+
+class ParallelTiledDecode:
+    """A DecodeSplitVAE's `tiled_decode` as the split decode described above (forward_chain installs it).
+
+    `group`: the data group (NCCL on GPUs); `control_group`: gloo, for the tiles' shapes. With
+    `group=None` and `world > 1` the instance acts as `rank` of a simulated group: it decodes that
+    rank's share and returns None (benchmarks time one rank's work on one GPU). The VAE's decoder
+    must carry the DecoderCalls hook (forward_chain.install_decode_split).
+    """
+
+    def __init__(
+        self,
+        vae: DecodeSplitVAE,
         rank: int,
         world: int,
         group: Any = None,
         control_group: Any = None,
         on_tile: Callable[[int], None] | None = None,
     ) -> None:
+        if not isinstance(vae, DecodeSplitVAE):
+            raise TypeError(f"{type(vae).__name__} is not a DecodeSplitVAE (decode_split_class builds one)")
         self.vae, self.rank, self.world = vae, rank, world
         self.group, self.control_group = group, control_group
         self.on_tile = on_tile  # called at every tile start, on every rank; may raise to stop
-        self.tiled_decode = vae.tiled_decode  # the VAE's own method
 
     def __call__(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         owned, calls = self._decode_share(z, *args, **kwargs)
         if calls is None:  # one tile, no blend: decode it here as the VAE would
-            return self.tiled_decode(z, *args, **kwargs)
+            return self.vae.own_tiled_decode(z, *args, **kwargs)
         if self.group is None:
             return None  # simulated rank: its share is decoded, nothing to assemble
         outputs = self._gather(owned, calls, z)
-        with self._answering(lambda tile, call, *_, **__: outputs[tile][call], tile_start=None):
-            return self.tiled_decode(z, *args, **kwargs)
+        with self._answering(TilePass(lambda tile, call, *_, **__: outputs[tile][call], None, self._cached)):
+            return self.vae.own_tiled_decode(z, *args, **kwargs)
+
+    @property
+    def _cached(self) -> bool:
+        return isinstance(self.vae, FeatureCacheTiles)
 
     def _decode_share(self, z: torch.Tensor, *args: Any, **kwargs: Any):
         """Pass 1: {tile: [output of each decoder call]} for this rank's tiles, and every tile's call count."""
         owned: dict[int, list[torch.Tensor]] = {}
         calls: list[int] = []  # decoder calls per tile, every tile
-        decode = self.vae.decoder.forward  # bound before `_answering` replaces it
 
-        def answer(tile: int, call: int, *call_args: Any, **call_kwargs: Any) -> torch.Tensor:
+        def answer(tile: int, call: int, decode: Callable[..., torch.Tensor], *call_args: Any, **call_kwargs: Any):
             if tile % self.world != self.rank:
                 return z.new_empty((0,) * z.dim())  # concatenates with its kind; never blended
             out = decode(*call_args, **call_kwargs)
@@ -85,63 +207,20 @@ class ParallelTiledDecode:
                 self.on_tile(tile)
 
         try:
-            with self._answering(answer, tile_start, stop_at_blend=True, count=calls):
-                self.tiled_decode(z, *args, **kwargs)
+            with self._answering(TilePass(answer, tile_start, self._cached, stop_at_blend=True, count=calls)):
+                self.vae.own_tiled_decode(z, *args, **kwargs)
         except _TilesDecoded:
             return owned, calls
         return owned, None
 
     @contextlib.contextmanager
-    def _answering(
-        self,
-        answer: Callable[..., torch.Tensor],
-        tile_start: Callable[[int], None] | None,
-        stop_at_blend: bool = False,
-        count: list[int] | None = None,
-    ) -> Iterator[None]:
-        """For the length of one `tiled_decode`: decoder calls go to `answer(tile, call, *args)`.
-
-        A tile starts at each decoder call of a VAE without a feature cache, and at the first
-        call after each `clear_cache()` of one with (Wan's, Qwen-Image's: they clear it per tile).
-        """
-        vae, decoder = self.vae, self.vae.decoder
-        cached = hasattr(vae, "clear_cache")
-        position = {"tile": -1, "call": 0, "new_tile": not cached}
-        clear_cache = vae.clear_cache if cached else None
-
-        def on_clear(*args: Any, **kwargs: Any) -> Any:
-            position["new_tile"] = True
-            return clear_cache(*args, **kwargs)
-
-        def on_decoder(*args: Any, **kwargs: Any) -> torch.Tensor:
-            if position["new_tile"] or not cached:
-                position["tile"] += 1
-                position["call"] = 0
-                position["new_tile"] = False
-                if tile_start is not None:
-                    tile_start(position["tile"])
-            out = answer(position["tile"], position["call"], *args, **kwargs)
-            position["call"] += 1
-            if count is not None:
-                count[position["tile"]] += 1
-            return out
-
-        def blend_stop(*args: Any, **kwargs: Any) -> Any:
-            raise _TilesDecoded
-
-        patched = {"forward": (decoder, on_decoder)}
-        if cached:
-            patched["clear_cache"] = (vae, on_clear)
-        if stop_at_blend:
-            patched["blend_v"] = (vae, blend_stop)
-            patched["blend_h"] = (vae, blend_stop)
-        for name, (owner, replacement) in patched.items():
-            setattr(owner, name, replacement)
+    def _answering(self, tile_pass: TilePass) -> Iterator[None]:
+        """For the length of one `own_tiled_decode`: the VAE's decoder calls and blends go to `tile_pass`."""
+        self.vae.tile_pass = tile_pass
         try:
             yield
         finally:
-            for name, (owner, _) in patched.items():
-                delattr(owner, name)  # back to the class's method
+            self.vae.tile_pass = None
 
     def _gather(self, owned: dict[int, list[torch.Tensor]], calls: list[int], z: torch.Tensor):
         """Every tile's outputs on rank 0 (zeros of their shapes elsewhere): [tile][call] -> tensor."""
@@ -173,61 +252,35 @@ def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-# By default the split is on for videos (latents of several frames) on this many ranks or more.
-# Measured on an H200 (benchmarks/vae_decode.py, docs/benchmarks.md): one rank's share of 4 takes
-# 0.39x (HunyuanVideo 1.5 848x480x121), 0.52x and 0.67x (Wan 720p, 480p, 81 frames) of the untiled
-# decode, and a share of 2 is slower than it for Wan. Images gain at most 0.04 s (Qwen-Image
-# 1328x1328 at 8 ranks), not worth tiling's change of pixels.
+# By default the split is on for videos (latents of several frames) on this many ranks or more:
+# below it a rank's share is not faster than the untiled decode (benchmarks/vae_decode.py).
 AUTO_MIN_RANKS = 4
 
 
 class VAEDecodeSplit:
-    """Wraps `vae.decode`: tiles it when the split is on for this latent, and splits the tiles.
+    """A DecodeSplitVAE's `decode`: tiled when the split is on for this latent, its tiles split by `parallel`.
 
     `enabled`: True / False, or None for the default (videos on AUTO_MIN_RANKS ranks or more).
     The VAE's own tiling setting stays off otherwise, so its encode (an edit's source image) is
-    never tiled. A latent of one tile still decodes whole (the VAE's own rule).
+    never tiled. A latent of one tile still decodes whole (the VAE's own rule). `parallel`: None on
+    one rank (tiled, not split).
     """
 
-    def __init__(self, vae: torch.nn.Module, split: ParallelTiledDecode, enabled: bool | None) -> None:
-        self.vae, self.split, self.enabled = vae, split, enabled
-        self.decode = vae.decode  # the VAE's own method
+    def __init__(self, vae: torch.nn.Module, parallel: ParallelTiledDecode | None, world: int, enabled: bool | None):
+        self.vae, self.parallel, self.world, self.enabled = vae, parallel, world, enabled
 
     def splits(self, z: torch.Tensor) -> bool:
         if self.enabled is not None:
             return self.enabled
-        return z.dim() == 5 and z.shape[2] > 1 and self.split.world >= AUTO_MIN_RANKS
+        return z.dim() == 5 and z.shape[2] > 1 and self.world >= AUTO_MIN_RANKS
 
-    def __call__(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, decode: Callable[..., Any], z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """`decode` is the VAE class's own."""
         if not self.splits(z):
-            return self.decode(z, *args, **kwargs)
+            return decode(z, *args, **kwargs)
         tiling = self.vae.use_tiling
         self.vae.use_tiling = True
         try:
-            return self.decode(z, *args, **kwargs)
+            return decode(z, *args, **kwargs)
         finally:
             self.vae.use_tiling = tiling
-
-
-def install_decode_split(
-    vae: torch.nn.Module,
-    rank: int,
-    world: int,
-    group: Any,
-    control_group: Any,
-    enabled: bool | None,
-    on_tile: Callable[[int], None],
-) -> VAEDecodeSplit | None:
-    """Put the split decode on `vae` (the runner calls it once): `vae.decode` decides, per latent,
-    and `vae.tiled_decode` splits. None where it does not apply: one rank (with `enabled=True`,
-    the decode is tiled but not split), or a VAE diffusers cannot tile."""
-    if enabled is False or not hasattr(vae, "tiled_decode") or not hasattr(vae, "use_tiling"):
-        return None
-    split = ParallelTiledDecode(vae, rank, world, group, control_group, on_tile)
-    if world > 1:
-        vae.tiled_decode = split
-    elif not enabled:
-        return None
-    wrapper = VAEDecodeSplit(vae, split, enabled)
-    vae.decode = wrapper
-    return wrapper

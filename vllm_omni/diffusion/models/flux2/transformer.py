@@ -33,6 +33,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     sequence_parallel_context,
     shard_with_auto_pad,
 )
+from vllm_omni.diffusion.models.family import SequenceParallelTransformer
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), [S, head_dim] each
 
@@ -138,7 +139,7 @@ class Flux2SPParallelSelfAttnProcessor:
 _SP_PROCESSORS = (Flux2SPAttnProcessor, Flux2SPParallelSelfAttnProcessor)
 
 
-class Flux2Transformer2DModel(reference.Flux2Transformer2DModel):
+class Flux2Transformer2DModel(SequenceParallelTransformer, reference.Flux2Transformer2DModel):
     """Diffusers' FLUX.2 transformer, sequence-parallel under an SP process group."""
 
     @functools.wraps(reference.Flux2Transformer2DModel.__init__)  # keeps the config signature for from_pretrained
@@ -174,7 +175,7 @@ class Flux2Transformer2DModel(reference.Flux2Transformer2DModel):
         with sequence_parallel_context() as ctx:
             if ctx.enabled:
                 self._check_processors_are_sequence_parallel()
-            output = self.forward_sharded(
+            output = self.run_sharded(
                 hidden_states=hidden_states,
                 encoder_hidden_states=encoder_hidden_states,
                 timestep=timestep,

@@ -26,7 +26,6 @@ import functools
 from typing import Any
 
 import torch
-from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers import transformer_glm_image as reference
@@ -40,16 +39,14 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     sequence_parallel_context,
     shard_with_auto_pad,
 )
+from vllm_omni.diffusion.models.family import SequenceParallelTransformer, declare_cache_block
 
 MASK_REFUSED = "attention_mask is not supported (the pipeline passes none; the reference's mask path is broken)"
 KV_CACHE_REFUSED = "image-to-image (the condition image's K/V cache) is not supported"
 
 # Where diffusers' cache hooks (the step cache, diffusion/worker/step_cache.py) find the block's outputs:
 # (hidden_states, encoder_hidden_states). diffusers 0.42.1 registers none for this block.
-TransformerBlockRegistry.register(
-    reference.GlmImageTransformerBlock,
-    TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1),
-)
+declare_cache_block(reference.GlmImageTransformerBlock, hidden_states_index=0, encoder_hidden_states_index=1)
 
 
 class GlmImageSPAttnProcessor:
@@ -105,7 +102,7 @@ def _patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
     return patches.permute(0, 2, 4, 1, 3, 5).flatten(3, 5).flatten(1, 2)
 
 
-class GlmImageTransformer2DModel(reference.GlmImageTransformer2DModel):
+class GlmImageTransformer2DModel(SequenceParallelTransformer, reference.GlmImageTransformer2DModel):
     """Diffusers' GLM-Image DiT, sequence-parallel under an SP process group (text-to-image)."""
 
     @functools.wraps(reference.GlmImageTransformer2DModel.__init__)  # keeps the config signature
@@ -151,7 +148,7 @@ class GlmImageTransformer2DModel(reference.GlmImageTransformer2DModel):
         # Computed here, not in the graphed forward_sharded: a CUDA graph must own what it reads
         # (as arguments, it copies them).
         rotary_cos, rotary_sin = image_rotary_emb if image_rotary_emb is not None else self.rotary_tables(hidden_states)
-        output = self.forward_sharded(
+        output = self.run_sharded(
             hidden_states=hidden_states,
             encoder_hidden_states=encoder_hidden_states,
             prior_token_id=prior_token_id,

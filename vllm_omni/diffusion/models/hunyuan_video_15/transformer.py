@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers import transformer_hunyuan_video15 as reference
@@ -38,6 +37,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     sequence_parallel_context,
     shard_with_auto_pad,
 )
+from vllm_omni.diffusion.models.family import SequenceParallelTransformer, declare_cache_block
 from vllm_omni.diffusion.models.text_compaction import (
     BUCKET_MULTIPLE,
     TextCompaction,
@@ -50,10 +50,7 @@ _PROMPT_TYPE, _GLYPH_TYPE, _IMAGE_TYPE = 0, 1, 2
 
 # Where diffusers' cache hooks (the step cache, diffusion/worker/step_cache.py) find the block's outputs:
 # (hidden_states, encoder_hidden_states). diffusers 0.42.1 registers none for this block.
-TransformerBlockRegistry.register(
-    reference.HunyuanVideo15TransformerBlock,
-    TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1),
-)
+declare_cache_block(reference.HunyuanVideo15TransformerBlock, hidden_states_index=0, encoder_hidden_states_index=1)
 
 
 class HunyuanVideo15SPAttnProcessor:
@@ -136,7 +133,7 @@ def _row(x: torch.Tensor | None, i: int, batch: int) -> torch.Tensor | None:
     return x[i : i + 1]
 
 
-class HunyuanVideo15Transformer3DModel(reference.HunyuanVideo15Transformer3DModel):
+class HunyuanVideo15Transformer3DModel(SequenceParallelTransformer, reference.HunyuanVideo15Transformer3DModel):
     """Diffusers' HunyuanVideo 1.5 transformer, sequence-parallel under an SP process group."""
 
     # Text-length bucket (text_compaction.py); 1 disables bucketing.
@@ -206,13 +203,13 @@ class HunyuanVideo15Transformer3DModel(reference.HunyuanVideo15Transformer3DMode
             image_embeds=image_embeds,
         )
         if len(plans) == 1:
-            output = self.forward_sharded(**inputs, plan=plans[0])
+            output = self.run_sharded(**inputs, plan=plans[0])
         else:
             # Rows with different text padding cannot share one compaction: run them one by one.
             batch = hidden_states.shape[0]
             output = torch.cat(
                 [
-                    self.forward_sharded(**{k: _row(x, i, batch) for k, x in inputs.items()}, plan=plan)
+                    self.run_sharded(**{k: _row(x, i, batch) for k, x in inputs.items()}, plan=plan)
                     for i, plan in enumerate(plans)
                 ]
             )

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers import transformer_qwenimage as reference
 from diffusers.utils import apply_lora_scale
@@ -29,6 +30,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     sequence_parallel_context,
     shard_with_auto_pad,
 )
+from vllm_omni.diffusion.models.family import SequenceParallelTransformer
 from vllm_omni.diffusion.models.text_compaction import compact_text_mask
 
 
@@ -100,11 +102,21 @@ def rotary_tables(
     return img_freqs, txt_freqs
 
 
-def _call_processor(attn, **kwargs: Any):
-    return attn.processor(attn, **kwargs)
+class CallProcessorDirectly(ModelHook):
+    """Runs an attention module's processor without diffusers' `Attention.forward`, which inspects the
+    processor's signature on every call (at Ulysses 2+ a layer is bound by host-side launch time).
+
+    A diffusers hook on each block's `attn`; it reads `attn.processor` at each call, so
+    `set_attn_processor` still takes effect.
+    """
+
+    NAME = "vllm_omni.qwen_image.call_processor"
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return module.processor(module, *args, **kwargs)
 
 
-class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
+class QwenImageTransformer2DModel(SequenceParallelTransformer, reference.QwenImageTransformer2DModel):
     """Diffusers' Qwen-Image transformer, sequence-parallel under an SP process group."""
 
     @functools.wraps(reference.QwenImageTransformer2DModel.__init__)  # keeps the config signature for from_pretrained
@@ -112,10 +124,8 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
         super().__init__(*args, **kwargs)
         for block in self.transformer_blocks:
             block.attn.set_processor(QwenImageSPAttnProcessor())
-            # Call the processor directly: diffusers' Attention.forward inspects the processor's
-            # signature on every call, and at Ulysses 2+ a layer is bound by host-side launch time.
-            # It reads `attn.processor` at each call, so set_attn_processor still takes effect.
-            block.attn.forward = functools.partial(_call_processor, block.attn)
+            registry = HookRegistry.check_if_exists_or_initialize(block.attn)
+            registry.register_hook(CallProcessorDirectly(), CallProcessorDirectly.NAME)
 
     @apply_lora_scale("attention_kwargs")
     def forward(
@@ -149,7 +159,7 @@ class QwenImageTransformer2DModel(reference.QwenImageTransformer2DModel):
             )
             with sequence_parallel_context():
                 outputs.append(
-                    self.forward_sharded(
+                    self.run_sharded(
                         hidden_states=hidden_states[row],
                         encoder_hidden_states=encoder_hidden_states[row],
                         img_freqs=img_freqs,

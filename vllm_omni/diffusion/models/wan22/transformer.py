@@ -36,6 +36,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     sequence_parallel_context,
     shard_with_auto_pad,
 )
+from vllm_omni.diffusion.models.family import SequenceParallelTransformer
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ class WanSPAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
 
 
-class WanTransformer3DModel(reference.WanTransformer3DModel):
+class WanTransformer3DModel(SequenceParallelTransformer, reference.WanTransformer3DModel):
     """Diffusers' Wan2.1/2.2 transformer, sequence-parallel under an SP process group (text-only
     conditioning: Wan2.2 T2V/I2V-A14B and TI2V-5B; Wan2.1's CLIP image tokens are refused)."""
 
@@ -109,7 +110,7 @@ class WanTransformer3DModel(reference.WanTransformer3DModel):
         """Same arguments and outputs as the diffusers reference."""
         if encoder_hidden_states_image is not None:
             raise ValueError("encoder_hidden_states_image (Wan2.1 CLIP image tokens) is not supported")
-        output = self.forward_sharded(
+        output = self.run_sharded(
             hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states
         )
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
