@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from tiny_qwen_transformer import QWEN_CONFIG, qwen_inputs
 
 from vllm_omni.diffusion.config import StepCacheConfig
 from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
@@ -23,27 +24,6 @@ from vllm_omni.testing.graphs import SimulatedGraphs
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_omni"
 METHOD_ASSIGNED = re.compile(r"\.(forward|forward_sharded|step|decode|__call__)\s*=[^=]|setattr\(")
 COMPILE_IDIOM = re.compile(r"^\s*module\.forward = torch\.compile\(module\.forward, ")
-QWEN_CONFIG = dict(
-    patch_size=2,
-    in_channels=16,
-    out_channels=4,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=6,
-    joint_attention_dim=32,
-    axes_dims_rope=(4, 6, 6),
-)
-
-
-def qwen_inputs() -> dict:
-    gen = torch.Generator().manual_seed(0)
-    return dict(
-        hidden_states=torch.randn(1, 35, 16, generator=gen),
-        encoder_hidden_states=torch.randn(1, 7, 32, generator=gen),
-        timestep=torch.rand(1, generator=gen),
-        img_shapes=[[(1, 5, 7)]],
-        return_dict=False,
-    )
 
 
 def test_no_module_assigns_a_method_on_a_live_object():

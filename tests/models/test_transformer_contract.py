@@ -16,6 +16,7 @@ import test_glm_image_transformer as glm_image_case
 import test_hunyuan_video_15_transformer as hunyuan_case
 import test_wan22_transformer as wan22_case
 import torch
+from tiny_qwen_transformer import QWEN_CONFIG, qwen_inputs
 
 from vllm_omni.diffusion.models.flux2 import Flux2Transformer2DModel
 from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel
@@ -23,29 +24,6 @@ from vllm_omni.diffusion.models.hunyuan_video_15 import HunyuanVideo15Transforme
 from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
 from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel
 from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks
-
-QWEN_CONFIG = dict(
-    patch_size=2,
-    in_channels=16,
-    out_channels=4,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=6,
-    joint_attention_dim=32,
-    axes_dims_rope=(4, 6, 6),
-)
-
-
-def qwen_inputs() -> dict:
-    gen = torch.Generator().manual_seed(0)
-    return dict(
-        hidden_states=torch.randn(1, 35, 16, generator=gen),
-        encoder_hidden_states=torch.randn(1, 7, 32, generator=gen),
-        timestep=torch.rand(1, generator=gen),
-        img_shapes=[[(1, 5, 7)]],
-        return_dict=False,
-    )
-
 
 FAMILIES = {
     "qwen_image": (QwenImageTransformer2DModel, QWEN_CONFIG, qwen_inputs),
