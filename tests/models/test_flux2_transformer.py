@@ -153,10 +153,70 @@ def test_lora_scale_is_applied_around_the_forward(models, monkeypatch):
     assert kwargs == {"scale": 0.5}  # the caller's dict is left alone
 
 
-def test_klein_kv_cache_is_refused(models):
+def klein_kv_inputs(batch: int) -> tuple[dict, dict, int]:
+    """klein KV's two kinds of call: the first step, the reference image's tokens in front ([reference, image]),
+    extracts their keys and values; a later step (the image alone) reads them from the cache."""
+    first = make_inputs("reference_image", batch)
+    (image_h, image_w), (ref_h, ref_w) = CASES["reference_image"][0]
+    image_len, ref_len = image_h * image_w, ref_h * ref_w
+    order = torch.cat([torch.arange(image_len, image_len + ref_len), torch.arange(image_len)])
+    first.update(hidden_states=first["hidden_states"][:, order], img_ids=first["img_ids"][:, order])
+    return first, make_inputs("generate", batch, seed=2), ref_len
+
+
+def set_klein_kv_processors(model) -> None:
+    """What diffusers' Flux2KleinKVPipeline installs on its transformer."""
+    for block in model.transformer_blocks:
+        block.attn.set_processor(reference.Flux2KVAttnProcessor())
+    for block in model.single_transformer_blocks:
+        block.attn.set_processor(reference.Flux2KVParallelSelfAttnProcessor())
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_klein_kv_cache_matches_diffusers_reference_at_one_rank(checkpoint, batch):
+    ref = ReferenceTransformer.from_pretrained(checkpoint).eval()
+    ours = Flux2Transformer2DModel.from_pretrained(checkpoint).eval()
+    set_klein_kv_processors(ref)
+    set_klein_kv_processors(ours)
+    first, later, ref_len = klein_kv_inputs(batch)
+    extract = dict(kv_cache_mode="extract", num_ref_tokens=ref_len, ref_fixed_timestep=0.0)
+    with torch.no_grad():
+        expected, expected_cache = ref(**first, **extract)
+        actual, cache = ours(**first, **extract)
+        assert actual.shape == (batch, first["hidden_states"].shape[1] - ref_len, CONFIG["in_channels"])
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+        layers = zip(
+            cache.double_block_caches + cache.single_block_caches,
+            expected_cache.double_block_caches + expected_cache.single_block_caches,
+        )
+        for layer, expected_layer in layers:
+            torch.testing.assert_close(layer.get(), expected_layer.get(), rtol=0, atol=1e-5)
+        cached = dict(kv_cache_mode="cached", return_dict=True)
+        expected = ref(**dict(later, kv_cache=expected_cache, **cached)).sample
+        actual = ours(**dict(later, kv_cache=cache, **cached)).sample
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_klein_kv_arguments_with_our_processors_match_the_reference(models):
+    """Without the KV processors both models ignore the cache arguments alike (diffusers' KV-mode tests do this)."""
+    ref, ours = models
+    first, _, ref_len = klein_kv_inputs(1)
+    with torch.no_grad():
+        expected = ref(**first, kv_cache_mode="extract", num_ref_tokens=ref_len)[0]
+        actual = ours(**first, kv_cache_mode="extract", num_ref_tokens=ref_len)[0]
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_klein_kv_cache_is_refused_under_sp(models):
     _, ours = models
-    with pytest.raises(NotImplementedError, match="KV cache"):
-        ours(**make_inputs("generate", 1), kv_cache_mode="extract", num_ref_tokens=4)
+    first, later, ref_len = klein_kv_inputs(1)
+    state = ParallelState(DiffusionParallelConfig(ulysses_degree=2), 0, 2, SimulatedGroup(2), None)
+    cache = reference.Flux2KVCache(CONFIG["num_layers"], CONFIG["num_single_layers"])
+    with use_parallel_state(state), torch.no_grad():
+        with pytest.raises(NotImplementedError, match="KV cache.*sequence parallelism"):
+            ours(**first, kv_cache_mode="extract", num_ref_tokens=ref_len)
+        with pytest.raises(NotImplementedError, match="KV cache.*sequence parallelism"):
+            ours(**later, kv_cache=cache, kv_cache_mode="cached")
 
 
 # ---- under SP (gloo workers) ----------------------------------------------------------------

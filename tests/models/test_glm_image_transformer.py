@@ -40,28 +40,34 @@ CONFIG = dict(
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One DiT call: latent grid (H/8, W/8), glyph text length, uncond (every prior token dropped), batch."""
+    """One DiT call: latent grid (H/8, W/8), glyph text length, uncond (every prior token dropped), batch,
+    and the prior ids' shape."""
 
     latent: tuple[int, int] = (8, 8)  # 64x64 pixels: 16 image tokens, padded at Ulysses 3
     text_len: int = 5  # 'OPEN' (4 bytes and </s>): padded at 2 and 3
     uncond: bool = False
     batch: int = 1
+    # "per_token" [B, N] (the pipeline's); shapes the reference broadcasts over the image tokens:
+    # "single" [1] (diffusers' own model tests), "per_sample" [B, 1].
+    prior: str = "per_token"
 
 
 COND = Case()
 UNCOND = Case(text_len=1, uncond=True)  # the glyph text "": one token, padded at 2 and 3
 DIVISIBLE = Case(latent=(8, 12), text_len=6)  # 24 image and 6 text tokens: 2 and 3 divide both
+PER_SAMPLE_PRIOR = Case(prior="per_sample", batch=2)
 
 
 def make_inputs(case: Case, seed: int = 1) -> dict:
     gen = torch.Generator().manual_seed(seed)
     height, width = case.latent
     tokens = (height // 2) * (width // 2)
+    prior_shape = {"per_token": (case.batch, tokens), "single": (1,), "per_sample": (case.batch, 1)}[case.prior]
     return dict(
         hidden_states=torch.randn(case.batch, LATENT_CHANNELS, height, width, generator=gen),
         encoder_hidden_states=torch.randn(case.batch, case.text_len, TEXT_DIM, generator=gen),
-        prior_token_id=torch.randint(0, CODEBOOK, (case.batch, tokens), generator=gen),
-        prior_token_drop=torch.full((case.batch, tokens), case.uncond),
+        prior_token_id=torch.randint(0, CODEBOOK, prior_shape, generator=gen),
+        prior_token_drop=torch.full(prior_shape, case.uncond),
         timestep=torch.rand(case.batch, generator=gen) * 1000,
         target_size=torch.tensor([[height * 8.0, width * 8.0]] * case.batch),
         crop_coords=torch.zeros(case.batch, 2),
@@ -103,6 +109,18 @@ def test_matches_diffusers_reference(models, case, batch):
     expected = run(ref, inputs)
     assert expected.shape == inputs["hidden_states"].shape
     torch.testing.assert_close(run(ours, inputs), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(prior="single"), PER_SAMPLE_PRIOR, dataclasses.replace(UNCOND, prior="per_sample", batch=2)],
+    ids=["single", "per_sample", "per_sample_dropped"],
+)
+def test_prior_ids_that_broadcast_over_the_image_match_the_reference(models, case):
+    """diffusers' model tests pass one prior id ([1]); the reference adds its embedding to every image token."""
+    ref, ours = models
+    inputs = make_inputs(case)
+    torch.testing.assert_close(run(ours, inputs), run(ref, inputs), rtol=0, atol=1e-5)
 
 
 def test_dropped_prior_tokens_change_the_output(models):
@@ -169,7 +187,11 @@ def sp_forward(folder: str, case: Case, mode: str, random_padding: bool = False)
         root.removeHandler(warnings)
 
 
-SP_CASES = {"cond": COND, "uncond_batch2": dataclasses.replace(UNCOND, batch=2)}
+SP_CASES = {
+    "cond": COND,
+    "uncond_batch2": dataclasses.replace(UNCOND, batch=2),
+    "per_sample_prior_batch2": PER_SAMPLE_PRIOR,  # broadcast to the image stream, then sharded with it
+}
 
 
 @pytest.mark.parametrize("name", list(SP_CASES))
@@ -184,7 +206,7 @@ def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, name):
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])
 def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
-    for case in (COND, UNCOND):
+    for case in (COND, UNCOND, PER_SAMPLE_PRIOR):
         clean = sp_pool.run(sp_forward, checkpoint, case, mode)
         noisy = sp_pool.run(sp_forward, checkpoint, case, mode, random_padding=True)
         for (a, _), (b, _) in zip(clean, noisy):

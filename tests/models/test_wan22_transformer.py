@@ -133,6 +133,26 @@ def test_attention_kinds_are_declared(models):
         assert block.attn2.processor.attention.kind == "cross"
 
 
+def fused_model(folder: str) -> WanTransformer3DModel:
+    """Ours from `folder`, its attention projections fused by diffusers' `fuse_qkv_projections`."""
+    model = WanTransformer3DModel.from_pretrained(folder).eval()
+    model.fuse_qkv_projections()
+    return model
+
+
+def test_fused_projections_match_unfused(models, checkpoints):
+    """diffusers' fused projections (to_qkv in self-attention, to_kv in cross-attention) and back."""
+    ref, _ = models["a14b"]
+    model = fused_model(checkpoints["a14b"])
+    assert all(hasattr(b.attn1, "to_qkv") and hasattr(b.attn2, "to_kv") for b in model.blocks)
+    inputs = make_inputs(Case())
+    expected = run(ref, inputs)
+    torch.testing.assert_close(run(model, inputs), expected, rtol=0, atol=1e-5)
+    model.unfuse_qkv_projections()
+    assert not any(b.attn1.fused_projections or b.attn2.fused_projections for b in model.blocks)
+    torch.testing.assert_close(run(model, inputs), expected, rtol=0, atol=1e-5)
+
+
 def test_wan21_image_conditioning_is_refused():
     with pytest.raises(ValueError, match="image_dim"):
         WanTransformer3DModel(**dict(CONFIGS["a14b_i2v"], image_dim=32, added_kv_proj_dim=96))
@@ -163,10 +183,14 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def sp_forward(folder: str, case: Case, mode: str, random_padding: bool = False) -> tuple[torch.Tensor, list[str]]:
-    """Worker side: our forward under the worker's SP group in `mode`; the output and the warnings logged."""
-    if folder not in _worker_models:
-        _worker_models[folder] = WanTransformer3DModel.from_pretrained(folder).eval()
+def sp_forward(
+    folder: str, case: Case, mode: str, random_padding: bool = False, fused: bool = False
+) -> tuple[torch.Tensor, list[str]]:
+    """Worker side: our forward under the worker's SP group in `mode` (`fused`: projections fused); the output
+    and the warnings logged."""
+    if (folder, fused) not in _worker_models:
+        load = fused_model if fused else WanTransformer3DModel.from_pretrained
+        _worker_models[folder, fused] = load(folder).eval()
     state = get_parallel_state()
     config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
     warnings, root = _Warnings(), logging.getLogger("vllm_omni")
@@ -174,7 +198,7 @@ def sp_forward(folder: str, case: Case, mode: str, random_padding: bool = False)
     root.addHandler(warnings)
     try:
         with use_parallel_state(dataclasses.replace(state, config=config)), random_sp_padding(random_padding):
-            return run(_worker_models[folder], make_inputs(case)), warnings.messages
+            return run(_worker_models[folder, fused], make_inputs(case)), warnings.messages
     finally:
         root.removeHandler(warnings)
 
@@ -187,6 +211,13 @@ def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoints, case)
         for out, warnings in sp_pool.run(sp_forward, checkpoints[config], SP_CASES[case], mode):
             torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
             assert warnings == []
+
+
+def test_sp_fused_projections_match_single_process(sp_pool, models, checkpoints):
+    case = SP_CASES["a14b"]
+    expected = run(models["a14b"][1], make_inputs(case))
+    for out, _ in sp_pool.run(sp_forward, checkpoints["a14b"], case, "trim", fused=True):
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])

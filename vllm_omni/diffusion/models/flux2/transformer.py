@@ -10,7 +10,9 @@ single-stream blocks hold one fused [text, image] sequence, so their processor s
 the rank's text length before attention and each stream keeps its padding at its own global
 tail. The rotary tables are passed in the reference's layout ([text, image], here rank-local),
 so at one rank the blocks see exactly the reference's inputs, and diffusers' own processors
-(set with `set_attn_processor`) still compute the reference there.
+(set with `set_attn_processor`) still compute the reference there. The klein KV mode (`kv_cache`,
+`kv_cache_mode`: reference-image keys and values kept across steps) runs diffusers' own forward,
+at one rank only; under SP it is refused.
 """
 
 from __future__ import annotations
@@ -167,10 +169,21 @@ class Flux2Transformer2DModel(SequenceParallelTransformer, reference.Flux2Transf
         num_ref_tokens: int = 0,
         ref_fixed_timestep: float = 0.0,
     ) -> torch.Tensor | Flux2Transformer2DModelOutput:
-        """Same arguments and outputs as the diffusers reference (without its Klein KV cache)."""
+        """Same arguments and outputs as the diffusers reference (its klein KV cache at one rank only)."""
         if kv_cache_mode is not None or kv_cache is not None:
-            raise NotImplementedError(
-                "the reference-token KV cache (FLUX.2 Klein KV) is not supported by the sequence-parallel transformer"
+            return self._forward_kv_cache(
+                hidden_states=hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                timestep=timestep,
+                img_ids=img_ids,
+                txt_ids=txt_ids,
+                guidance=guidance,
+                joint_attention_kwargs=joint_attention_kwargs,
+                return_dict=return_dict,
+                kv_cache=kv_cache,
+                kv_cache_mode=kv_cache_mode,
+                num_ref_tokens=num_ref_tokens,
+                ref_fixed_timestep=ref_fixed_timestep,
             )
         with sequence_parallel_context() as ctx:
             if ctx.enabled:
@@ -185,6 +198,17 @@ class Flux2Transformer2DModel(SequenceParallelTransformer, reference.Flux2Transf
                 joint_attention_kwargs=joint_attention_kwargs,
             )
         return Flux2Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+    def _forward_kv_cache(self, **kwargs: Any) -> Any:
+        """The reference's forward with its reference-token KV cache (klein KV): one rank only, for now."""
+        with sequence_parallel_context() as ctx:
+            if ctx.enabled:
+                raise NotImplementedError(
+                    "the reference-token KV cache (FLUX.2 klein KV: kv_cache / kv_cache_mode) is not supported under "
+                    f"sequence parallelism (degree {ctx.world_size}); it runs with sequence parallelism off"
+                )
+        # Diffusers' own forward; blocks run whichever processors are installed (the klein KV pipeline sets its own).
+        return super().forward(**kwargs)
 
     def _check_processors_are_sequence_parallel(self) -> None:
         for name in ("transformer_blocks", "single_transformer_blocks"):

@@ -11,7 +11,9 @@ names, so `from_pretrained` reads the diffusers checkpoint as is) with a new for
   rows apply to the image tokens only and are sharded with them.
 - The prior tokens (the AR stage's ids, one per image token) are embedded per token:
   `prior_token_id` and `prior_token_drop` are sharded with the image stream before the
-  embedding, so each rank embeds its own tokens. Padded rows get id 0, not dropped: finite.
+  embedding, so each rank embeds its own tokens. Padded rows get id 0, not dropped: finite. Ids
+  of another shape that the reference broadcasts over the image tokens (one per sample) are
+  embedded whole, then broadcast to the stream and sharded with it.
 - Each stream has its own AdaLN and both share the feed-forward weights; both work token by
   token, so the reference's block runs unchanged on a rank's shards.
 
@@ -167,8 +169,8 @@ class GlmImageTransformer2DModel(SequenceParallelTransformer, reference.GlmImage
         *,
         hidden_states: torch.Tensor,  # latents [B, C, H, W]
         encoder_hidden_states: torch.Tensor,  # glyph embeddings [B, L, text_embed_dim]
-        prior_token_id: torch.Tensor,  # [B, N] one per image token
-        prior_token_drop: torch.Tensor,  # [B, N] bool: True zeroes the token's prior embedding
+        prior_token_id: torch.Tensor,  # [B, N] one per image token (or a shape that broadcasts to them: [1])
+        prior_token_drop: torch.Tensor,  # bool, prior_token_id's shape (or its leading dims): True zeroes a prior
         timestep: torch.Tensor,
         target_size: torch.Tensor,
         crop_coords: torch.Tensor,
@@ -181,11 +183,22 @@ class GlmImageTransformer2DModel(SequenceParallelTransformer, reference.GlmImage
         batch, _, height, width = hidden_states.shape
         p = self.config.patch_size
         with sequence_parallel_context():
-            image = self.image_projector.proj(shard_with_auto_pad(_patchify(hidden_states, p), 1, IMAGE))
-            prior = self.prior_token_embedding(shard_with_auto_pad(prior_token_id, 1, IMAGE))
-            # x * 0.0 as the reference's in-place `prior[drop] *= 0.0`, without its host sync.
-            prior = prior * ~shard_with_auto_pad(prior_token_drop, 1, IMAGE).unsqueeze(-1)
-            image = image + self.prior_projector(prior)
+            patches = _patchify(hidden_states, p)
+            image = self.image_projector.proj(shard_with_auto_pad(patches, 1, IMAGE))
+            tokens = patches.shape[:2]
+            per_token = prior_token_id.shape == tokens
+            if per_token:  # one prior token per image token (the pipeline's): each rank embeds its own
+                prior_token_id = shard_with_auto_pad(prior_token_id, 1, IMAGE)
+                if prior_token_drop.shape == tokens:
+                    prior_token_drop = shard_with_auto_pad(prior_token_drop, 1, IMAGE)
+            prior = self.prior_token_embedding(prior_token_id)
+            # x * 0.0 as the reference's in-place `prior[drop] *= 0.0` (drop indexes leading dims), no host sync.
+            keep = ~prior_token_drop.reshape(*prior_token_drop.shape, *[1] * (prior.ndim - prior_token_drop.ndim))
+            prior = self.prior_projector(prior * keep)
+            if not per_token:
+                # Other shapes (one id per sample) broadcast over the image tokens, as in the reference's sum.
+                prior = shard_with_auto_pad(torch.broadcast_to(prior, (*tokens, prior.shape[-1])), 1, IMAGE)
+            image = image + prior
             rotary = (shard_with_auto_pad(rotary_cos, 0, IMAGE), shard_with_auto_pad(rotary_sin, 0, IMAGE))
             text = self.glyph_projector(shard_with_auto_pad(encoder_hidden_states, 1, TEXT))
             temb = self.time_condition_embed(timestep, target_size, crop_coords, image.dtype)

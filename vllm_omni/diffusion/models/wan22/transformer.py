@@ -15,8 +15,8 @@ model) with a new forward:
   the timestep is sharded with the video stream before the time embedder (diffusers' `_cp_plan`
   splits `timestep` at dim 1 for the same reason); padded tokens get finite modulation.
 
-Every other op works token by token (q/k RMSNorm runs across all heads of a token before the
-head split), so it runs unchanged on a rank's slice.
+Every other op works token by token (the q/k/v projections, fused or not, and the q/k RMSNorm
+across all heads of a token before the head split), so it runs unchanged on a rank's slice.
 """
 
 from __future__ import annotations
@@ -69,12 +69,11 @@ class WanSPAttnProcessor:
         cross = self.attention.kind == "cross"
         if attention_mask is not None or cross != (encoder_hidden_states is not None):
             raise ValueError("Wan self-attention takes no context, cross-attention the text; neither takes a mask")
-        if attn.fused_projections:
-            raise ValueError("fused Wan attention projections are not supported under SP; unfuse them")
-        context = encoder_hidden_states if cross else hidden_states
-        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(context).unflatten(2, (attn.heads, -1))
+        # The reference's projections, fused (`fuse_qkv_projections`) or not: token by token either way.
+        query, key, value = reference._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
             query, key = _apply_rotary(query, *rotary_emb), _apply_rotary(key, *rotary_emb)
         out = self.attention(query, key, value) if cross else self.attention(query, key, value)[0]
