@@ -29,7 +29,7 @@ MODEL = "tiny/qwen-image"
 OPTIONS = set(EngineArgs.option_names())
 # The flags that are no engine option: the model, the deploy file, and the server's own settings.
 COMMON_DESTS = {"help", "model", "deploy_config"}
-SERVER_DESTS = {"host", "port", "served_model_name", "api_key", "body_read_timeout"}
+SERVER_DESTS = {"host", "port", "served_model_name", "api_key", "body_read_timeout", "max_body_reads"}
 SERVER_DESTS |= {"video_dir", "video_max_age", "video_max_bytes", "video_max_videos"}
 GENERATE_DESTS = {"prompt", "image", "size", "output"} | {f.name for f in SAMPLING_FIELDS if not f.in_size}
 

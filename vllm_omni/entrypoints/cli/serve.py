@@ -69,7 +69,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BODY_LIMITS.read_timeout_s,
         metavar="SECONDS",
         help="a request's whole body (JSON, or a form with its uploads) must arrive within this, or the request "
-        f"gets 408 and gives back its queue place (default: {DEFAULT_BODY_LIMITS.read_timeout_s:g})",
+        f"gets 408 (default: {DEFAULT_BODY_LIMITS.read_timeout_s:g})",
+    )
+    srv.add_argument(
+        "--max-body-reads",
+        type=positive_int,
+        default=DEFAULT_BODY_LIMITS.max_reads,
+        metavar="N",
+        help="request bodies read at once (a body is read before its request takes a queue place); more get 429. "
+        f"Bounds the memory of uploads in flight (default: {DEFAULT_BODY_LIMITS.max_reads})",
     )
 
     vid = parser.add_argument_group("videos API storage (finished videos are MP4 files, kept until deleted or evicted)")
@@ -118,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         served_model_name=args.served_model_name or args.model,
         api_key=args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY") or None,
-        bodies=BodyLimits(read_timeout_s=args.body_read_timeout),
+        bodies=BodyLimits(read_timeout_s=args.body_read_timeout, max_reads=args.max_body_reads),
         videos=VideoStorageSettings(
             directory=Path(args.video_dir) if args.video_dir else None,
             max_age_s=args.video_max_age,

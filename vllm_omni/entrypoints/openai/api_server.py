@@ -31,6 +31,7 @@ from vllm_omni.entrypoints.openai.body_limits import BodyLimits
 from vllm_omni.entrypoints.openai.errors import ApiError, install_error_handlers
 from vllm_omni.entrypoints.openai.metrics import CountHTTP, ServerMetrics
 from vllm_omni.entrypoints.openai.routes import chat, images, models, videos
+from vllm_omni.entrypoints.openai.routes.bodies import BodyReads
 from vllm_omni.entrypoints.openai.video_store import VideoStorageSettings, VideoStore
 from vllm_omni.logger import init_logger
 
@@ -48,7 +49,7 @@ class ServerSettings:
     watchdog_interval_s: float = 2.0
     graceful_shutdown_s: float = 30.0
     videos: VideoStorageSettings = field(default_factory=VideoStorageSettings)
-    bodies: BodyLimits = field(default_factory=BodyLimits)  # request bodies: deadline, text field size
+    bodies: BodyLimits = field(default_factory=BodyLimits)  # request bodies: deadline, text field size, reads at once
 
     @property
     def default_sampling_params(self) -> dict[str, Any]:
@@ -124,6 +125,8 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
     app.state.videos = video_store
     app.state.created = int(time.time())
     app.state.metrics = server_metrics
+    app.state.body_reads = body_reads = BodyReads(settings.bodies.max_reads)
+    server_metrics.bodies_reading.set_function(lambda: body_reads.active)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     app.add_middleware(CountHTTP, metrics=server_metrics)  # outermost: refusals by the key are counted too

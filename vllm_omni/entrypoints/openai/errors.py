@@ -95,13 +95,13 @@ def validation_error(errors: list[dict]) -> ApiError:
     """pydantic errors -> one 400 naming the first bad field (the top-level one: not a union member's tag)."""
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    name = loc[0] if loc else "body"
+    name = loc[0] if loc else None  # None: the body as a whole (param null, as for every fault of the whole body)
     if first.get("type") == "extra_forbidden":
         return ApiError(400, f"unknown field {name!r}", param=name)
     if first.get("type") == "missing":
-        return ApiError(400, f"{name} is required", param=name)
+        return ApiError(400, f"{name or 'the request body'} is required", param=name)
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    return ApiError(400, f"{name}: {message}", param=name)
+    return ApiError(400, f"{name or 'the request body'}: {message}", param=name)
 
 
 def _http_exception(request: Request, exc: StarletteHTTPException) -> ApiError:

@@ -16,6 +16,7 @@ server already holds and never asks the workers:
   request batching), and `vllm_omni_denoising_steps_total` (steps/s of the server is its rate); with a
   step cache, `vllm_omni_step_cache_forwards_total{decision}` (computed, skipped: denoiser forwards).
 - State, read at each scrape: `vllm_omni_queue_length` (the one queue every replica takes from),
+  `vllm_omni_request_bodies_reading` (bodies being read, before their requests are queued),
   `vllm_omni_running_requests`, `vllm_omni_worker_restarts_total`,
   `vllm_omni_graph_capture_failures_total`, `vllm_omni_server_state{state}` (1 for the current one
   of engine.health.HEALTH_STATES); per replica
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from vllm_omni.diffusion.engine.health import HEALTH_STATES
@@ -104,6 +105,11 @@ class ServerMetrics:
             "vllm_omni_step_cache_forwards",
             "denoiser forwards of completed requests the step cache computed or skipped",
             ["decision"],
+            registry=self.registry,
+        )
+        self.bodies_reading = Gauge(  # the app sets its function: it reads routes/bodies.py's BodyReads
+            "vllm_omni_request_bodies_reading",
+            "request bodies being read now (at most --max-body-reads)",
             registry=self.registry,
         )
         self.registry.register(_StateCollector(scheduler))

@@ -3,16 +3,21 @@
 Used by the routes that take bodies (images.py, chat.py, videos.py). The limits are the same in JSON and in forms:
 - a text field's value: at most `BodyLimits.max_field_bytes`, as UTF-8 (body_limits.py);
 - a file (a form's file part, or a data URL's bytes): at most `EngineLimits.max_upload_bytes`;
-- the whole body: at most `BodySpec.cap`, what the largest valid request needs (413 beyond it).
-A refusal names the field it is about (`param`): the one too large, the one a body was cut in, the
-one whose JSON value does not parse. A multipart body without its closing boundary is a 400: none
-of it is used.
+- the whole body: at most `BodySpec.cap`, what the largest valid request needs (413 beyond it: at
+  once, unread, when its Content-Length says so).
+A refusal names the field it is about (`param`): the one too large, the one a multipart body was cut
+in, the one whose JSON value does not parse. A fault of the body as a whole (no Content-Type, too
+large by its header, JSON cut short or not UTF-8, late) has `param` null. A multipart body without
+its closing boundary is a 400: none of it is used.
 
-The whole body must arrive within `BodyLimits.read_timeout_s` of the route starting to read it, or
-it is a 408 and the connection closes (so a silent upload gives back the queue place its route
-holds). A client that disconnects mid-body is logged in one line. A body refused before its end is
-read to its end and dropped (within the same deadline and cap), so the client reads the answer
-rather than a reset.
+A body is read before its request takes a queue place (the route submits once it has arrived), and
+only when the request could be queued: a loading server or a full queue is answered first. At most
+`BodyLimits.max_reads` bodies are read at once (`BodyReads`; more get 429): that bounds the memory
+of uploads in flight. The whole body must arrive within `BodyLimits.read_timeout_s` of the reader
+starting, or it is a 408 and the connection closes. A client that disconnects mid-body is logged in
+one line. A body refused before its end is read to its end and dropped (within the same deadline
+and cap), so the client reads the answer rather than a reset; one refused from its headers alone is
+not read, and its connection closes after the answer.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import unquote_to_bytes
@@ -32,8 +39,8 @@ from pydantic import BaseModel, ValidationError
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, QuerystringParser, parse_options_header
 
-from vllm_omni.diffusion.engine.scheduler import one_line
-from vllm_omni.entrypoints.openai.errors import CLIENT_CLOSED, ApiError, validation_error
+from vllm_omni.diffusion.engine.scheduler import QueueFull, Scheduler, Unavailable, one_line
+from vllm_omni.entrypoints.openai.errors import CLIENT_CLOSED, ApiError, scheduler_error, validation_error
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -79,8 +86,10 @@ class BodySpec:
             400, f"{param} is larger than the limit of {self.field_bytes} bytes for a text field", param=param
         )
 
-    def body_too_large(self, param: str | None) -> ApiError:
+    def body_too_large(self, param: str | None, declared: int | None = None) -> ApiError:
         where = f" (it passed that in {param!r})" if param else ""
+        if declared is not None:
+            where = f" (its Content-Length is {declared})"
         return ApiError(
             413, f"the request body is larger than {self.cap} bytes, the most a request takes{where}", param
         )
@@ -104,9 +113,25 @@ def media_type(http: Request) -> str:
     return kind.decode("latin-1")
 
 
+def body_media_type(http: Request, accepted: str) -> str:
+    """The body's media type (`media_type`); a 400 when the request has no Content-Type: a body of no declared
+    type is not guessed at (`accepted`: what the route takes, for the message)."""
+    kind = media_type(http)
+    if not kind:
+        raise unread(ApiError(400, f"the request has no Content-Type: {http.method} {http.url.path} takes {accepted}"))
+    return kind
+
+
 def is_json(kind: str) -> bool:
-    """A JSON media type (or none given, which is read as JSON)."""
-    return kind in ("", "application/json") or (kind.startswith("application/") and kind.endswith("+json"))
+    """A JSON media type."""
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def unread(error: ApiError) -> ApiError:
+    """`error` for a request whose body is not read to its end: the connection closes after the answer, so what
+    the client still sends is never read as its next request."""
+    error.headers = {**(error.headers or {}), "Connection": "close"}
+    return error
 
 
 def field_param(name: str) -> str:
@@ -124,6 +149,66 @@ def parse_fields(model: type[Model], fields: dict[str, Any]) -> Model:
 
 
 # ---- reading ------------------------------------------------------------------------------------
+
+
+class BodyReads:
+    """The bodies being read now, at most `limit` at once (--max-body-reads) on every route together: a request
+    takes its queue place only once its body is read, so this bounds the memory of uploads in flight. One per app
+    (app.state.body_reads)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._deadlines: list[float] = []  # each body's, on the event loop's clock
+
+    @property
+    def active(self) -> int:
+        return len(self._deadlines)
+
+    @contextlib.contextmanager
+    def slot(self, deadline: float) -> Iterator[None]:
+        """Held while one body is read (it ends by `deadline`); a 429 when every slot is taken."""
+        if len(self._deadlines) >= self.limit:
+            wait = min(self._deadlines) - asyncio.get_running_loop().time()  # a slot is free by then at the latest
+            raise unread(
+                ApiError(
+                    429,
+                    f"{self.limit} request bodies are being read already, the most at once (--max-body-reads); "
+                    "retry later",
+                    code="too_many_bodies",
+                    headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                )
+            )
+        self._deadlines.append(deadline)
+        try:
+            yield
+        finally:
+            self._deadlines.remove(deadline)
+
+
+@contextlib.contextmanager
+def _reading(http: Request, spec: BodySpec) -> Iterator[_BodyStream]:
+    """The body as a stream, once its headers and the queue allow it to be read; a read slot is held meanwhile.
+
+    Refused unread: a Content-Length over the cap (413), a server that takes no work or a full queue (503, 429:
+    the request could not be queued once its body arrived), every read slot taken (429)."""
+    declared = _declared_length(http)
+    if declared is not None and declared > spec.cap:
+        raise unread(spec.body_too_large(None, declared))
+    scheduler: Scheduler = http.app.state.scheduler
+    try:
+        scheduler.check_accepting()
+        scheduler.check_capacity()
+    except (Unavailable, QueueFull) as exc:
+        raise unread(scheduler_error(exc)) from None
+    stream = _BodyStream(http, spec)
+    with http.app.state.body_reads.slot(stream.deadline):
+        yield stream
+
+
+def _declared_length(http: Request) -> int | None:
+    """The Content-Length header's value (the HTTP server has refused a malformed one); None without it."""
+    length = http.headers.get("content-length")
+    return int(length) if length is not None and length.strip().isdigit() else None
 
 
 class _BodyStream:
@@ -159,9 +244,7 @@ class _BodyStream:
                 break
             self.received += len(message.get("body", b""))
             self.ended = not message.get("more_body", False)
-        if not self.ended:
-            error.headers = {**(error.headers or {}), "Connection": "close"}
-        return error
+        return unread(error) if not self.ended else error
 
     async def _receive(self) -> dict | None:
         """The next ASGI message, None once the deadline has passed."""
@@ -186,11 +269,12 @@ class _BodyStream:
             timeout,
             self._progress(),
         )
-        return ApiError(
-            408,
-            f"the request body did not arrive within {timeout:g} s ({self._progress()} bytes came)",
-            code="body_timeout",
-            headers={"Connection": "close"},
+        return unread(
+            ApiError(
+                408,
+                f"the request body did not arrive within {timeout:g} s ({self._progress()} bytes came)",
+                code="body_timeout",
+            )
         )
 
     def _disconnected(self) -> ApiError:
@@ -208,14 +292,14 @@ class _BodyStream:
 
 async def read_json_object(http: Request, spec: BodySpec) -> dict[str, Any]:
     """The JSON object in the body, each text value within its limit; a 400 (413 past the cap) otherwise."""
-    if not is_json(media_type(http)):
-        raise ApiError(400, NOT_A_JSON_OBJECT)
-    stream = _BodyStream(http, spec)
+    if not is_json(body_media_type(http, "application/json")):
+        raise unread(ApiError(400, NOT_A_JSON_OBJECT))
     chunks: list[bytes] = []
-    while (chunk := await stream.next_chunk()) is not None:
-        chunks.append(chunk)
-        if stream.received > spec.cap:
-            raise await stream.refuse(_json_too_large(b"".join(chunks)[: spec.cap + 1], spec))
+    with _reading(http, spec) as stream:
+        while (chunk := await stream.next_chunk()) is not None:
+            chunks.append(chunk)
+            if stream.received > spec.cap:
+                raise await stream.refuse(_json_too_large(b"".join(chunks)[: spec.cap + 1], spec))
     value = _parse_json(b"".join(chunks))
     if not isinstance(value, dict):
         raise ApiError(400, NOT_A_JSON_OBJECT)
@@ -253,21 +337,34 @@ def decode_data_url(url: Any, spec: BodySpec, param: str) -> bytes:
 
 
 def _parse_json(raw: bytes) -> Any:
-    """json.loads; a 400 naming the top-level field where the text stops being JSON."""
+    """json.loads; a 400 naming the top-level field where the text stops being JSON, or none (`param` null) where
+    the whole body is at fault: not UTF-8, or cut short (it ends before the JSON does)."""
+    if not raw.strip():
+        raise ApiError(400, f"the request body is empty: {NOT_A_JSON_OBJECT}")
     try:
         return json.loads(raw)
-    except UnicodeDecodeError as exc:
-        param = _json_field_at(raw[: exc.start].decode("utf-8", "ignore"))
-        raise ApiError(400, "the request body is not valid JSON: it is not UTF-8 text", param=param) from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not valid JSON: it is not UTF-8 text") from None
     except RecursionError:
         param = _json_field_at(raw.decode("utf-8", "ignore"))
         raise ApiError(400, "the request body is not valid JSON: it is nested too deeply", param=param) from None
     except json.JSONDecodeError as exc:
+        if _cut_short(exc):
+            raise ApiError(400, f"the request body is not valid JSON: it is cut short ({one_line(exc)})") from None
         param = _json_field_at(exc.doc[: exc.pos])
         raise ApiError(400, f"the request body is not valid JSON: {one_line(exc)}", param=param) from None
     except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
         param = _json_field_at(raw.decode("utf-8", "ignore"))
         raise ApiError(400, "the request body is not valid JSON: a number has too many digits", param=param) from None
+
+
+_LAST_TOKEN = re.compile(r'[^\s,:\[\]{}"]*\s*')  # what may follow a parse error in a text that merely stops early
+
+
+def _cut_short(exc: json.JSONDecodeError) -> bool:
+    """The JSON text ends before its value does ('{"prompt": "a ca', '{"seed": 12', '{"seed": tr'), rather than
+    going wrong before its end: an unterminated string runs to the end by definition."""
+    return exc.msg.startswith("Unterminated string") or _LAST_TOKEN.fullmatch(exc.doc, exc.pos) is not None
 
 
 def _json_too_large(prefix: bytes, spec: BodySpec) -> ApiError:
@@ -349,8 +446,13 @@ class FilePart:
 async def read_form(http: Request, spec: BodySpec) -> list[tuple[str, str | FilePart]]:
     """A multipart or url-encoded form's fields in order (text, or files); a 400 (413 past the cap) naming the
     field otherwise. The caller has checked that the media type is one of FORM_TYPES."""
+    with _reading(http, spec) as stream:
+        return await _read_form(http, spec, stream)
+
+
+async def _read_form(http: Request, spec: BodySpec, stream: _BodyStream) -> list[tuple[str, str | FilePart]]:
     kind, options = parse_options_header(http.headers.get("content-type"))
-    stream, form = _BodyStream(http, spec), _Form(spec)
+    form = _Form(spec)
     if kind == b"multipart/form-data":
         boundary = options.get(b"boundary")
         if not boundary:

@@ -6,7 +6,7 @@ parts (base64 data URLs) are the input images of an edit model, passed on as com
 role only: a diffusion model has no conversation. The sampling fields are the images routes' (the
 declared ones, `height` and `width` also apart from `size`), at the top level or in a literal
 `extra_body` object. The answer is a chat completion whose message content is one `image_url`
-part per image. Limits, the queue place, the connection watch and the errors are the images
+part per image. Limits, the body's reading, the queue place, the connection watch and the errors are the images
 routes' own (images.py): nothing here is model-specific.
 """
 
@@ -41,7 +41,6 @@ from vllm_omni.entrypoints.openai.routes.bodies import (
 )
 from vllm_omni.entrypoints.openai.routes.images import (
     finish_image_job,
-    hold_queue_place,
     image_params,
     result_fields,
     submit_image_job,
@@ -80,16 +79,14 @@ class _UserTurn:
 @router.post("/v1/chat/completions", response_model=ChatCompletion, openapi_extra=_CHAT_BODY)
 async def completions(http: Request) -> JSONResponse:
     settings = http.app.state.settings
-    # The body may carry images: its queue place is held while it is read and checked, as for an edit.
-    with hold_queue_place(http):
-        spec = body_spec(http, max_files=settings.engine.limits.max_input_images, data_urls=True)
-        fields = _merge_extra_body(await read_json_object(http, spec), spec)
-        body = parse_fields(ChatCompletionRequest, fields)
-        _refuse_what_only_an_llm_gives(body)
-        turn = _last_user_turn(body.messages, spec)
-        params = image_params(http, body, turn.prompt, turn.images)
-        bad_input = partial(_bad_input, turn=turn, body=body)
-        job = await submit_image_job(http, params, bad_input, place_held=True)
+    spec = body_spec(http, max_files=settings.engine.limits.max_input_images, data_urls=True)
+    fields = _merge_extra_body(await read_json_object(http, spec), spec)
+    body = parse_fields(ChatCompletionRequest, fields)
+    _refuse_what_only_an_llm_gives(body)
+    turn = _last_user_turn(body.messages, spec)
+    params = image_params(http, body, turn.prompt, turn.images)
+    bad_input = partial(_bad_input, turn=turn, body=body)
+    job = await submit_image_job(http, params, bad_input)
     fmt = body.output_format or "png"
     output, encoded = await finish_image_job(http, job, bad_input, fmt, body.output_compression)
     parts = [ChatImagePart(image_url=ChatImageURL(url=f"data:image/{fmt};base64,{b64}")) for b64 in encoded]

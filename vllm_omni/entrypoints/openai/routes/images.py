@@ -5,8 +5,8 @@ request's `GenerationParams` (the deploy's defaults filled in, `size` split into
 `submit_image_job` queues it on the scheduler (app.state.scheduler), and `finish_image_job` waits
 for the job while watching the connection: a client that goes away has its job cancelled (dropped
 from the queue, or stopped at its next denoising step). Bodies are read by routes/bodies.py (a
-deadline, a limit per field). A request that carries images takes its queue place first
-(`hold_queue_place`, held while it is read and checked), and passes them on as compressed bytes.
+deadline, a limit per field; a full queue answered before the body is read). A request takes its
+queue place once its body has arrived, in `submit`; images are passed on as compressed bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
-from vllm_omni.diffusion.engine.scheduler import InternalError, Job, QueueFull, QueuePlace, Scheduler, Unavailable
+from vllm_omni.diffusion.engine.scheduler import InternalError, Job, QueueFull, Scheduler, Unavailable
 from vllm_omni.diffusion.request import DiffusionOutput, GenerationParams, RequestError
 from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
 from vllm_omni.entrypoints.openai.errors import ApiError, job_error, request_error, scheduler_error
@@ -35,12 +35,13 @@ from vllm_omni.entrypoints.openai.protocol import (
 from vllm_omni.entrypoints.openai.routes.bodies import (
     FORM_TYPES,
     FilePart,
+    body_media_type,
     body_spec,
     field_param,
-    media_type,
     parse_fields,
     read_form,
     read_json_object,
+    unread,
 )
 from vllm_omni.entrypoints.openai.routes.models import check_model
 
@@ -68,12 +69,10 @@ async def generations(http: Request) -> JSONResponse:
 
 @router.post("/v1/images/edits", response_model=ImageResponse)
 async def edits(http: Request) -> JSONResponse:
-    with hold_queue_place(http):
-        body, images = await _read_edit_form(http)
-        _check_image_api_options(body)
-        params = image_params(http, body, body.prompt, images)
-        job = await submit_image_job(http, params, _bad_input(body), place_held=True)
-    return await _answer(http, body, job)
+    body, images = await _read_edit_form(http)
+    _check_image_api_options(body)
+    params = image_params(http, body, body.prompt, images)
+    return await _answer(http, body, await submit_image_job(http, params, _bad_input(body)))
 
 
 def _check_image_api_options(body: ImageGenerationRequest | ImageEditRequest) -> None:
@@ -110,17 +109,6 @@ async def _answer(http: Request, body: ImageGenerationRequest | ImageEditRequest
 # ---- shared by every image route ----------------------------------------------------------------
 
 
-def hold_queue_place(http: Request) -> QueuePlace:
-    """A place in the queue, for a request whose images are still to be read: a loading server, or a full
-    queue, says so before a large upload is read; the places held bound the uploads in flight by the queue's
-    length. `with` it, and submit with `place_held=True` inside."""
-    scheduler: Scheduler = http.app.state.scheduler
-    try:
-        return scheduler.hold_place()
-    except (Unavailable, QueueFull) as exc:
-        raise scheduler_error(exc) from None
-
-
 def image_params(http: Request, body: Any, prompt: str, images: list[bytes] | None) -> GenerationParams:
     """The request's GenerationParams: the declared sampling fields `body` has (width and height in its `size`,
     or apart where the body declares them: chat), the deploy's defaults filled in; a 400 naming `model` or `size`."""
@@ -144,12 +132,11 @@ def image_params(http: Request, body: Any, prompt: str, images: list[bytes] | No
     return GenerationParams(prompt=prompt, image=image, **values)
 
 
-async def submit_image_job(
-    http: Request, params: GenerationParams, bad_input: BadInput, place_held: bool = False
-) -> Job:
-    """The queued job; the engine's checks failing are `bad_input`, the scheduler's refusals their answers."""
+async def submit_image_job(http: Request, params: GenerationParams, bad_input: BadInput) -> Job:
+    """The queued job (its queue place taken now, its body read); the engine's checks failing are `bad_input`, the
+    scheduler's refusals their answers."""
     try:
-        return await http.app.state.scheduler.submit(params, id_prefix="img", place_held=place_held)
+        return await http.app.state.scheduler.submit(params, id_prefix="img")
     except RequestError as exc:
         raise bad_input(exc) from None
     except (Unavailable, QueueFull, InternalError) as exc:
@@ -209,8 +196,10 @@ async def _disconnected(http: Request) -> None:
 
 async def _read_edit_form(http: Request) -> tuple[ImageEditRequest, list[bytes]]:
     # A form without files arrives url-encoded; it is answered "image is required" below.
-    if media_type(http) not in FORM_TYPES:
-        raise ApiError(400, "the edits endpoint takes multipart/form-data (image files and form fields)", param=IMAGE)
+    if body_media_type(http, "multipart/form-data") not in FORM_TYPES:
+        raise unread(
+            ApiError(400, "the edits endpoint takes multipart/form-data (image files and form fields)", param=IMAGE)
+        )
     spec = body_spec(http, IMAGE, max_files=http.app.state.settings.engine.limits.max_input_images)
     images: list[bytes] = []
     fields: dict[str, str] = {}

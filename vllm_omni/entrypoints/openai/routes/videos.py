@@ -41,13 +41,14 @@ from vllm_omni.entrypoints.openai.routes.bodies import (
     FORM_TYPES,
     BodySpec,
     FilePart,
+    body_media_type,
     body_spec,
     decode_data_url,
     is_json,
-    media_type,
     parse_fields,
     read_form,
     read_json_object,
+    unread,
 )
 from vllm_omni.entrypoints.openai.routes.models import check_model
 from vllm_omni.entrypoints.openai.video_store import VideoRecord, VideoStore
@@ -64,23 +65,18 @@ CLIENT_SECONDS = ("4", "8", "12")  # the lengths the openai client's type allows
 @router.post("/v1/videos", response_model=Video)
 async def create(http: Request) -> JSONResponse:
     scheduler: Scheduler = http.app.state.scheduler
+    # The body is read first (a loading server or a full queue is answered before it is): the
+    # request takes a queue place in `submit`, so a silent upload holds none.
+    fields, reference = await _read_create_body(http)
+    body = parse_fields(VideoCreateRequest, fields)
+    check_model(http, body.model, "video")
+    params, seconds = _params(http, body, reference)
     try:
-        # A loading server, or a full queue, says so before an upload is read; the place held
-        # meanwhile bounds the uploads in flight by the queue's length.
-        place = scheduler.hold_place()
-    except (Unavailable, QueueFull) as exc:
+        job = await scheduler.submit(params, id_prefix="video")
+    except RequestError as exc:
+        raise _request_error(exc, body.size, seconds) from None
+    except (Unavailable, QueueFull, InternalError) as exc:
         raise scheduler_error(exc) from None
-    with place:
-        fields, reference = await _read_create_body(http)
-        body = parse_fields(VideoCreateRequest, fields)
-        check_model(http, body.model, "video")
-        params, seconds = _params(http, body, reference)
-        try:
-            job = await scheduler.submit(params, id_prefix="video", place_held=True)
-        except RequestError as exc:
-            raise _request_error(exc, body.size, seconds) from None
-        except (Unavailable, QueueFull, InternalError) as exc:
-            raise scheduler_error(exc) from None
     settings = http.app.state.settings
     request = job.request
     record = _store(http).add(
@@ -326,7 +322,7 @@ def _params(http: Request, body: VideoCreateRequest, reference: bytes | None) ->
 async def _read_create_body(http: Request) -> tuple[dict[str, Any], bytes | None]:
     """The request's fields (text) and the reference image's bytes, from a multipart form or JSON."""
     spec = body_spec(http, REFERENCE, max_files=1, data_urls=True)
-    kind = media_type(http)
+    kind = body_media_type(http, "multipart/form-data (as the openai client sends it) or application/json")
     if is_json(kind):
         fields = await read_json_object(http, spec)
         reference = fields.pop(REFERENCE, None)
@@ -341,7 +337,7 @@ async def _read_create_body(http: Request) -> tuple[dict[str, Any], bytes | None
             param=REFERENCE,
         )
     if kind not in FORM_TYPES:
-        raise ApiError(400, "POST /v1/videos takes multipart/form-data (as the openai client sends it) or JSON")
+        raise unread(ApiError(400, "POST /v1/videos takes multipart/form-data (as the openai client sends it) or JSON"))
     fields: dict[str, Any] = {}
     reference_fields: dict[str, str] = {}
     reference: bytes | None = None
