@@ -363,7 +363,8 @@ class Scheduler:
             raise QueueFull(self.limits.max_queue, self.retry_after_s())
 
     def hold_place(self) -> QueuePlace:
-        """A place in the queue, held while a request is read and checked (`with` it; `place_held=True` to submit).
+        """A place in the queue, held while a request is checked (`with` it; `place_held=True` to submit). The routes
+        read a body before they submit, so a silent upload holds no place.
 
         Raises Unavailable or QueueFull at once, before anything is read.
         """
