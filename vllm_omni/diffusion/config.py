@@ -149,6 +149,7 @@ class DiffusionParallelConfig:
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("fp8",)
 CACHE_POLICIES = ("first_block",)
+CPU_OFFLOAD_MODES = ("none", "model", "layerwise")
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,14 @@ class OmniDiffusionConfig:
     ray_address: str | None = None
     # Which replica this engine is (data_parallel_size): its ranks use the GPUs from replica x world_size.
     replica: int = 0
+    # Where the weights wait between their phases (worker/offload.py): "none" (on the GPU), "model" (each
+    # component on the CPU until its phase), "layerwise" (the blocks streamed from pinned CPU memory).
+    cpu_offload: Literal["none", "model", "layerwise"] = "none"
+    # The share of each GPU the engine plans to use and may allocate (vLLM's --gpu-memory-utilization).
+    gpu_memory_utilization: float = 0.9
+    # (tokens per step, rows) of the largest request the limits admit: what the memory plan sizes one
+    # step for (worker/memory_plan.py). Set by the engine from its limits; None: the model's default, 1 row.
+    largest_request: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -216,6 +225,11 @@ class OmniDiffusionConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or unset, got {self.quantization!r}"
             )
+        if self.cpu_offload not in CPU_OFFLOAD_MODES:
+            raise ValueError(f"cpu_offload must be one of {', '.join(CPU_OFFLOAD_MODES)}, got {self.cpu_offload!r}")
+        value = self.gpu_memory_utilization
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {value!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype is not None:

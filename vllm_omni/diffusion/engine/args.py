@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm_omni.diffusion.config import (
     CACHE_POLICIES,
+    CPU_OFFLOAD_MODES,
     DTYPES,
     EXECUTOR_BACKENDS,
     QUANTIZATION_METHODS,
@@ -239,6 +240,25 @@ class EngineArgs:
         default=None,  # StepCacheConfig's
         type=float,
     )
+    cpu_offload: str = option(
+        "engine",
+        "where weights wait between their phases: none (on the GPU); model (each component, the text encoders, "
+        "the VAE, each denoiser, on the CPU until its phase: diffusers' model offload); layerwise (the blocks of "
+        "every component streamed from pinned CPU memory, the next one prefetched on a side stream: diffusers' "
+        "group offloading). Either turns CUDA graphs off (the weights move); YAML stages[0].cpu_offload",
+        ENGINE,
+        choices=CPU_OFFLOAD_MODES,
+        default_text="none",
+    )
+    gpu_memory_utilization: float = option(
+        "engine",
+        "the share of each GPU the engine may use: the memory plan at start must fit in it (or the start is "
+        "refused, saying which settings would fit), and allocations beyond it fail (vLLM's flag)",
+        ENGINE,
+        type=float,
+        metavar="FRACTION",
+        default_text="0.9",
+    )
     attention_backend: str | None = option(
         "engine",
         "attention kernel: sdpa (dense) or sdpa_masked (default: sdpa_masked when the padding is "
@@ -383,6 +403,7 @@ class EngineArgs:
             parallel_config=self.parallel_config,
             cache=self.step_cache,
             replica=replica,
+            largest_request=(self.limits.max_tokens_per_step, max(self.limits.max_n, self.batching.max_batch_size)),
             **self._config_values("engine"),
         )
 

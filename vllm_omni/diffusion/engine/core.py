@@ -132,6 +132,9 @@ class DiffusionEngine:
             if ray_session is not None:
                 ray_session.release()
             raise
+        # The memory plan sizes one step for the largest request these limits admit (worker/memory_plan.py).
+        tokens, rows = config.largest_request or (None, self.limits.max_n)
+        config.largest_request = (tokens or self.limits.for_model(self.spec).max_tokens_per_step, rows)
         self.config = config
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
@@ -140,8 +143,8 @@ class DiffusionEngine:
         self._preprocessor = RequestPreprocessor(self.spec, self.limits, self.model_path, config.cache)
         self._stopping = False
         logger.info(
-            "Starting %d worker(s) for %s (%s) on %s, %s, quantization=%s, cache=%s, ulysses_degree=%d, "
-            "cfg_parallel_size=%d, padding=%s, executor=%s",
+            "Starting %d worker(s) for %s (%s) on %s, %s, quantization=%s, cache=%s, cpu_offload=%s, "
+            "ulysses_degree=%d, cfg_parallel_size=%d, padding=%s, executor=%s",
             parallel.world_size,
             config.model,
             self.spec.diffusers_class,
@@ -149,6 +152,7 @@ class DiffusionEngine:
             config.dtype,
             config.quantization or "none",
             f"{config.cache.policy} (threshold {config.cache.threshold:g})" if config.cache else "none",
+            config.cpu_offload + (" (no CUDA graphs: the weights move)" if config.cpu_offload != "none" else ""),
             parallel.ulysses_degree,
             parallel.cfg_parallel_size,
             parallel.padding_mode,

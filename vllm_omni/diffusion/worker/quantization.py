@@ -58,13 +58,18 @@ class FP8Rule:
         """Why the module `name` stays bf16 (a `keep_bf16` key, "small", ...); None when it runs FP8."""
         if not isinstance(module, torch.nn.Linear):
             return "not linear"
+        return self.bf16_reason_by_shape(name, module.in_features, module.out_features)
+
+    def bf16_reason_by_shape(self, name: str, in_features: int, out_features: int) -> str | None:
+        """`bf16_reason` of a linear layer known by its name and sides (the memory plan reads them off a
+        checkpoint's header, before loading)."""
         parts = name.split(".")
         for what, pattern in self.keep_bf16.items():
             if any(re.search(pattern, part) for part in parts):
                 return what
-        if min(module.in_features, module.out_features) < self.min_features:
+        if min(in_features, out_features) < self.min_features:
             return "small"
-        if module.in_features % 16 or module.out_features % 16:
+        if in_features % 16 or out_features % 16:
             return "not a multiple of 16"  # torchao's FP8 GEMM needs both sides multiples of 16
         return None
 
@@ -98,12 +103,15 @@ def check_quantization(method: str | None, device: str | None, dtype: str | None
         raise ImportError(f"quantization={method!r} needs torchao: pip install 'vllm_omni[fp8]' ({TORCHAO_PIN})")
 
 
-def quantize_denoisers(denoisers: Mapping[str, torch.nn.Module], method: str | None) -> None:
-    """Convert every denoiser with `method` (None: nothing changes); the runner calls it once, after loading."""
+def quantize_denoisers(
+    denoisers: Mapping[str, torch.nn.Module], method: str | None, device: torch.device | None = None
+) -> None:
+    """Convert every denoiser with `method` (None: nothing changes) on `device` (None: where it is); the runner
+    calls it once, after loading."""
     if method is None:
         return
     for name, model in denoisers.items():
-        converted = set(quantize_denoiser(model, method))
+        converted = set(quantize_denoiser(model, method, device))
         if not converted:  # a run that claims FP8 and has none
             raise ValueError(
                 f"quantization={method!r}: no linear layer of {name} is large enough for FP8 (the rule keeps layers "
@@ -123,22 +131,32 @@ def quantize_denoisers(denoisers: Mapping[str, torch.nn.Module], method: str | N
         )
 
 
-def quantize_denoiser(model: torch.nn.Module, method: str) -> list[str]:
-    """Convert `model` in place with `method` by `FP8_RULE`, on its device; returns the converted layers.
+def quantize_denoiser(model: torch.nn.Module, method: str, device: torch.device | None = None) -> list[str]:
+    """Convert `model` in place with `method` by `FP8_RULE`, on `device` (None: its own); returns the converted
+    layers. A model waiting on the CPU (offloaded) is converted one layer at a time on `device` and stays there.
 
     Raises ValueError on a device or dtype that cannot run it, ImportError without torchao.
     """
     param = next(model.parameters())
+    device = param.device if device is None else device
     dtype = str(param.dtype).removeprefix("torch.")
-    check_quantization(method, param.device.type, dtype)
-    capability = torch.cuda.get_device_capability(param.device)
+    check_quantization(method, device.type, dtype)
+    capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
         raise ValueError(
             f"quantization={method!r} needs compute capability {'.'.join(map(str, MIN_CAPABILITY))} or newer "
-            f"(FP8 tensor cores: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(param.device)} "
-            f"({param.device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
+            f"(FP8 tensor cores: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} "
+            f"({device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
         )
-    return fp8_quantize(model, FP8_RULE.fp8_layers(model))
+    layers = FP8_RULE.fp8_layers(model)
+    if param.device == device:
+        return fp8_quantize(model, layers)
+    for name in layers:  # the scales are computed where the matmuls run; the whole model need not fit there
+        parent, _, leaf = name.rpartition(".")
+        layer = model.get_submodule(name).to(device)  # in place: the module stays its parent's
+        fp8_quantize(model.get_submodule(parent), [leaf])
+        layer.to(param.device)
+    return layers
 
 
 def fp8_quantize(model: torch.nn.Module, layers: Iterable[str]) -> list[str]:

@@ -43,6 +43,7 @@ from vllm_omni.diffusion.worker.forward_chain import (
     reset_step_cache,
     sharded_graphs,
 )
+from vllm_omni.diffusion.worker.offload import apply_offload
 from vllm_omni.diffusion.worker.quantization import quantize_denoisers, stored_bytes
 from vllm_omni.diffusion.worker.step_cache import CacheRecord
 from vllm_omni.logger import init_logger
@@ -52,10 +53,25 @@ logger = init_logger(__name__)
 StepCallback = Callable[[int], None]
 
 
-def present_components(path: Path, names: Iterable[str]) -> list[str]:
-    """Those of `names` this checkpoint has (model_index.json lists absent ones as null, or not at all)."""
+def present_components(path: Path, names: Iterable[str] | None = None) -> list[str]:
+    """Those of `names` (None: every one) this checkpoint has (model_index.json lists absent ones as null, or
+    not at all)."""
     index = json.loads((Path(path) / "model_index.json").read_text())
+    names = [name for name in index if not name.startswith("_")] if names is None else names
     return [name for name in names if isinstance(index.get(name), list) and index[name][0] is not None]
+
+
+def shares_text(family: FamilyPipeline) -> tuple[bool, bool]:
+    """(text_peers, encodes_text) of this rank: whether its SP group encodes the prompts once (on its rank 0,
+    which broadcasts the embeddings) and whether this rank encodes them."""
+    state = get_parallel_state()
+    text_peers = state is not None and state.sp_world_size > 1 and bool(family.text_encoders)
+    return text_peers, not text_peers or state.sp_rank == 0
+
+
+def skipped_text_encoders(path: Path, family: FamilyPipeline) -> list[str]:
+    """The text encoders this rank does not load (text encoded once: Qwen2.5-VL-7B is about 16 GB a rank)."""
+    return [] if shares_text(family)[1] else present_components(path, family.text_encoders)
 
 
 class PipelineRunner:
@@ -69,23 +85,26 @@ class PipelineRunner:
         enforce_eager: bool = False,
         quantization: str | None = None,
         cache: StepCacheConfig | None = None,
+        cpu_offload: str = "none",
     ) -> None:
         self.spec = spec
         self.device = device
         self.phase_seconds: dict[str, float] = {}  # the last request's: encode (text once), denoise, decode
         self.family: FamilyPipeline = spec.family_pipeline()
-        # Straight onto the device, without a random initialisation first (accelerate's meta-device load).
+        # Straight onto the device, without a random initialisation first (accelerate's meta-device load);
+        # offloaded weights load onto the CPU, where they wait between their phases (offload.py).
+        home = torch.device("cpu") if cpu_offload != "none" else device
         self.denoisers: dict[str, torch.nn.Module] = {
-            name: self.family.denoisers[name].from_pretrained(path, subfolder=name, dtype=dtype, device_map=str(device))
+            name: self.family.denoisers[name].from_pretrained(path, subfolder=name, dtype=dtype, device_map=str(home))
             for name in present_components(path, self.family.denoisers)
         }
-        quantize_denoisers(self.denoisers, quantization)  # before compile and graphs: they see the FP8 layers
+        # Before compile and graphs: they see the FP8 layers (converted on `device`, layer by layer when offloaded).
+        quantize_denoisers(self.denoisers, quantization, device)
         # Text encoded once per SP group: its rank 0 encodes and broadcasts the embeddings; its peers
-        # load the pipeline without the text encoder(s) (Qwen2.5-VL-7B is about 16 GB a rank).
+        # load the pipeline without the text encoder(s).
         state = get_parallel_state()
-        self.text_peers = state is not None and state.sp_world_size > 1 and bool(self.family.text_encoders)
-        self.encodes_text = not self.text_peers or state.sp_rank == 0
-        self.skipped: list[str] = [] if self.encodes_text else present_components(path, self.family.text_encoders)
+        self.text_peers, self.encodes_text = shares_text(self.family)
+        self.skipped: list[str] = skipped_text_encoders(path, self.family)
         # The VAE decode, tiled and split over every rank of the group (SP and CFG ranks hold the same latents).
         world = state.world_size if state is not None else 1
         vae_parallel = state.config.vae_parallel if state is not None else None
@@ -97,7 +116,7 @@ class PipelineRunner:
             **dict.fromkeys(self.skipped),
             **({"vae": vae} if vae is not None else {}),
             dtype=dtype,
-        ).to(device)
+        ).to(home)
         undeclared = undeclared_denoisers(self.pipe, self.denoisers)
         if undeclared:
             raise ValueError(
@@ -109,7 +128,8 @@ class PipelineRunner:
         self.graph_capture_failures: list[str] = []  # this rank's, since the worker last reported them
         graphs = None
         simulated = simulated_graphs_from_env()  # test-only: the graph decisions on CPU ranks
-        if (device.type == "cuda" or simulated is not None) and not enforce_eager:
+        # Offloaded weights move between phases (new addresses each time): a captured graph would read stale ones.
+        if (device.type == "cuda" or simulated is not None) and not enforce_eager and cpu_offload == "none":
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # one for all experts
             graphs = dict(on_failure=self.graph_capture_failures.append, simulated=simulated, pool=pool)
         self.cfg: CFGParallel | None = None
@@ -136,6 +156,7 @@ class PipelineRunner:
             vae_parallel,
             on_tile=lambda tile: self._on_decode_tile is not None and self._on_decode_tile(tile),
         )
+        apply_offload(self.pipe, cpu_offload, device)  # last: its hooks go outside every wrapper above
 
     @property
     def weight_bytes(self) -> int:

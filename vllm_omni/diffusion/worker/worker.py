@@ -125,7 +125,8 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     from vllm_omni.diffusion.attention.backends import configure_attention_backend
     from vllm_omni.diffusion.distributed.parallel_state import initialize_parallel_state
     from vllm_omni.diffusion.worker.loader import read_pipeline_spec, ulysses_degree_error
-    from vllm_omni.diffusion.worker.runner import PipelineRunner
+    from vllm_omni.diffusion.worker.memory_plan import plan_rank
+    from vllm_omni.diffusion.worker.runner import PipelineRunner, present_components, skipped_text_encoders
 
     start = time.perf_counter()
     parallel = config.parallel_config
@@ -142,6 +143,15 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
 
     spec = read_pipeline_spec(Path(model_path))
     dtype = getattr(torch, config.dtype)
+    # Before any weight is loaded: a deploy that cannot fit is refused here, saying what would (memory_plan.py).
+    components = set(present_components(Path(model_path))) - set(
+        skipped_text_encoders(Path(model_path), spec.family_pipeline())
+    )
+    plan = plan_rank(config, spec, Path(model_path), device, sorted(components))
+    if plan is not None:
+        logger.info("Worker rank %d %s", rank, plan.line())
+    if device.type == "cuda":  # what the plan was measured against is also what the rank may allocate
+        torch.cuda.set_per_process_memory_fraction(config.gpu_memory_utilization, device)
     runner = PipelineRunner(
         model_path,
         spec,
@@ -151,6 +161,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
         enforce_eager=config.enforce_eager,
         quantization=config.quantization,
         cache=config.cache,
+        cpu_offload=config.cpu_offload,
     )
     for name, heads in runner.attention_heads.items():  # the engine checked the configs; these are the models
         if heads % parallel.ulysses_degree:

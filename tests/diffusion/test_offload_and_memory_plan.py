@@ -1,0 +1,112 @@
+"""CPU offload (worker/offload.py) and the memory plan (worker/memory_plan.py).
+
+On CPU the offload hooks run with the CPU as both sides: what these tests prove is that diffusers'
+model and group offloading are placed on every component and leave the image bit-identical (one
+process, and U2 against U1); what only a GPU shows (weights really leave the device, the memory
+saved, the speed) is in the CUDA test below and benchmarks/offload.py. The plan's weights are checked
+against what the runner really loads, and a deploy too large for a (simulated) device is refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers.hooks import HookRegistry
+
+from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.worker.memory_plan import ComponentWeights, MemoryPlan, plan_for_checkpoint
+from vllm_omni.diffusion.worker.runner import PipelineRunner, present_components
+from vllm_omni.entrypoints.omni import Omni
+from vllm_omni.testing.memory import TEST_GPU_MEMORY_ENV
+
+MODEL = "tiny/qwen-image"
+GiB = 2**30
+
+
+def _request() -> DiffusionRequest:
+    # 14 x 12 = 168 image tokens (16 pixels a token) and true CFG: two forwards a step.
+    return DiffusionRequest(
+        request_id="r", prompt="a lighthouse at dusk", negative_prompt="fog", true_cfg_scale=4.0, height=224, width=192,
+        num_inference_steps=2, seed=7,
+        output_type="np",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def path():
+    return resolve_model_path(MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    runner = PipelineRunner(path, read_pipeline_spec(path), torch.device("cpu"), torch.float32, rank=0)
+    return runner, runner.run(_request(), lambda step: None)
+
+
+@pytest.mark.parametrize("mode", ["model", "layerwise"])
+def test_offload_places_diffusers_hooks_on_every_component_and_keeps_the_image(path, reference, mode):
+    runner = PipelineRunner(path, read_pipeline_spec(path), torch.device("cpu"), torch.float32, 0, cpu_offload=mode)
+    modules = {name: c for name, c in runner.pipe.components.items() if isinstance(c, torch.nn.Module)}
+    assert set(modules) >= {"transformer", "text_encoder", "vae"}
+    for name, module in modules.items():
+        if mode == "model":  # accelerate's CpuOffload hook, chained text_encoder -> transformer -> vae
+            assert type(getattr(module, "_hf_hook", None)).__name__ == "CpuOffload", name
+        else:  # diffusers' group offloading: each repeated block is a group of its own
+            assert HookRegistry.check_if_exists_or_initialize(module).get_hook("group_offloading") is not None, name
+    if mode == "layerwise":
+        block = runner.denoisers["transformer"].transformer_blocks[1]
+        assert HookRegistry.check_if_exists_or_initialize(block).get_hook("group_offloading") is not None
+    image = runner.run(_request(), lambda step: None)
+    # Not bit-identical on CPU: the hooks re-create the weights inside inference mode, for which the CPU GEMM
+    # takes another path (its sums round differently, ~1e-6 in float32; the offload moves no value).
+    np.testing.assert_allclose(image, reference[1], rtol=0, atol=1e-5)
+
+
+def test_layerwise_offload_under_ulysses_2_equals_one_process_without_it(reference):
+    with Omni(MODEL, ulysses_degree=2, cpu_offload="layerwise", device="cpu") as omni:
+        fields = ("prompt", "negative_prompt", "true_cfg_scale", "height", "width", "num_inference_steps", "seed")
+        out = omni.generate(**{k: getattr(_request(), k) for k in fields}, output_type="np")
+    np.testing.assert_allclose(np.asarray(out[0] if isinstance(out, list) else out), reference[1][0], rtol=0, atol=1e-5)
+
+
+def test_the_plans_weights_are_what_the_runner_loads(path, reference):
+    runner = reference[0]
+    plan = plan_for_checkpoint(
+        path, present_components(path), ["transformer"], dtype_bytes=4, fp8_reason=None, tokens=4096,
+        text_tokens=512, rows=1, sp=1, offload="none", device_total=GiB, device_free=GiB, utilization=1.0,
+    )  # fmt: skip
+    # Exactly the checkpoint's tensors; the few bytes apart are buffers a model computes when built (not stored).
+    assert abs(plan.weights - runner.weight_bytes) <= 1e-4 * runner.weight_bytes, (plan.weights, runner.weight_bytes)
+    by_name = {c.name: c for c in plan.components}
+    assert len(by_name["transformer"].blocks) == runner.denoisers["transformer"].config.num_layers
+
+
+def test_offload_modes_hold_one_component_or_two_of_its_blocks():
+    text, denoiser, vae = (
+        ComponentWeights("text_encoder", 16),
+        ComponentWeights("transformer", 40, (9, 9, 9, 9)),
+        (ComponentWeights("vae", 1)),
+    )
+
+    def plan(offload: str, free: int = 100) -> MemoryPlan:
+        return MemoryPlan((text, denoiser, vae), frozenset({"transformer"}), 5, offload, 100, free, 0.5)
+
+    assert plan("none").need == 16 + 40 + 1 + 5
+    assert plan("model").need == 40 + 5  # the denoiser and its step; the text encoder has left by then
+    assert plan("layerwise").need == 40 - 36 + 2 * 9 + 5  # two of its four blocks; the text encoder (16) is less
+    assert plan("none").budget == 50 and plan("none", free=30).budget == 30
+    assert not plan("none").fits and plan("model").fits
+
+
+def test_a_deploy_too_large_for_the_device_is_refused_at_start_naming_the_numbers(monkeypatch):
+    # The tiny transformer is 96 wide: one step of 4096 + 512 tokens is 4608 x 96 x 4 bytes x 20 = 33.75 MiB,
+    # beside 7.1 MiB of weights; half the step at Ulysses 2 fits in 0.9 of 30 MiB.
+    monkeypatch.setenv(TEST_GPU_MEMORY_ENV, "30MiB")
+    with pytest.raises(Exception) as info:
+        Omni(MODEL, device="cpu", max_tokens_per_step=4096, max_n=1)
+    message = str(info.value)
+    assert "the deploy does not fit" in message and "needs 40.8 MiB of 27.0 MiB (0.9 of 30.0 MiB" in message, message
+    assert "short by 13.8 MiB; would fit: --ulysses-degree 2 (24.0 MiB)" in message, message
+    assert "--max-tokens-per-step 2304" in message, message

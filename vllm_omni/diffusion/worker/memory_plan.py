@@ -1,0 +1,272 @@
+"""The memory plan: what a rank will hold on its GPU, computed before it loads a weight (worker.py).
+
+Weights come from the checkpoint's safetensors headers (shapes and dtypes, no tensor read), per
+component, at the dtype the rank serves them in, without what text-once leaves out (an SP peer
+loads no text encoder) and with FP8's one byte per converted weight (the same `FP8_RULE` that
+converts them). One denoising step's activations are estimated at the largest request the limits
+admit (`--max-tokens-per-step` tokens, `max(max_n, max_batch_size)` rows, this rank's share of
+them under Ulysses). What is on the GPU at once depends on `--cpu-offload`:
+
+- none: every component, plus a step;
+- model: one component at a time (diffusers' model offload moves the last one out first);
+- layerwise: one component's non-block weights and two of its blocks (the one running and the one
+  prefetched; diffusers' group offloading), plus a step in the denoisers' phase.
+
+The budget is `gpu_memory_utilization` of the device, and no more than is free when the rank
+starts. A plan that does not fit refuses the deploy, saying by how much and which settings fit.
+The VAE decode is not planned (a tiled decode's peak is set by its tiles; docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+# Bytes of activations per token, per unit of model width and per byte of dtype, that one block of a
+# denoiser keeps alive at its peak: q, k, v and the attention output (and their all-to-all copies), the
+# MLP's 4x-wide hidden before and after its activation, the residual stream and its modulated copy.
+# Measured on an H200 (benchmarks/offload.py prints the plan beside the measured peak).
+STEP_BYTES_PER_TOKEN_WIDTH = 20
+DEFAULT_TEXT_TOKENS = 512
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2}
+_DTYPE_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1}
+_FLOAT = {"F64", "F32", "F16", "BF16"}
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class ComponentWeights:
+    """One pipeline component's weights as this rank would hold them: all, and per repeated block."""
+
+    name: str
+    total: int
+    blocks: tuple[int, ...] = ()  # bytes of each direct child block (`transformer_blocks.7`), for layerwise
+
+    @property
+    def layerwise(self) -> int:
+        """On the GPU at once under group offloading: the non-block weights and two blocks."""
+        if not self.blocks:
+            return self.total
+        return self.total - sum(self.blocks) + min(2, len(self.blocks)) * max(self.blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What one rank plans to hold, against what it may use."""
+
+    components: tuple[ComponentWeights, ...]
+    denoisers: frozenset[str]
+    step_bytes: int  # one denoising step's activations at the largest admitted request
+    offload: str  # none, model, layerwise
+    device_total: int
+    device_free: int
+    utilization: float
+
+    @property
+    def budget(self) -> int:
+        return min(int(self.utilization * self.device_total), self.device_free)
+
+    @property
+    def weights(self) -> int:
+        """Weights on the GPU at the busiest moment."""
+        return self.need - self.step_bytes if self.offload == "none" else self._peak()[1]
+
+    @property
+    def need(self) -> int:
+        if self.offload == "none":
+            return sum(c.total for c in self.components) + self.step_bytes
+        return self._peak()[0]
+
+    def _peak(self) -> tuple[int, int]:
+        """(need, weights) in the busiest phase, when one component at a time is on the GPU."""
+        phases = [(self._resident(c) + self._activations(c), self._resident(c)) for c in self.components]
+        return max(phases, default=(self.step_bytes, 0))
+
+    def _resident(self, component: ComponentWeights) -> int:
+        return component.layerwise if self.offload == "layerwise" else component.total
+
+    def _activations(self, component: ComponentWeights) -> int:
+        return self.step_bytes if component.name in self.denoisers else 0
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.budget
+
+    def line(self) -> str:
+        """The start line's account: weights by component, the step, the total against the budget."""
+        held = ", ".join(f"{c.name} {size(c.total)}" for c in self.components)
+        return (
+            f"memory plan: weights {held} (offload {self.offload}: {size(self.weights)} on the GPU at once), one "
+            f"step at the largest request {size(self.step_bytes)}: needs {size(self.need)} of {size(self.budget)} "
+            f"({self.utilization:g} of {size(self.device_total)}, {size(self.device_free)} free)"
+        )
+
+
+def size(count: int) -> str:
+    """Bytes as GiB (MiB below one GiB: the tiny models' plans)."""
+    return f"{count / GiB:.2f} GiB" if count >= GiB else f"{count / 2**20:.1f} MiB"
+
+
+def header_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor in a safetensors file, from its header alone."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()}
+
+
+def component_weights(folder: Path, name: str, dtype_bytes: int, fp8_reason: Any | None = None) -> ComponentWeights:
+    """The weights of the component in `folder` (its *.safetensors), floating tensors at `dtype_bytes`
+    each. `fp8_reason(layer, in, out)`: FP8Rule.bf16_reason_by_shape for a denoiser served in FP8 (a
+    converted weight is one byte per element and a float32 scale per row)."""
+    total = 0
+    blocks: dict[str, int] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        for tensor, (dtype, shape) in header_tensors(file).items():
+            count = math.prod(shape)
+            size = count * (dtype_bytes if dtype in _FLOAT else _DTYPE_BYTES.get(dtype, 4))
+            layer, _, kind = tensor.rpartition(".")
+            if fp8_reason is not None and kind == "weight" and len(shape) == 2 and dtype in _FLOAT:
+                if fp8_reason(layer, shape[1], shape[0]) is None:
+                    size = count + 4 * shape[0]
+            total += size
+            parts = tensor.split(".")
+            if len(parts) > 2 and parts[1].isdigit():  # a block of a ModuleList child: group offloading's unit
+                key = f"{parts[0]}.{parts[1]}"
+                blocks[key] = blocks.get(key, 0) + size
+    return ComponentWeights(name, total, tuple(blocks.values()))
+
+
+def step_bytes(config: Mapping[str, Any], tokens: int, text_tokens: int, rows: int, sp: int, dtype_bytes: int) -> int:
+    """One denoising step's activations on a rank: `rows` sequences of `tokens` image and `text_tokens`
+    text tokens, each split over `sp` ranks, at the denoiser's width (heads x head dim)."""
+    width = int(config.get("num_attention_heads", 0)) * int(config.get("attention_head_dim", 0))
+    if width <= 0:
+        width = int(config.get("hidden_size", 0) or config.get("inner_dim", 0) or 3072)
+    per_rank = math.ceil(tokens / sp) + math.ceil(text_tokens / sp)
+    return rows * per_rank * width * dtype_bytes * STEP_BYTES_PER_TOKEN_WIDTH
+
+
+def plan_for_checkpoint(
+    path: Path,
+    components: Iterable[str],
+    denoisers: Iterable[str],
+    *,
+    dtype_bytes: int,
+    fp8_reason: Any | None,
+    tokens: int,
+    text_tokens: int,
+    rows: int,
+    sp: int,
+    offload: str,
+    device_total: int,
+    device_free: int,
+    utilization: float,
+) -> MemoryPlan:
+    """The plan of a rank that loads `components` of the checkpoint at `path` (see the module doc)."""
+    denoisers = frozenset(denoisers)
+    held = [
+        component_weights(path / name, name, dtype_bytes, fp8_reason if name in denoisers else None)
+        for name in components
+    ]
+    weights = tuple(c for c in held if c.total)  # the scheduler and tokenizers hold none
+    steps = [
+        step_bytes(_config(path / name), tokens, text_tokens, rows, sp, dtype_bytes)
+        for name in components
+        if name in denoisers
+    ]
+    return MemoryPlan(weights, denoisers, max(steps, default=0), offload, device_total, device_free, utilization)
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def refusal(plan: MemoryPlan, alternatives: Mapping[str, MemoryPlan], max_tokens: int) -> str:
+    """Why `plan` cannot run, by how much, and which of `alternatives` (setting -> its plan) would fit."""
+    short = plan.need - plan.budget
+    fitting = [f"{setting} ({size(alt.need)})" for setting, alt in alternatives.items() if alt.fits]
+    # The largest --max-tokens-per-step at which this plan fits: the step scales with the tokens.
+    spare = plan.budget - (plan.need - plan.step_bytes)
+    if plan.step_bytes and spare > 0:
+        tokens = int(max_tokens * spare / plan.step_bytes) // 256 * 256
+        if tokens > 0:
+            fitting.append(f"--max-tokens-per-step {tokens}")
+    advice = "; would fit: " + ", ".join(fitting) if fitting else "; no single setting fits: combine them"
+    return f"the deploy does not fit: {plan.line()}, short by {size(short)}{advice}"
+
+
+def device_memory(device: Any) -> tuple[int, int] | None:
+    """(total, free) bytes of the rank's device; None on a CPU (no device memory to plan against),
+    unless the test double VLLM_OMNI_TEST_GPU_MEMORY stands in for one (vllm_omni/testing/memory.py)."""
+    from vllm_omni.testing.memory import simulated_device_memory
+
+    simulated = simulated_device_memory()
+    if simulated is not None:
+        return simulated
+    if device.type != "cuda":
+        return None
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    return total, free
+
+
+def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Iterable[str]) -> MemoryPlan | None:
+    """This rank's plan (None on a CPU), or ValueError when the deploy cannot fit (`refusal`).
+
+    `components`: those this rank loads (runner.loaded_components). `config` is the worker's
+    OmniDiffusionConfig; `spec` the pipeline's PipelineSpec."""
+    memory = device_memory(device)
+    if memory is None:
+        return None
+    from vllm_omni.diffusion.worker.quantization import FP8_RULE
+
+    components = list(components)
+    denoisers = [name for name in spec.family_pipeline().denoisers if name in components]
+    dtype_bytes = {"float32": 4}.get(config.dtype, 2)
+    tokens, rows = config.largest_request or (spec.max_tokens_per_step, 1)
+    text_tokens = max(spec.max_prompt_tokens or 0, DEFAULT_TEXT_TOKENS)
+    parallel = config.parallel_config
+
+    def plan(offload: str = config.cpu_offload, fp8: bool = config.quantization == "fp8", sp: int = 0) -> MemoryPlan:
+        return plan_for_checkpoint(
+            path,
+            components,
+            denoisers,
+            dtype_bytes=dtype_bytes,
+            fp8_reason=FP8_RULE.bf16_reason_by_shape if fp8 else None,
+            tokens=tokens,
+            text_tokens=text_tokens,
+            rows=rows,
+            sp=sp or parallel.sequence_parallel_size,
+            offload=offload,
+            device_total=memory[0],
+            device_free=memory[1],
+            utilization=config.gpu_memory_utilization,
+        )
+
+    chosen = plan()
+    if chosen.fits:
+        return chosen
+    alternatives: dict[str, MemoryPlan] = {}
+    if config.quantization is None and dtype_bytes == 2:
+        alternatives["--quantization fp8"] = plan(fp8=True)
+    for mode in ("model", "layerwise"):
+        if mode != config.cpu_offload:
+            alternatives[f"--cpu-offload {mode}"] = plan(offload=mode)
+    heads = [_config(path / name).get("num_attention_heads") for name in denoisers]
+    degree = parallel.ulysses_degree * 2
+    if heads and all(isinstance(h, int) and h % degree == 0 for h in heads):
+        alternatives[f"--ulysses-degree {degree}"] = plan(sp=degree * parallel.ring_degree)
+    raise ValueError(refusal(chosen, alternatives, tokens))

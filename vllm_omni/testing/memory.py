@@ -1,0 +1,29 @@
+"""A simulated device memory for the memory plan's tests (worker/memory_plan.py `device_memory`).
+
+VLLM_OMNI_TEST_GPU_MEMORY='TOTAL[,FREE]' (bytes, or with a KiB/MiB/GiB suffix) makes every rank plan
+against a device of that size, on a CPU too, so a deploy that cannot fit is refused there as on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+TEST_GPU_MEMORY_ENV = "VLLM_OMNI_TEST_GPU_MEMORY"
+_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _bytes(text: str) -> int:
+    text = text.strip().lower()
+    for suffix, unit in _UNITS.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * unit)
+    return int(text)
+
+
+def simulated_device_memory() -> tuple[int, int] | None:
+    """(total, free) from VLLM_OMNI_TEST_GPU_MEMORY; None when it is not set."""
+    text = os.environ.get(TEST_GPU_MEMORY_ENV)
+    if not text:
+        return None
+    total, _, free = text.partition(",")
+    return _bytes(total), _bytes(free) if free else _bytes(total)
