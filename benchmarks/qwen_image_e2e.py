@@ -232,8 +232,41 @@ VARIANTS = [
         "ours-cache-auto", "levers", 1, "the same, threshold = the median change", CACHE, {"cache_threshold": AUTO}
     ),
 ]
+# Offload (issue 31) on a smaller card: the cap is the card's size (GPU_GIB -> gpu_memory_utilization, which the
+# engine also applies with torch.cuda.set_per_process_memory_fraction), and the limits admit one 1328x1328 image
+# (6889 tokens) a step, the largest request such a deploy is planned for. Compare with ours-fp8 / ours-default.
+GPU_GIB = "gpu_memory_gib"
+ONE_1328 = {"max_tokens_per_step": 6889, "max_n": 1}
+VARIANTS += [
+    Variant(
+        "ours-fp8-model-24g",
+        "offload",
+        1,
+        "Omni(folder, quantization='fp8', cpu_offload='model'), within 24 GiB",
+        {**FP8, "cpu_offload": "model", GPU_GIB: 24, **ONE_1328},
+    ),
+    Variant(
+        "ours-layerwise-24g",
+        "offload",
+        1,
+        "Omni(folder, cpu_offload='layerwise'), bf16, within 24 GiB",
+        {"cpu_offload": "layerwise", GPU_GIB: 24, **ONE_1328},
+    ),
+    Variant(
+        "ours-layerwise-48g",
+        "offload",
+        1,
+        "Omni(folder, cpu_offload='layerwise'), bf16, within 48 GiB",
+        {"cpu_offload": "layerwise", GPU_GIB: 48, **ONE_1328},
+    ),
+]
+OFFLOAD_TARGETS = (
+    ("ours-fp8-model-24g", "ours-fp8", "<= 1.3"),
+    ("ours-layerwise-24g", "ours-default", "<= 2"),
+    ("ours-layerwise-48g", "ours-default", "<= 1.3"),
+)
 BY_NAME = {variant.name: variant for variant in VARIANTS}
-PHASES = ["build", "diffusers", "ours", "ours2", "levers", "docs"]
+PHASES = ["build", "diffusers", "ours", "ours2", "levers", "offload", "docs"]
 # The first timed run's image of each variant run in this process: agreement with ours-default's.
 IMAGES: dict[str, np.ndarray] = {}  # docs: rewrite the docs section from the JSON
 
@@ -797,7 +830,11 @@ def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold
     try:
         with DeviceMemorySampler(scale.device == "cuda") as sampler:
             start = time.perf_counter()
-            omni = Omni(str(settings.folder), device=scale.device, dtype=scale.dtype, **variants[0].omni)
+            options = dict(variants[0].omni)
+            if GPU_GIB in options:  # the card's size, as a share of this one
+                total = torch.cuda.mem_get_info()[1] if scale.device == "cuda" else 2**40
+                options["gpu_memory_utilization"] = min(1.0, options.pop(GPU_GIB) * 2**30 / total)
+            omni = Omni(str(settings.folder), device=scale.device, dtype=scale.dtype, **options)
             ready_s = time.perf_counter() - start
             try:
                 engine_warmup_s = omni.engine.warmup_s or 0.0
@@ -976,6 +1013,10 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float | None, str]]:
         ),
         ("ours-fp8-cache-auto / diffusers-eager", ratio(e2e("ours-fp8-cache-auto"), e2e("diffusers-eager")), ""),
         *((f"{name} / ours-default", ratio(e2e(name), e2e("ours-default")), "") for name in LEVERS),
+        *(
+            (f"{name} / {reference}", ratio(e2e(name), e2e(reference)), target)
+            for name, reference, target in OFFLOAD_TARGETS
+        ),
     ]
     cold = results.get("cold_start")
     start = (cold or {}).get("engines", {}).get("ours-default")  # started in the call that timed the reads
@@ -1192,7 +1233,7 @@ def main(argv: list[str] | None = None) -> None:
                 save()  # after each variant: a call cut short keeps what it measured
 
             run_diffusers(settings, names, keep)
-        elif phase in ("ours", "ours2", "levers"):
+        elif phase in ("ours", "ours2", "levers", "offload"):
             cold_read_s = 0.0
             if phase == "ours" and not args.no_cold_start:
                 results["cold_start"] = measure_reads(folder)

@@ -110,3 +110,26 @@ def test_a_deploy_too_large_for_the_device_is_refused_at_start_naming_the_number
     assert "the deploy does not fit" in message and "needs 40.8 MiB of 27.0 MiB (0.9 of 30.0 MiB" in message, message
     assert "short by 13.8 MiB; would fit: --ulysses-degree 2 (24.0 MiB)" in message, message
     assert "--max-tokens-per-step 2304" in message, message
+
+
+# ---- on a GPU (skipped elsewhere): the weights really leave it, compiled blocks stay, the image is kept -------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["model", "layerwise"])
+def test_on_a_gpu_offloaded_weights_wait_on_the_cpu_and_compiled_blocks_give_the_image(path, mode):
+    device = torch.device("cuda", 0)
+    spec = read_pipeline_spec(path)
+    eager = PipelineRunner(path, spec, device, torch.float32, 0, enforce_eager=True)
+    want = eager.run(_request(), lambda step: None)
+    del eager
+    torch.cuda.empty_cache()
+    runner = PipelineRunner(path, spec, device, torch.float32, 0, cpu_offload=mode)  # compiled blocks, no graphs
+    assert runner.graph_captures == 0
+    got = runner.run(_request(), lambda step: None)
+    # Between requests every weight is back on the CPU (a denoiser's blocks too, under layerwise).
+    devices = {p.device.type for c in runner.pipe.components.values() if isinstance(c, torch.nn.Module)
+               for p in c.parameters()}  # fmt: skip
+    assert devices == {"cpu"}, devices
+    assert PipelineRunner.compiles() > 0
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)  # inductor's fused norms round as in test_runner_cuda

@@ -139,8 +139,10 @@ class PipelineRunner:
             self.cfg_rank = state.cfg_rank
         self.forwards: Counter = Counter()  # per denoiser, in the current request
         self.cache = CacheRecord(cache) if cache is not None else None  # shared by the denoisers (Wan2.2's two)
+        # Compiled blocks also under offload: its hooks move the weights in before the compiled forward runs.
+        compile_blocks = device.type == "cuda" and not enforce_eager and spec.compile_blocks
         for name, denoiser in self.denoisers.items():
-            if graphs is not None and spec.compile_blocks and device.type == "cuda":
+            if compile_blocks:
                 compile_repeated_blocks(denoiser)
             install_denoiser_chain(denoiser, graphs, self.cfg, self.forwards, name, self.cache)
         # HunyuanVideo 1.5's pipeline has no step callback: its scheduler's `step` reports instead.
