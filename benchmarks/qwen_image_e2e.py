@@ -238,12 +238,14 @@ VARIANTS = [
 GPU_GIB = "gpu_memory_gib"
 ONE_1328 = {"max_tokens_per_step": 6889, "max_n": 1}
 VARIANTS += [
+    # FP8 with offload is refused (EngineArgs.validate: torchao 0.18's float8 weights cannot move onto a GPU under
+    # torch 2.11), so bf16 model offload is shown where it fits: the 38 GiB transformer within 48 GiB.
     Variant(
-        "ours-fp8-model-24g",
+        "ours-model-48g",
         "offload",
         1,
-        "Omni(folder, quantization='fp8', cpu_offload='model'), within 24 GiB",
-        {**FP8, "cpu_offload": "model", GPU_GIB: 24, **ONE_1328},
+        "Omni(folder, cpu_offload='model'), bf16, within 48 GiB",
+        {"cpu_offload": "model", GPU_GIB: 48, **ONE_1328},
     ),
     Variant(
         "ours-layerwise-24g",
@@ -261,7 +263,7 @@ VARIANTS += [
     ),
 ]
 OFFLOAD_TARGETS = (
-    ("ours-fp8-model-24g", "ours-fp8", "<= 1.3"),
+    ("ours-model-48g", "ours-default", ""),
     ("ours-layerwise-24g", "ours-default", "<= 2"),
     ("ours-layerwise-48g", "ours-default", "<= 1.3"),
 )

@@ -14,6 +14,7 @@ import pytest
 import torch
 from diffusers.hooks import HookRegistry
 
+from vllm_omni.diffusion.engine.args import EngineArgs
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.worker.memory_plan import ComponentWeights, MemoryPlan, plan_for_checkpoint
@@ -22,6 +23,7 @@ from vllm_omni.entrypoints.omni import Omni
 from vllm_omni.testing.memory import TEST_GPU_MEMORY_ENV
 
 MODEL = "tiny/qwen-image"
+LAYERS = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
 GiB = 2**30
 
 
@@ -32,6 +34,10 @@ def _request() -> DiffusionRequest:
         num_inference_steps=2, seed=7,
         output_type="np",
     )  # fmt: skip
+
+
+def _group_offloaded(module: torch.nn.Module) -> bool:
+    return HookRegistry.check_if_exists_or_initialize(module).get_hook("group_offloading") is not None
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +59,10 @@ def test_offload_places_diffusers_hooks_on_every_component_and_keeps_the_image(p
     for name, module in modules.items():
         if mode == "model":  # accelerate's CpuOffload hook, chained text_encoder -> transformer -> vae
             assert type(getattr(module, "_hf_hook", None)).__name__ == "CpuOffload", name
-        else:  # diffusers' group offloading: each repeated block is a group of its own
-            assert HookRegistry.check_if_exists_or_initialize(module).get_hook("group_offloading") is not None, name
-    if mode == "layerwise":
-        block = runner.denoisers["transformer"].transformer_blocks[1]
-        assert HookRegistry.check_if_exists_or_initialize(block).get_hook("group_offloading") is not None
+        else:  # diffusers' group offloading: a denoiser's blocks each a group, every layer of the others
+            blocks = runner.denoisers[name].transformer_blocks if name in runner.denoisers else None
+            groups = list(blocks) if blocks is not None else [m for m in module.modules() if isinstance(m, LAYERS)]
+            assert groups and all(_group_offloaded(m) for m in groups), name
     image = runner.run(_request(), lambda step: None)
     # Not bit-identical on CPU: the hooks re-create the weights inside inference mode, for which the CPU GEMM
     # takes another path (its sums round differently, ~1e-6 in float32; the offload moves no value).
@@ -83,19 +88,23 @@ def test_the_plans_weights_are_what_the_runner_loads(path, reference):
     assert len(by_name["transformer"].blocks) == runner.denoisers["transformer"].config.num_layers
 
 
+def test_fp8_with_offload_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="float8 weights cannot be moved onto a GPU"):
+        EngineArgs(MODEL, quantization="fp8", cpu_offload="model").validate()
+
+
 def test_offload_modes_hold_one_component_or_two_of_its_blocks():
-    text, denoiser, vae = (
-        ComponentWeights("text_encoder", 16),
-        ComponentWeights("transformer", 40, (9, 9, 9, 9)),
-        (ComponentWeights("vae", 1)),
-    )
+    text = ComponentWeights("text_encoder", 16, largest_layer=3)
+    denoiser = ComponentWeights("transformer", 40, (9, 9, 9, 9), largest_layer=2)
+    vae = ComponentWeights("vae", 1, largest_layer=1)
 
     def plan(offload: str, free: int = 100) -> MemoryPlan:
         return MemoryPlan((text, denoiser, vae), frozenset({"transformer"}), 5, offload, 100, free, 0.5)
 
     assert plan("none").need == 16 + 40 + 1 + 5
     assert plan("model").need == 40 + 5  # the denoiser and its step; the text encoder has left by then
-    assert plan("layerwise").need == 40 - 36 + 2 * 9 + 5  # two of its four blocks; the text encoder (16) is less
+    # The denoiser: its non-block weights, two of its four blocks and the step; the text encoder: two layers.
+    assert plan("layerwise").need == 40 - 36 + 2 * 9 + 5
     assert plan("none").budget == 50 and plan("none", free=30).budget == 30
     assert not plan("none").fits and plan("model").fits
 

@@ -426,6 +426,12 @@ class EngineArgs:
                 "--cache-threshold needs a cache: give --cache first_block (or stages[0].cache, or Omni's "
                 'cache="first_block")'
             )
+        if self.quantization is not None and self.cpu_offload != "none":
+            raise ValueError(
+                f"--quantization {self.quantization} with --cpu-offload {self.cpu_offload}: offload moves the weights "
+                "onto the GPU at every phase, and torchao 0.18's float8 weights cannot be moved onto a GPU under "
+                "torch 2.11 (measured on an H200: the move fails in torchao's aliasing of aten.to); use one of them"
+            )
         if self.cache is not None and self.batching.max_batch_size > 1:
             raise ValueError(
                 f"--cache with --max-batch-size {self.batching.max_batch_size}: a batch's rows would share one step "

@@ -9,8 +9,8 @@ them under Ulysses). What is on the GPU at once depends on `--cpu-offload`:
 
 - none: every component, plus a step;
 - model: one component at a time (diffusers' model offload moves the last one out first);
-- layerwise: one component's non-block weights and two of its blocks (the one running and the one
-  prefetched; diffusers' group offloading), plus a step in the denoisers' phase.
+- layerwise: a denoiser's non-block weights and two of its blocks (the one running and the one
+  prefetched; diffusers' group offloading), plus a step; another component, two of its layers.
 
 The budget is `gpu_memory_utilization` of the device, and no more than is free when the rank
 starts. A plan that does not fit refuses the deploy, saying by how much and which settings fit.
@@ -47,10 +47,13 @@ class ComponentWeights:
     name: str
     total: int
     blocks: tuple[int, ...] = ()  # bytes of each direct child block (`transformer_blocks.7`), for layerwise
+    largest_layer: int = 0  # bytes of its largest module's own tensors (a leaf-level group)
 
-    @property
-    def layerwise(self) -> int:
-        """On the GPU at once under group offloading: the non-block weights and two blocks."""
+    def layerwise(self, block_level: bool) -> int:
+        """On the GPU at once under group offloading: at block level the non-block weights and two blocks, at
+        leaf level two layers (the one running, the one prefetched)."""
+        if not block_level:
+            return min(self.total, 2 * self.largest_layer)
         if not self.blocks:
             return self.total
         return self.total - sum(self.blocks) + min(2, len(self.blocks)) * max(self.blocks)
@@ -89,7 +92,9 @@ class MemoryPlan:
         return max(phases, default=(self.step_bytes, 0))
 
     def _resident(self, component: ComponentWeights) -> int:
-        return component.layerwise if self.offload == "layerwise" else component.total
+        if self.offload == "layerwise":
+            return component.layerwise(block_level=component.name in self.denoisers)
+        return component.total
 
     def _activations(self, component: ComponentWeights) -> int:
         return self.step_bytes if component.name in self.denoisers else 0
@@ -128,6 +133,7 @@ def component_weights(folder: Path, name: str, dtype_bytes: int, fp8_reason: Any
     converted weight is one byte per element and a float32 scale per row)."""
     total = 0
     blocks: dict[str, int] = {}
+    layers: dict[str, int] = {}
     for file in sorted(folder.glob("*.safetensors")):
         for tensor, (dtype, shape) in header_tensors(file).items():
             count = math.prod(shape)
@@ -137,11 +143,12 @@ def component_weights(folder: Path, name: str, dtype_bytes: int, fp8_reason: Any
                 if fp8_reason(layer, shape[1], shape[0]) is None:
                     size = count + 4 * shape[0]
             total += size
+            layers[layer] = layers.get(layer, 0) + size
             parts = tensor.split(".")
             if len(parts) > 2 and parts[1].isdigit():  # a block of a ModuleList child: group offloading's unit
                 key = f"{parts[0]}.{parts[1]}"
                 blocks[key] = blocks.get(key, 0) + size
-    return ComponentWeights(name, total, tuple(blocks.values()))
+    return ComponentWeights(name, total, tuple(blocks.values()), max(layers.values(), default=0))
 
 
 def step_bytes(config: Mapping[str, Any], tokens: int, text_tokens: int, rows: int, sp: int, dtype_bytes: int) -> int:
@@ -260,10 +267,11 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
     if chosen.fits:
         return chosen
     alternatives: dict[str, MemoryPlan] = {}
-    if config.quantization is None and dtype_bytes == 2:
+    # FP8 and offload do not combine (EngineArgs.validate): each is suggested only where the other is off.
+    if config.quantization is None and dtype_bytes == 2 and config.cpu_offload == "none":
         alternatives["--quantization fp8"] = plan(fp8=True)
     for mode in ("model", "layerwise"):
-        if mode != config.cpu_offload:
+        if mode != config.cpu_offload and config.quantization is None:
             alternatives[f"--cpu-offload {mode}"] = plan(offload=mode)
     heads = [_config(path / name).get("num_attention_heads") for name in denoisers]
     degree = parallel.ulysses_degree * 2

@@ -103,15 +103,12 @@ def check_quantization(method: str | None, device: str | None, dtype: str | None
         raise ImportError(f"quantization={method!r} needs torchao: pip install 'vllm_omni[fp8]' ({TORCHAO_PIN})")
 
 
-def quantize_denoisers(
-    denoisers: Mapping[str, torch.nn.Module], method: str | None, device: torch.device | None = None
-) -> None:
-    """Convert every denoiser with `method` (None: nothing changes) on `device` (None: where it is); the runner
-    calls it once, after loading."""
+def quantize_denoisers(denoisers: Mapping[str, torch.nn.Module], method: str | None) -> None:
+    """Convert every denoiser with `method` (None: nothing changes); the runner calls it once, after loading."""
     if method is None:
         return
     for name, model in denoisers.items():
-        converted = set(quantize_denoiser(model, method, device))
+        converted = set(quantize_denoiser(model, method))
         if not converted:  # a run that claims FP8 and has none
             raise ValueError(
                 f"quantization={method!r}: no linear layer of {name} is large enough for FP8 (the rule keeps layers "
@@ -131,32 +128,22 @@ def quantize_denoisers(
         )
 
 
-def quantize_denoiser(model: torch.nn.Module, method: str, device: torch.device | None = None) -> list[str]:
-    """Convert `model` in place with `method` by `FP8_RULE`, on `device` (None: its own); returns the converted
-    layers. A model waiting on the CPU (offloaded) is converted one layer at a time on `device` and stays there.
+def quantize_denoiser(model: torch.nn.Module, method: str) -> list[str]:
+    """Convert `model` in place with `method` by `FP8_RULE`, on its device; returns the converted layers.
 
     Raises ValueError on a device or dtype that cannot run it, ImportError without torchao.
     """
     param = next(model.parameters())
-    device = param.device if device is None else device
     dtype = str(param.dtype).removeprefix("torch.")
-    check_quantization(method, device.type, dtype)
-    capability = torch.cuda.get_device_capability(device)
+    check_quantization(method, param.device.type, dtype)
+    capability = torch.cuda.get_device_capability(param.device)
     if capability < MIN_CAPABILITY:
         raise ValueError(
             f"quantization={method!r} needs compute capability {'.'.join(map(str, MIN_CAPABILITY))} or newer "
-            f"(FP8 tensor cores: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} "
-            f"({device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
+            f"(FP8 tensor cores: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(param.device)} "
+            f"({param.device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
         )
-    layers = FP8_RULE.fp8_layers(model)
-    if param.device == device:
-        return fp8_quantize(model, layers)
-    for name in layers:  # the scales are computed where the matmuls run; the whole model need not fit there
-        parent, _, leaf = name.rpartition(".")
-        layer = model.get_submodule(name).to(device)  # in place: the module stays its parent's
-        fp8_quantize(model.get_submodule(parent), [leaf])
-        layer.to(param.device)
-    return layers
+    return fp8_quantize(model, FP8_RULE.fp8_layers(model))
 
 
 def fp8_quantize(model: torch.nn.Module, layers: Iterable[str]) -> list[str]:

@@ -98,8 +98,7 @@ class PipelineRunner:
             name: self.family.denoisers[name].from_pretrained(path, subfolder=name, dtype=dtype, device_map=str(home))
             for name in present_components(path, self.family.denoisers)
         }
-        # Before compile and graphs: they see the FP8 layers (converted on `device`, layer by layer when offloaded).
-        quantize_denoisers(self.denoisers, quantization, device)
+        quantize_denoisers(self.denoisers, quantization)  # before compile and graphs: they see the FP8 layers
         # Text encoded once per SP group: its rank 0 encodes and broadcasts the embeddings; its peers
         # load the pipeline without the text encoder(s).
         state = get_parallel_state()
@@ -158,7 +157,7 @@ class PipelineRunner:
             vae_parallel,
             on_tile=lambda tile: self._on_decode_tile is not None and self._on_decode_tile(tile),
         )
-        apply_offload(self.pipe, cpu_offload, device)  # last: its hooks go outside every wrapper above
+        apply_offload(self.pipe, cpu_offload, device, self.denoisers)  # last: its hooks go outside every wrapper
 
     @property
     def weight_bytes(self) -> int:
