@@ -132,6 +132,15 @@ def declare_cache_block(block_class: type, hidden_states_index: int, encoder_hid
     TransformerBlockRegistry.register(block_class, metadata)
 
 
+def attention_heads(config: Mapping[str, Any]) -> int | None:
+    """A denoiser config's attention head count: diffusers' `num_attention_heads` (Z-Image's `n_heads`); None
+    where it has neither."""
+    for key in ("num_attention_heads", "n_heads"):
+        if key in config:
+            return config[key]
+    return None
+
+
 def call_arg(pipe: Any, kwargs: Mapping[str, Any], name: str) -> Any:
     """The value `pipe(**kwargs)` runs with for argument `name`: the given one, else its `__call__` default."""
     if name in kwargs:

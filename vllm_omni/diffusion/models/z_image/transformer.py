@@ -54,9 +54,7 @@ class ZImageSPAttnProcessor(reference.ZSingleStreamAttnProcessor):
     def __init__(self, stream: str) -> None:
         super().__init__()
         self.stream = stream
-        self.attention = (
-            JointAttention(text_position="rear") if stream == "joint" else JointAttention(stream=stream)
-        )
+        self.attention = JointAttention(text_position="rear") if stream == "joint" else JointAttention(stream=stream)
 
     def __call__(
         self,
