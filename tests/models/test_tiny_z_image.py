@@ -1,7 +1,7 @@
 """The tiny embedded Z-Image model and the Z-Image pipeline adapter, run end to end on CPU.
 
-The tiny folders (text-to-image, img2img) are built once per session and loaded with the real
-diffusers pipelines; our SP transformer swapped in must give the reference pipelines' images, and
+The tiny folder is built once per session and loaded with the real diffusers pipelines (text-to-image,
+and img2img on the same folder); our SP transformer swapped in must give the reference pipelines' images, and
 the call with prompt embeddings encoded once (`encode_text`) must give the images of the call
 that encodes its prompts itself.
 """
@@ -27,16 +27,15 @@ FAMILY = z_image_pipeline.FAMILY
 # 64x48 -> 4 x 3 = 12 image tokens (16 px a token), which the model pads to 32.
 HEIGHT, WIDTH = 64, 48
 SPECS = {
-    "generate": SimpleNamespace(diffusers_class="ZImagePipeline", task="generate", max_input_images=0),
+    "generate": SimpleNamespace(diffusers_class="ZImagePipeline", task="generate", max_input_images=1),
     "edit": SimpleNamespace(diffusers_class="ZImageImg2ImgPipeline", task="edit", max_input_images=1),
 }
 CLASSES = {"generate": ZImagePipeline, "edit": ZImageImg2ImgPipeline}
 
 
 @pytest.fixture(scope="session")
-def tiny_folders(tmp_path_factory) -> dict[str, pathlib.Path]:
-    cache = str(tmp_path_factory.mktemp("tiny_z_image_cache"))
-    return {"generate": tiny_model_path("tiny/z-image", cache), "edit": tiny_model_path("tiny/z-image-img2img", cache)}
+def tiny_folder(tmp_path_factory) -> pathlib.Path:
+    return tiny_model_path("tiny/z-image", str(tmp_path_factory.mktemp("tiny_z_image_cache")))
 
 
 def _load(folder: pathlib.Path, task: str, ours: bool):
@@ -49,10 +48,8 @@ def _load(folder: pathlib.Path, task: str, ours: bool):
 
 
 @pytest.fixture(scope="module")
-def pipes(tiny_folders) -> dict[tuple[str, str], object]:
-    return {
-        (task, kind): _load(tiny_folders[task], task, kind == "ours") for task in CLASSES for kind in ("ref", "ours")
-    }
+def pipes(tiny_folder) -> dict[tuple[str, str], object]:
+    return {(task, kind): _load(tiny_folder, task, kind == "ours") for task in CLASSES for kind in ("ref", "ours")}
 
 
 def _source(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -66,6 +63,7 @@ def _request(**fields) -> DiffusionRequest:
 
 def _run(pipe, request: DiffusionRequest, task: str = "generate", shared_text: bool = False) -> np.ndarray:
     kwargs = FAMILY.call_kwargs(pipe, request, SPECS[task])
+    pipe = FAMILY.pipeline_for(pipe, request)
     if isinstance(request.prompt, list):
         kwargs["prompt"] = request.prompt  # a batch of requests: the runner passes each row's prompt
     with torch.inference_mode():
@@ -92,10 +90,13 @@ def test_our_transformer_gives_the_reference_images(pipes, case):
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
 
 
-def test_img2img_gives_the_reference_images_and_uses_the_source(pipes):
+@pytest.mark.parametrize("loaded", ["generate", "edit"])
+def test_img2img_gives_the_reference_images_and_uses_the_source(pipes, loaded):
+    """img2img from a checkpoint of either pipeline (text-to-image: built on its components per request)."""
     request = _request(images=[_source(WIDTH, HEIGHT)], guidance_scale=0.0, num_inference_steps=3)
     expected = _run(pipes["edit", "ref"], request, "edit")
-    actual = _run(pipes["edit", "ours"], request, "edit")
+    assert isinstance(FAMILY.pipeline_for(pipes[loaded, "ours"], request), ZImageImg2ImgPipeline)
+    actual = _run(pipes[loaded, "ours"], request, loaded)
     assert actual.shape == (1, HEIGHT, WIDTH, 3)
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
     other = _run(
@@ -142,16 +143,14 @@ def test_pipeline_kwargs_map_the_request():
     kwargs = FAMILY.pipeline_kwargs(_request(guidance_scale=0.0, negative_prompt="dark"), SPECS["generate"])
     assert kwargs["guidance_scale"] == 0.0 and kwargs["negative_prompt"] == "dark"
     source = _source(32, 32)
-    assert FAMILY.pipeline_kwargs(_request(images=[source]), SPECS["edit"])["image"] is source
+    assert FAMILY.pipeline_kwargs(_request(images=[source]), SPECS["generate"])["image"] is source
 
 
-def test_folders_keep_the_real_geometry(tiny_folders, pipes):
-    folder = tiny_folders["generate"]
+def test_folder_keeps_the_real_geometry(tiny_folder, pipes):
+    folder = tiny_folder
     transformer = json.loads((folder / "transformer" / "config.json").read_text())
     text = json.loads((folder / "text_encoder" / "config.json").read_text())
-    for task, name in (("generate", "tiny/z-image"), ("edit", "tiny/z-image-img2img")):
-        index = json.loads((tiny_folders[task] / "model_index.json").read_text())
-        assert index["_class_name"] == TINY_MODELS[name] == CLASSES[task].__name__
+    assert json.loads((folder / "model_index.json").read_text())["_class_name"] == TINY_MODELS["tiny/z-image"]
     # 8x VAE, 2x2 patches: 16 px a token, 1024x1024 -> 4096 image tokens; heads that 2 and 3 divide.
     pipe = pipes["generate", "ours"]
     assert pipe.vae_scale_factor * transformer["all_patch_size"][0] == 16

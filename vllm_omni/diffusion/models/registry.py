@@ -271,10 +271,11 @@ def _z_image(diffusers_class: str, task: str) -> PipelineSpec:
         "z_image",
         task,
         COMMON_FIELDS | {"negative_prompt", "guidance_scale"},
-        max_input_images=1 if task == "edit" else 0,
+        # One source image at most: text-to-image checkpoints run a request with one as img2img (pipeline.py).
+        max_input_images=1,
         input_image_required=task == "edit",
-        # Text-to-image: __call__'s height/width default of 1024. img2img starts from the source, at its own
-        # size floored to 16 (a requested size resizes the source first: pipeline.py).
+        # Without a source, __call__'s height/width default of 1024. img2img starts from the source, at its
+        # own size floored to 16 (a requested size resizes the source first: pipeline.py).
         default_size=(1024, 1024) if task == "generate" else None,
         # Qwen3 reads 512 tokens (max_sequence_length) of the chat-templated prompt: the user's prompt and the
         # 3 + 5 template tokens around it.
@@ -373,8 +374,9 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "z_image",
         # Z-Image and its 8-step Turbo: one single-stream DiT; CFG (guidance_scale > 0) is batched in one forward.
+        # Text-to-image checkpoints take an optional source image (img2img on the same components).
         (_z_image("ZImagePipeline", "generate"), _z_image("ZImageImg2ImgPipeline", "edit")),
-        {"tiny/z-image": "ZImagePipeline", "tiny/z-image-img2img": "ZImageImg2ImgPipeline"},
+        {"tiny/z-image": "ZImagePipeline"},
     ),
 )
 

@@ -220,7 +220,7 @@ class PipelineRunner:
         self._on_decode_tile = on_decode_tile
         try:
             with self._per_step_hook(kwargs, step_end), torch.inference_mode():
-                result = self.pipe(**kwargs)
+                result = self.family.pipeline_for(self.pipe, request)(**kwargs)
         finally:
             self._on_decode_tile = None
         # Denoising: from the pipeline call to its last step (the pipeline's own prompt encoding and

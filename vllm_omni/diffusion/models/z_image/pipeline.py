@@ -1,7 +1,9 @@
 """Z-Image (text-to-image) and its img2img pipeline: how a request becomes their call arguments.
 
 The generic runner loads `diffusers.ZImagePipeline` / `ZImageImg2ImgPipeline` with our transformer
-in place of diffusers' own and adds the generator, output type and cancel hook. Guidance is real
+in place of diffusers' own and adds the generator, output type and cancel hook. A checkpoint of the
+text-to-image pipeline (Z-Image-Turbo's) serves edits too: a request with a source image runs the
+img2img pipeline built on the same components. Guidance is real
 classifier-free guidance whenever `guidance_scale` > 0 (the Turbo runs 0.0: one forward per step),
 with the negative prompt as the uncond branch; the pipelines run both branches as one batched
 forward. Prompt embeddings are a list (one tensor per prompt, of its own length), so they travel
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from diffusers import ZImageImg2ImgPipeline
 
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.z_image.transformer import ZImageTransformer2DModel
@@ -45,9 +48,17 @@ class ZImageFamily(FamilyPipeline):
             kwargs["guidance_scale"] = request.guidance_scale
         if request.negative_prompt is not None:
             kwargs["negative_prompt"] = request.negative_prompt
-        if spec.task == "edit":
+        if request.images:
             kwargs["image"] = request.images[0]
         return kwargs
+
+    def pipeline_for(self, pipe: Any, request: DiffusionRequest) -> Any:
+        """The img2img pipeline on `pipe`'s components for a request with a source image; else `pipe`."""
+        if not request.images or isinstance(pipe, ZImageImg2ImgPipeline):
+            return pipe
+        img2img = ZImageImg2ImgPipeline(**pipe.components)  # the same modules: no weights copied
+        img2img.set_progress_bar_config(**getattr(pipe, "_progress_bar_config", {}))
+        return img2img
 
     def call_kwargs(self, pipe: Any, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         """As `pipeline_kwargs`; a source image of another size than the request's is resized to it first, by

@@ -1,7 +1,7 @@
 """Tiny embedded Z-Image model: a complete diffusers folder with seeded random weights.
 
 Tests and demos call :func:`tiny_model_path` (or :func:`build_tiny_model`) to get a folder that
-``ZImagePipeline`` and ``ZImageImg2ImgPipeline`` load exactly like Z-Image-Turbo, without any hub
+``ZImagePipeline`` (and ``ZImageImg2ImgPipeline``) load exactly like Z-Image-Turbo, without any hub
 access. Every component is the real class (``ZImageTransformer2DModel``, the FLUX.1-style
 ``AutoencoderKL``, ``Qwen3Model`` with a ``Qwen2Tokenizer`` trained here, and the Turbo's
 ``FlowMatchEulerDiscreteScheduler``) with shrunken widths, depths and vocabulary, while the geometry
@@ -19,8 +19,7 @@ import torch
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 from vllm_omni.diffusion.models.tiny_qwen_tokenizer import CHAT_TEMPLATE, build_qwen2_tokenizer, special_token_ids
 
-# One checkpoint serves both pipelines; the engine picks a pipeline by the folder's model_index.json.
-TINY_MODELS: dict[str, str] = {"tiny/z-image": "ZImagePipeline", "tiny/z-image-img2img": "ZImageImg2ImgPipeline"}
+TINY_MODELS: dict[str, str] = {"tiny/z-image": "ZImagePipeline"}
 
 # Bump when the generated folder changes so stale caches are not reused.
 _CACHE_VERSION = "v1"
@@ -112,13 +111,12 @@ def _build_vae():
 
 def build_tiny_model(name: str, folder: str | os.PathLike) -> None:
     """Write the complete diffusers folder of tiny model ``name`` into ``folder``."""
-    import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 
     if name not in TINY_MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(sorted(TINY_MODELS))}")
     tokenizer = _build_tokenizer()
-    pipe = getattr(diffusers, TINY_MODELS[name])(
+    pipe = ZImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
         vae=_build_vae(),
         text_encoder=_build_text_encoder(tokenizer),
