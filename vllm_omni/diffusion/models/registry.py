@@ -282,9 +282,9 @@ def _z_image(diffusers_class: str, task: str) -> PipelineSpec:
         max_prompt_tokens=504,
         cfg_parallel_refusal="runs classifier-free guidance (guidance_scale > 0) as one batched forward per step "
         "(prompts and negative prompts in one call), which CFG parallel's exchange of two calls per step cannot split",
-        step_cache_refusal="names its blocks' input `x`, where diffusers' First-Block-Cache (0.42.1) looks up "
-        "`hidden_states` and fails; its main blocks also hold [image, text] in one stream, which the group's "
-        "cache statistic (real image rows only) would measure unlike one process; serve it uncached",
+        step_cache_refusal="does not fit diffusers' First-Block-Cache (0.42.1): its transformer has no cache "
+        "contexts (no CacheMixin) and its blocks name their input `x`, where the hook looks up `hidden_states` "
+        "and fails; serve it uncached",
     )
 
 
