@@ -12,7 +12,8 @@ docs section.
 Run with torchrun on two GPUs (real NCCL all-to-alls) or with --simulate on one GPU: rank 0
 of a simulated U2 group does a real rank's compute, but its all-to-alls are local copies, so
 it omits the communication cost, its outputs are not the model's (no agreement numbers), and
-diffusers' CP cannot run that way.
+diffusers' CP cannot run that way. `--degree N` (with --simulate) acts as rank 0 of a simulated
+U<N> group instead: the variants and ratios are then named U<N>.
 """
 
 from __future__ import annotations
@@ -169,6 +170,11 @@ def with_cuda_graphs(model: torch.nn.Module) -> Callable[..., Any]:
     return forward
 
 
+def ratios(degree: int) -> list[tuple[str, str]]:
+    """RATIOS with the U2 variants named for `degree`."""
+    return [(a.replace("U2", f"U{degree}"), b.replace("U2", f"U{degree}")) for a, b in RATIOS]
+
+
 def variants(
     models: Models, u2_state: ParallelState, simulate: bool, graphs: bool, compiled: bool = False
 ) -> dict[str, Variant]:
@@ -181,11 +187,12 @@ def variants(
             CompiledBlocks(models["ours"], ours=True), with_cuda_graphs(models["ours"])
         )
     out = {}
+    degree = u2_state.config.ulysses_degree  # 2, or a simulated rank's --degree
     for suffix, fn in ours.items():
         out[f"ours U1{suffix}"] = (fn, None)
         for mode, flags in MODES.items():
-            config = DiffusionParallelConfig(ulysses_degree=2, **flags)
-            out[f"ours U2 {mode}{suffix}"] = (fn, dataclasses.replace(u2_state, config=config))
+            config = DiffusionParallelConfig(ulysses_degree=degree, **flags)
+            out[f"ours U{degree} {mode}{suffix}"] = (fn, dataclasses.replace(u2_state, config=config))
     out["diffusers U1"] = (models["diffusers"], None)
     if compiled:
         diffusers_blocks = CompiledBlocks(models["diffusers"], ours=False)
@@ -251,7 +258,7 @@ def _agreement_cell(row: dict | None) -> str:
     return f"{row['max_abs_diff']:.3g} / {row['psnr_db']:.1f} dB"
 
 
-def write_docs(bench: ForwardBenchmark, rows: list[dict], path: Path, setup: str) -> None:
+def write_docs(bench: ForwardBenchmark, rows: list[dict], path: Path, setup: str, degree: int = 2) -> None:
     device = rows[0]["device"]
     sizes = [size for size in bench.sizes if any(row["size"] == size for row in rows)]  # the sizes run
     table: dict[str, dict[str, object]] = {}
@@ -282,7 +289,7 @@ def write_docs(bench: ForwardBenchmark, rows: list[dict], path: Path, setup: str
         return f"{x / y:.3f}" if isinstance(x, float) and isinstance(y, float) else "n/a"
 
     lines += ["", "| ratio | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
-    for a, b in RATIOS:
+    for a, b in ratios(degree):
         if a in table and b in table:
             lines.append(f"| {a} / {b} | " + " | ".join(ratio(a, b, size) for size in sizes) + " |")
 
@@ -297,14 +304,14 @@ def write_docs(bench: ForwardBenchmark, rows: list[dict], path: Path, setup: str
         ]
         for variant, by_size in accuracy.items():
             lines.append(f"| {variant} | " + " | ".join(_agreement_cell(by_size.get(size)) for size in sizes) + " |")
-    replace_section(
-        path, f"{bench.key}_{'simulated' if 'simulated' in setup else 'nccl'}", "\n".join(lines), script=bench.key
-    )
+    section = f"{bench.key}_{'simulated' if 'simulated' in setup else 'nccl'}{'' if degree == 2 else f'_u{degree}'}"
+    replace_section(path, section, "\n".join(lines), script=bench.key)
 
 
 def main(bench: ForwardBenchmark, description: str, argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--simulate", action="store_true", help="one GPU: act as rank 0 of a simulated U2 group")
+    parser.add_argument("--degree", type=int, default=2, help="with --simulate: the simulated Ulysses degree (2)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layers", default=bench.default_layers, help="fewer layers for a quick check (%(default)s)")
@@ -317,14 +324,16 @@ def main(bench: ForwardBenchmark, description: str, argv: list[str] | None = Non
     parser.add_argument("--docs", type=Path, default=ROOT / "docs/benchmarks.md")
     args = parser.parse_args(argv)
     overrides, layers_label = bench.parse_layers(args.layers)
+    if args.degree != 2 and not args.simulate:
+        parser.error("--degree other than 2 needs --simulate (the real-rank run is two GPUs)")
     if not torch.cuda.is_available():
         sys.exit(f"{bench.key}.py needs a CUDA GPU")
 
     if args.simulate:
         rank, device = 0, torch.device("cuda", 0)
         torch.cuda.set_device(device)
-        u2_state = initialize_simulated_parallel_state(DiffusionParallelConfig(ulysses_degree=2))
-        setup = "one GPU, simulated U2 rank (all-to-alls are local copies: no communication cost)"
+        u2_state = initialize_simulated_parallel_state(DiffusionParallelConfig(ulysses_degree=args.degree))
+        setup = f"one GPU, simulated U{args.degree} rank (all-to-alls are local copies: no communication cost)"
     else:
         rank = int(os.environ["RANK"])
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -363,10 +372,11 @@ def main(bench: ForwardBenchmark, description: str, argv: list[str] | None = Non
                 }
             )
     if rank == 0:
-        out = args.out or ROOT / f"benchmarks/results/{bench.key}{'_simulated' if args.simulate else ''}.json"
+        suffix = ("_simulated" if args.simulate else "") + ("" if args.degree == 2 else f"_u{args.degree}")
+        out = args.out or ROOT / f"benchmarks/results/{bench.key}{suffix}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rows, indent=1) + "\n")
-        write_docs(bench, rows, args.docs, setup)
+        write_docs(bench, rows, args.docs, setup, args.degree)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """`POST /v1/chat/completions` over real HTTP, on a text-to-image and an edit model.
 
-Three servers for the module, started together (one worker each: the route is the images routes'
+Four servers for the module, started together (one worker each: the route is the images routes'
 path, the SP core is tested elsewhere): `tiny/qwen-image`, `tiny/qwen-image-edit` (a 1 MB upload
-limit, so an oversized data URL is cheap to send) and `tiny/glm-image` (an AR stage, then its DiT).
+limit, so an oversized data URL is cheap to send), `tiny/glm-image` (an AR stage, then its DiT) and
+`tiny/z-image` (text-to-image, and img2img for a request with a source image).
 The same request through chat and through
 /v1/images/generations or /v1/images/edits must give the same pixels; bad messages and parts are a
 400 naming them; `stream: true` is a 400; a client that disconnects has its request cancelled.
@@ -25,7 +26,7 @@ from server_process import HTTP_TIMEOUT_S, ServerProcess, decode_image, omni_com
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
 
-T2I, EDIT, GLM = "tiny/qwen-image", "tiny/qwen-image-edit", "tiny/glm-image"
+T2I, EDIT, GLM, ZIMAGE = "tiny/qwen-image", "tiny/qwen-image-edit", "tiny/glm-image", "tiny/z-image"
 PROMPT = "A cat holding a sign that says hello world."
 EDIT_PROMPT = "Add a cool hat to the cat."
 SIZE = {"height": 48, "width": 64}  # 4x3 tokens: the smallest useful run
@@ -44,6 +45,7 @@ def servers(tmp_path_factory):
             omni_command("serve", EDIT, "--max-upload-bytes", str(UPLOAD_LIMIT)), logs / "edit.log", server_env()
         ),
         GLM: ServerProcess(omni_command("serve", GLM), logs / "glm.log", server_env()),
+        ZIMAGE: ServerProcess(omni_command("serve", ZIMAGE), logs / "z-image.log", server_env()),
     }
     try:
         for server in started.values():
@@ -175,6 +177,36 @@ def test_openai_client_chat_edit_with_an_image_part_equals_images_edits(servers)
         extra_body={"num_inference_steps": 2, "seed": 5},
     )
     np.testing.assert_array_equal(edited, np.asarray(decode_image(reference.data[0].b64_json)))
+
+
+def test_z_image_generates_and_edits_through_the_openai_client_and_chat(servers):
+    """Z-Image-Turbo's settings (guidance 0.0); an edit runs img2img from the source on the same checkpoint."""
+    server, source = servers[ZIMAGE], png_data_url()
+    client = client_of(server)
+    knobs = {"num_inference_steps": 2, "guidance_scale": 0.0, "seed": 4}
+    generated = client.images.generate(model=ZIMAGE, prompt=PROMPT, size="64x48", extra_body=knobs)
+    image = np.asarray(decode_image(generated.data[0].b64_json))
+    assert image.shape == (48, 64, 3)
+    edited = client.images.edit(
+        model=ZIMAGE,
+        image=("cat.png", base64.b64decode(source[len(PNG_URL) :]), "image/png"),
+        prompt=EDIT_PROMPT,
+        size="64x48",
+        extra_body=knobs,
+    )
+    edit = np.asarray(decode_image(edited.data[0].b64_json))
+    assert edit.shape == (48, 64, 3) and not np.array_equal(edit, image)
+    response = client.chat.completions.create(
+        model=ZIMAGE,
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": EDIT_PROMPT}, {"type": "image_url", "image_url": {"url": source}}],
+            }
+        ],
+        extra_body={**SIZE, **knobs},
+    )
+    np.testing.assert_array_equal(pixels_of_url(response.choices[0].message.content[0]["image_url"]["url"]), edit)
 
 
 def test_stream_true_is_a_400_the_openai_client_raises(servers):

@@ -40,7 +40,9 @@ def test_every_denoiser_is_declared_loaded_and_wrapped(name, monkeypatch):
         assert type(model).forward_sharded is not SequenceParallelTransformer.forward_sharded
         assert isinstance(model.sharded_wrapper, CUDAGraphForward)
         assert HookRegistry.check_if_exists_or_initialize(model).get_hook(CountForwards.NAME) is not None
-    assert runner.attention_heads == {n: m.config.num_attention_heads for n, m in denoisers.items()}
+    # diffusers names the head count num_attention_heads; Z-Image names it n_heads.
+    heads = {n: m.config.get("num_attention_heads", m.config.get("n_heads")) for n, m in denoisers.items()}
+    assert runner.attention_heads == heads and all(isinstance(h, int) for h in heads.values())
     if name in ("tiny/wan2.2-t2v", "tiny/wan2.2-i2v"):
         assert set(denoisers) == {"transformer", "transformer_2"}  # both experts of A14B
 

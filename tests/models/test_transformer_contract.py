@@ -15,6 +15,7 @@ import test_flux2_transformer as flux2_case
 import test_glm_image_transformer as glm_image_case
 import test_hunyuan_video_15_transformer as hunyuan_case
 import test_wan22_transformer as wan22_case
+import test_z_image_transformer as z_image_case
 import torch
 from tiny_qwen_transformer import QWEN_CONFIG, qwen_inputs
 
@@ -23,6 +24,7 @@ from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer
 from vllm_omni.diffusion.models.hunyuan_video_15 import HunyuanVideo15Transformer3DModel
 from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
 from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel
+from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks
 
 FAMILIES = {
@@ -39,10 +41,13 @@ FAMILIES = {
         glm_image_case.CONFIG,
         lambda: glm_image_case.make_inputs(glm_image_case.COND),
     ),
+    "z_image": (ZImageTransformer2DModel, z_image_case.CONFIG, lambda: z_image_case.make_inputs("cfg")),
 }
 # Families whose diffusers class has no processor API to set (family -> why the test is skipped).
 NO_SET_ATTN_PROCESSOR = {
     "glm_image": "diffusers' GlmImageTransformer2DModel has no attn_processors / set_attn_processor",
+    "z_image": "diffusers' ZImageTransformer2DModel has no attn_processors / set_attn_processor (a processor set on "
+    "a block's attention is tested in test_z_image_transformer.py)",
 }
 
 

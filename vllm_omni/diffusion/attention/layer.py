@@ -2,10 +2,11 @@
 
 - `JointAttention`: self-attention over an image/video stream and an optional text stream joined
   to it ("front": [text, image], Qwen-Image, FLUX.2; "rear": [video, text], HunyuanVideo 1.5; no
-  text: Wan2.2's video self-attention), Ulysses-parallel when a sequence-parallel context is
-  active: one seq->head all-to-all for q, k, v of both streams, `attend_joint` (join, kernel,
-  layout for the way back), one head->seq all-to-all. What attention may see of the SP padding
-  comes from the context's `JointLayout` (distributed/sequence_parallel.py).
+  text: Wan2.2's video self-attention; the text stream alone: Z-Image's caption refiner),
+  Ulysses-parallel when a sequence-parallel context is active: one seq->head all-to-all for q, k,
+  v of both streams, `attend_joint` (join, kernel, layout for the way back), one head->seq
+  all-to-all. What attention may see of the SP padding comes from the context's `JointLayout`
+  (distributed/sequence_parallel.py).
 - `CrossAttention`: queries from the rank's own shard of the video stream, keys and values from a
   stream every rank holds whole (Wan2.2's 512 text tokens). No all-to-all and no padding policy:
   the padded query rows give rows that the gather drops like every padded row.
@@ -36,7 +37,7 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def pack_streams(layout: JointLayout, streams: dict[str, QKV]) -> torch.Tensor:
     """Lay out q, k, v of every stream for the seq->head all-to-all: [P, 3, B, S_local, H/P, D]."""
-    query = streams[IMAGE][0]
+    query = next(iter(streams.values()))[0]
     batch, _, heads, head_dim = query.shape
     world = layout.world_size
     send = query.new_empty(world, 3, batch, layout.local_len, heads // world, head_dim)
@@ -96,15 +97,22 @@ def attend_joint(recv: torch.Tensor, layout: JointLayout, backend: AttentionBack
 
 
 class JointAttention(nn.Module):
-    """Joint attention over [image] or [text, image] ("front") / [image, text] ("rear")."""
+    """Joint attention over [image] or [text, image] ("front") / [image, text] ("rear").
+
+    `stream`: the stream that `query`, `key` and `value` belong to: the image (default), or the text
+    alone (`TEXT`, with no `text_qkv`: self-attention within the text stream).
+    """
 
     kind = "joint"
 
-    def __init__(self, text_position: Literal["front", "rear"] = "front") -> None:
+    def __init__(self, text_position: Literal["front", "rear"] = "front", stream: str = IMAGE) -> None:
         super().__init__()
         if text_position not in ("front", "rear"):
             raise ValueError(f"text_position must be 'front' or 'rear', got {text_position!r}")
+        if stream not in (IMAGE, TEXT):
+            raise ValueError(f"stream must be {IMAGE!r} or {TEXT!r}, got {stream!r}")
         self.text_position = text_position
+        self.stream = stream
 
     # Compiled transformer blocks (cuda_graphs.compile_repeated_blocks) run this layer eagerly:
     # the all-to-alls and the per-forward layout stay as written, and compiled code sees no collective.
@@ -116,11 +124,17 @@ class JointAttention(nn.Module):
         value: torch.Tensor,
         text_qkv: QKV | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return the attention output of the image stream and of the text stream (None without text)."""
-        streams: dict[str, QKV] = {IMAGE: (query, key, value)}
+        """Return the attention output of `stream` (the image's, by default) and of the text stream (None
+        without `text_qkv`)."""
+        streams: dict[str, QKV] = {self.stream: (query, key, value)}
         if text_qkv is not None:
+            if self.stream == TEXT:
+                raise ValueError("text_qkv joins a text stream to the image stream; this layer attends within the text")
             streams[TEXT] = text_qkv
-        order = [IMAGE] if text_qkv is None else ([TEXT, IMAGE] if self.text_position == "front" else [IMAGE, TEXT])
+        if text_qkv is None:
+            order = [self.stream]
+        else:
+            order = [TEXT, IMAGE] if self.text_position == "front" else [IMAGE, TEXT]
 
         ctx = get_sp_context()
         if ctx is None or not ctx.enabled:
@@ -128,7 +142,7 @@ class JointAttention(nn.Module):
         else:
             outs = self._attend_ulysses(ctx, order, streams)
         by_name = dict(zip(order, outs))
-        return by_name[IMAGE], by_name.get(TEXT)
+        return by_name[self.stream], by_name[TEXT] if text_qkv is not None else None
 
     @staticmethod
     def _attend_single_process(
@@ -151,7 +165,7 @@ class JointAttention(nn.Module):
 
     @staticmethod
     def _attend_ulysses(ctx: SequenceParallelContext, order: list[str], streams: dict[str, QKV]) -> list[torch.Tensor]:
-        query = streams[IMAGE][0]
+        query = streams[order[0]][0]
         if query.shape[2] % ctx.world_size:
             raise ValueError(
                 f"ulysses_degree={ctx.world_size} must divide the number of attention heads ({query.shape[2]})"

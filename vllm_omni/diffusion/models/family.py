@@ -14,6 +14,8 @@ The runner reads nothing else of a family:
 - `call_kwargs(pipe, request, spec)`: a validated request -> the pipeline's `__call__` keyword
   arguments (the runner adds the generator, the output type and the per-step hook). A family
   that must also set per-request state on the pipeline (HunyuanVideo 1.5's guider) does it here.
+- `pipeline_for(pipe, request)`: the pipeline that runs `request`: the loaded one, or one built on its
+  components (Z-Image: its img2img pipeline for a request with a source image).
 - `uses_cfg(request)`: whether the request runs two forwards per step (cond, uncond), which CFG
   parallel splits between two rank groups; `default_negative_prompt` is what the pipeline uses
   when such a request gives none (the uncond group's prompt).
@@ -61,6 +63,10 @@ class FamilyPipeline(abc.ABC):
     def call_kwargs(self, pipe: Any, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         """The pipeline call's keyword arguments (a family with per-request pipeline state overrides it)."""
         return self.pipeline_kwargs(request, spec)
+
+    def pipeline_for(self, pipe: Any, request: DiffusionRequest) -> Any:
+        """The pipeline that runs `request`: `pipe` itself, or another built on its components (same modules)."""
+        return pipe
 
     def uses_cfg(self, request: DiffusionRequest) -> bool:
         """True when the pipeline runs a conditional and an unconditional forward per step for `request`."""
@@ -130,6 +136,15 @@ def declare_cache_block(block_class: type, hidden_states_index: int, encoder_hid
         return_hidden_states_index=hidden_states_index, return_encoder_hidden_states_index=encoder_hidden_states_index
     )
     TransformerBlockRegistry.register(block_class, metadata)
+
+
+def attention_heads(config: Mapping[str, Any]) -> int | None:
+    """A denoiser config's attention head count: diffusers' `num_attention_heads` (Z-Image's `n_heads`); None
+    where it has neither."""
+    for key in ("num_attention_heads", "n_heads"):
+        if key in config:
+            return config[key]
+    return None
 
 
 def call_arg(pipe: Any, kwargs: Mapping[str, Any], name: str) -> Any:

@@ -60,7 +60,8 @@ class PipelineSpec:
     auto_size_source: int = 0
     # How the pipeline resizes a source image before its VAE encodes it: "area" (Qwen-Image-Edit's
     # calculate_dimensions: the aspect ratio at about `source_area` pixels, sides rounded to 32),
-    # "shrink" (FLUX.2: down to at most `source_area` pixels, sides floored to 16); None: as given.
+    # "shrink" (FLUX.2: down to at most `source_area` pixels, sides floored to 16); None: as given (Z-Image
+    # img2img: the engine floors the sides to size_multiple, as the pipeline's image processor does).
     source_resize: Literal["area", "shrink"] | None = None
     source_area: int = 1024 * 1024
     # The encoded sources' latent tokens join the transformer's sequence (Qwen-Image-Edit, FLUX.2):
@@ -128,7 +129,7 @@ class PipelineSpec:
                 return None
             width, height = source_sizes[self.auto_size_source] if source_sizes else self.default_aspect_ratio
             return bucket_size(width, height, target_size, self.size_multiple)
-        if source_sizes and self.source_resize is not None:
+        if source_sizes:
             return self.source_size(*source_sizes[self.auto_size_source])
         return self.default_size
 
@@ -264,6 +265,29 @@ def _wan22(diffusers_class: str, max_input_images: int, five_b: bool = False) ->
     )
 
 
+def _z_image(diffusers_class: str, task: str) -> PipelineSpec:
+    return PipelineSpec(
+        diffusers_class,
+        "z_image",
+        task,
+        COMMON_FIELDS | {"negative_prompt", "guidance_scale"},
+        # One source image at most: text-to-image checkpoints run a request with one as img2img (pipeline.py).
+        max_input_images=1,
+        input_image_required=task == "edit",
+        # Without a source, __call__'s height/width default of 1024. img2img starts from the source, at its
+        # own size floored to 16 (a requested size resizes the source first: pipeline.py).
+        default_size=(1024, 1024) if task == "generate" else None,
+        # Qwen3 reads 512 tokens (max_sequence_length) of the chat-templated prompt: the user's prompt and the
+        # 3 + 5 template tokens around it.
+        max_prompt_tokens=504,
+        cfg_parallel_refusal="runs classifier-free guidance (guidance_scale > 0) as one batched forward per step "
+        "(prompts and negative prompts in one call), which CFG parallel's exchange of two calls per step cannot split",
+        step_cache_refusal="does not fit diffusers' First-Block-Cache (0.42.1): its transformer has no cache "
+        "contexts (no CacheMixin) and its blocks name their input `x`, where the hook looks up `hidden_states` "
+        "and fails; serve it uncached",
+    )
+
+
 FAMILIES: tuple[Family, ...] = (
     Family(
         "qwen_image",
@@ -346,6 +370,13 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         {"tiny/glm-image": "GlmImagePipeline"},
+    ),
+    Family(
+        "z_image",
+        # Z-Image and its 8-step Turbo: one single-stream DiT; CFG (guidance_scale > 0) is batched in one forward.
+        # Text-to-image checkpoints take an optional source image (img2img on the same components).
+        (_z_image("ZImagePipeline", "generate"), _z_image("ZImageImg2ImgPipeline", "edit")),
+        {"tiny/z-image": "ZImagePipeline"},
     ),
 )
 

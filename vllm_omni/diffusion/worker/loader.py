@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from vllm_omni.diffusion.models.family import attention_heads
 from vllm_omni.diffusion.models.registry import TINY_MODELS, PipelineSpec, spec_for
 
 TINY_PREFIX = "tiny/"
@@ -67,8 +68,8 @@ def check_ulysses_degree(path: Path, ulysses_degree: int) -> None:
         if not name.startswith("transformer") or not isinstance(index[name], list) or index[name][0] is None:
             continue
         try:
-            heads = json.loads((path / name / "config.json").read_text())["num_attention_heads"]
-        except (OSError, ValueError, KeyError, TypeError):
+            heads = attention_heads(json.loads((path / name / "config.json").read_text()))
+        except (OSError, ValueError, TypeError):
             continue  # no readable config here: the workers' check still applies
         if isinstance(heads, int) and heads >= 1 and heads % ulysses_degree:
             raise ValueError(ulysses_degree_error(ulysses_degree, heads))

@@ -30,7 +30,7 @@ from vllm_omni.diffusion.config import StepCacheConfig
 from vllm_omni.diffusion.distributed.comm import SourceFailed, broadcast_tensors
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.images import decode_image
-from vllm_omni.diffusion.models.family import FamilyPipeline, undeclared_denoisers
+from vllm_omni.diffusion.models.family import FamilyPipeline, attention_heads, undeclared_denoisers
 from vllm_omni.diffusion.models.registry import PipelineSpec
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, swap_prompts
@@ -181,7 +181,7 @@ class PipelineRunner:
     @property
     def attention_heads(self) -> dict[str, int]:
         """Attention heads of each denoiser (the Ulysses degree must divide every one)."""
-        return {name: model.config.num_attention_heads for name, model in self.denoisers.items()}
+        return {name: attention_heads(model.config) for name, model in self.denoisers.items()}
 
     def run(
         self,
@@ -242,7 +242,7 @@ class PipelineRunner:
         self._on_decode_tile = on_decode_tile
         try:
             with self._per_step_hook(kwargs, step_end), torch.inference_mode():
-                result = self.pipe(**kwargs)
+                result = self.family.pipeline_for(self.pipe, request)(**kwargs)
         finally:
             self._on_decode_tile = None
         # Denoising: from the pipeline call to its last step (the pipeline's own prompt encoding and

@@ -1,0 +1,229 @@
+"""Our Z-Image transformer against the diffusers reference, single process and under SP.
+
+Same random weights (a checkpoint saved by the diffusers class and loaded by ours); fp32.
+The reference pads each stream to a multiple of 32 itself (35 image tokens -> 64, 11 caption
+tokens -> 32), so 2 ranks never pad; 3 ranks pad both streams (64 -> 66, 32 -> 33).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+from diffusers import ZImageTransformer2DModel as ReferenceTransformer
+from diffusers.models.transformers import transformer_z_image as reference
+from sp_padding import random_sp_padding
+
+from vllm_omni.diffusion.config import DiffusionParallelConfig
+from vllm_omni.diffusion.distributed.comm import SimulatedGroup
+from vllm_omni.diffusion.distributed.parallel_state import ParallelState, get_parallel_state, use_parallel_state
+from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
+from vllm_omni.logger import reset_warning_once
+
+CONFIG = dict(
+    all_patch_size=(2,),
+    all_f_patch_size=(1,),
+    in_channels=4,
+    dim=96,
+    n_layers=2,
+    n_refiner_layers=1,
+    n_heads=6,
+    n_kv_heads=6,
+    cap_feat_dim=24,
+    axes_dims=[4, 6, 6],  # frame/height/width rotary dims, summing to the head dim (96 / 6)
+    axes_lens=[256, 32, 32],
+)
+LATENT = (10, 14)  # 5 x 7 = 35 image tokens
+# Caption lengths per row: one row; two rows as a CFG step passes them (prompt, then the shorter
+# empty negative prompt: the reference masks the batch padding between them); two equal rows.
+CASES = {"one": [11], "cfg": [11, 5], "equal": [11, 11]}
+
+
+def make_inputs(case: str, seed: int = 1, controlnet: bool = False) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = CASES[case]
+    inputs = dict(
+        x=[torch.randn(CONFIG["in_channels"], 1, *LATENT, generator=gen) for _ in lengths],
+        t=torch.rand(len(lengths), generator=gen),
+        cap_feats=[torch.randn(n, CONFIG["cap_feat_dim"], generator=gen) for n in lengths],
+        return_dict=False,
+    )
+    if controlnet:  # residuals over the reference's joint [image, caption] sequence: 64 + 32 tokens
+        inputs["controlnet_block_samples"] = {1: torch.randn(len(lengths), 96, CONFIG["dim"], generator=gen)}
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    ref = ReferenceTransformer(**CONFIG).eval()
+    # Move every weight off its initial value (modulations, pad tokens) so no path is trivially zero.
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    folder = tmp_path_factory.mktemp("z_image_transformer")
+    ref.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    return ReferenceTransformer.from_pretrained(checkpoint).eval(), ZImageTransformer2DModel.from_pretrained(
+        checkpoint
+    ).eval()
+
+
+def assert_samples_close(actual: list, expected: list, atol: float = 1e-5) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape == (CONFIG["in_channels"], 1, *LATENT)
+        torch.testing.assert_close(a, e, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("controlnet", [False, True], ids=["plain", "controlnet"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_diffusers_reference(models, case, controlnet):
+    ref, ours = models
+    inputs = make_inputs(case, controlnet=controlnet)
+    with torch.no_grad():
+        assert_samples_close(ours(**inputs)[0], ref(**inputs)[0])
+
+
+def test_parameter_names_and_config_are_the_checkpoints(models):
+    ref, ours = models
+    assert list(ref.state_dict()) == list(ours.state_dict())
+    assert dict(ref.config) == dict(ours.config)
+
+
+def omni_inputs() -> dict:
+    """The Omni variant's call: a condition image then the target, one caption each, no SigLIP features."""
+    gen = torch.Generator().manual_seed(4)
+    return dict(
+        x=[[torch.randn(CONFIG["in_channels"], 1, *LATENT, generator=gen) for _ in range(2)]],
+        t=torch.rand(1, generator=gen),
+        cap_feats=[[torch.randn(n, CONFIG["cap_feat_dim"], generator=gen) for n in (9, 6)]],
+        siglip_feats=[None],
+        image_noise_mask=[[0, 1]],
+        return_dict=False,
+    )
+
+
+def test_omni_inputs_match_the_reference_at_one_rank_and_are_refused_under_sp(models):
+    ref, ours = models
+    with torch.no_grad():
+        expected, actual = ref(**omni_inputs())[0], ours(**omni_inputs())[0]
+        assert_samples_close(actual, expected)
+        state = ParallelState(DiffusionParallelConfig(ulysses_degree=2), 0, 2, SimulatedGroup(2), None)
+        with use_parallel_state(state), pytest.raises(NotImplementedError, match="Omni.*sequence parallelism"):
+            ours(**omni_inputs())
+
+
+def test_processors_set_later_take_effect(checkpoint):
+    """A processor set on a block's attention (diffusers' class has no set_attn_processor) is the one that
+    runs: diffusers' own processors run the reference at one rank."""
+    ref = ReferenceTransformer.from_pretrained(checkpoint).eval()
+    ours = ZImageTransformer2DModel.from_pretrained(checkpoint).eval()
+    calls = []
+
+    class CountingAttnProcessor(reference.ZSingleStreamAttnProcessor):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, freqs_cis=None):
+            calls.append(attn)
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis)
+
+    for module in ours.modules():
+        if isinstance(module, reference.ZImageTransformerBlock):
+            module.attention.set_processor(CountingAttnProcessor())
+    inputs = make_inputs("cfg")
+    with torch.no_grad():
+        assert_samples_close(ours(**inputs)[0], ref(**inputs)[0])
+    assert len(calls) == 2 * (CONFIG["n_layers"] + 2 * CONFIG["n_refiner_layers"])  # two groups of rows
+
+    # Under SP those processors would attend to one rank's tokens only: refused before any work.
+    state = ParallelState(DiffusionParallelConfig(ulysses_degree=2), 0, 2, SimulatedGroup(2), None)
+    with use_parallel_state(state), torch.no_grad(), pytest.raises(RuntimeError, match="sequence parallelism"):
+        ours(**inputs)
+
+
+# ---- under SP (gloo workers) ----------------------------------------------------------------
+
+_MODES = {
+    "mask": DiffusionParallelConfig(mask_sp_padding=True),
+    "trim": DiffusionParallelConfig(),
+    "none": DiffusionParallelConfig(trim_sp_padding=False),
+}
+_worker_models: dict = {}
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def sp_forward(folder: str, case: str, mode: str, random_padding: bool = False, controlnet: bool = False):
+    """Worker side: our forward under the worker's SP group in one padding mode; (outputs, warnings logged)."""
+    if folder not in _worker_models:
+        _worker_models[folder] = ZImageTransformer2DModel.from_pretrained(folder).eval()
+    state = get_parallel_state()
+    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
+    warnings = _Warnings()
+    logging.getLogger("vllm_omni").addHandler(warnings)
+    try:
+        with random_sp_padding(random_padding), use_parallel_state(dataclasses.replace(state, config=config)):
+            with torch.no_grad():
+                output = _worker_models[folder](**make_inputs(case, controlnet=controlnet))[0]
+    finally:
+        logging.getLogger("vllm_omni").removeHandler(warnings)
+    return output, warnings.messages
+
+
+def reset_warnings() -> None:
+    reset_warning_once()
+
+
+@pytest.mark.parametrize("case", ["one", "cfg"])
+def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, case):
+    _, ours = models
+    with torch.no_grad():
+        expected = ours(**make_inputs(case, controlnet=case == "cfg"))[0]
+    for mode in ("mask", "trim"):
+        for out, warnings in sp_pool.run(sp_forward, checkpoint, case, mode, controlnet=case == "cfg"):
+            assert_samples_close(out, expected)
+            assert warnings == []
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
+    clean = sp_pool.run(sp_forward, checkpoint, "cfg", mode)
+    noisy = sp_pool.run(sp_forward, checkpoint, "cfg", mode, random_padding=True)
+    for (a, _), (b, _) in zip(clean, noisy):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_sp_unmasked_padding_is_close_but_not_equal_and_warns_once(sp_pool, models, checkpoint):
+    _, ours = models
+    with torch.no_grad():
+        expected = ours(**make_inputs("one"))[0][0]
+    sp_pool.run(reset_warnings)
+    results = sp_pool.run(sp_forward, checkpoint, "one", "none")
+    if sp_pool.world_size == 2:  # both streams are multiples of 32: nothing pads, none mode is exact
+        for out, warnings in results:
+            torch.testing.assert_close(out[0], expected, rtol=0, atol=1e-5)
+            assert warnings == []
+        return
+    for out, warnings in results:
+        diff = (out[0] - expected).abs().max().item()
+        assert 0 < diff < 0.5 * expected.abs().max().item()
+        assert len(warnings) == 1 and "unmasked SP padding" in warnings[0]
+        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
+    # Once per process: the next forward is silent.
+    assert all(warnings == [] for _, warnings in sp_pool.run(sp_forward, checkpoint, "one", "none"))
+    # The hook really writes the padding: in none mode random padding changes real tokens.
+    noisy = sp_pool.run(sp_forward, checkpoint, "one", "none", random_padding=True)
+    for (a, _), (b, _) in zip(results, noisy):
+        assert not torch.equal(a[0], b[0])
