@@ -11,6 +11,7 @@ the same holds for the AR's tokens of the source and the image.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from unittest import mock
 
@@ -141,11 +142,13 @@ def test_image_to_image_gives_the_reference_pipelines_image(folder, reference):
     assert np.abs(expected - _run(reference)).max() > 1e-3  # the source conditions the image
 
 
-def test_sources_go_on_the_32_pixel_grid():
+def test_sources_go_on_the_32_pixel_grid_and_the_step_cache_refuses_them():
     spec = REGISTRY["GlmImagePipeline"]
     request = DiffusionRequest(request_id="r", prompt=PROMPT, images=[_source(100, 70), _source(96, 64)], **SIZE)
     resized, kept = FAMILY.pipeline_kwargs(request, spec)["image"]
     assert resized.size == (96, 64) and kept is request.images[1]
+    with pytest.raises(ValueError, match="step cache"):  # the sources' K/V pass is no denoising step
+        FAMILY.pipeline_kwargs(dataclasses.replace(request, cache_threshold=0.1), spec)
 
 
 def test_the_ar_reports_every_token_and_stops_when_progress_raises(reference):
