@@ -339,7 +339,8 @@ def ar_variants(pipe, size: str, counts: dict[str, int]) -> dict:
         generator = torch.Generator().manual_seed(0)
         static = {"cache_implementation": "static"}
         progress = counted("ours static cache")
-        return (generate_prior_tokens(pipe, PROMPT, height, width, generator, progress, generate_kwargs=static),)
+        ids = generate_prior_tokens(pipe, PROMPT, height, width, generator, progress, generate_kwargs=static)
+        return (ids["prior_token_ids"],)
 
     def diffusers() -> tuple[torch.Tensor]:
         generator = torch.Generator().manual_seed(0)

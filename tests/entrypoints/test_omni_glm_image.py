@@ -1,5 +1,6 @@
 """GLM-Image through the offline engine on its tiny model: SP equals one process at padded sizes
-(the AR stage runs on one rank, its prior tokens are broadcast), the unmasked mode close and
+(the AR stage runs on one rank, its prior tokens are broadcast), with a source image too (its
+keys and values cached per rank), the unmasked mode close and
 warning once per worker, and the size rule (multiples of 32, refused before any worker runs).
 CPU workers over gloo.
 """
@@ -7,6 +8,7 @@ CPU workers over gloo.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import re
@@ -14,6 +16,7 @@ import threading
 
 import numpy as np
 import pytest
+from PIL import Image
 
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
@@ -83,9 +86,30 @@ def test_fields_glm_image_does_not_take_are_refused_by_name(engines, field, valu
         engines().generate(PROMPT, **SIZE, num_inference_steps=2, **{field: value})
 
 
-def test_image_to_image_is_refused(engines):
-    with pytest.raises(RequestError, match="image is not accepted by GlmImagePipeline") as caught:
-        engines().generate(PROMPT, image=b"\x89PNG", **SIZE, num_inference_steps=2)
+def _png(width: int, height: int) -> bytes:
+    gradient = np.linspace(0, 255, width * height, dtype=np.uint8).reshape(height, width, 1).repeat(3, 2)
+    buffer = io.BytesIO()
+    Image.fromarray(gradient).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_image_to_image_under_sp_equals_single_process_at_padded_sizes(engines):
+    """A 64x32 source: 4 x 2 DiT tokens, cached as keys and values, padded at Ulysses 3 like the 64x64 output."""
+    source = _png(64, 32)
+    expected = _generate(engines(), image=source)
+    assert expected.shape == (1, 64, 64, 3)
+    assert np.abs(expected - _generate(engines())).max() > 1e-3  # the source conditions the image
+    for degree, mode in [(2, "trim"), (3, "trim"), (2, "mask")]:
+        np.testing.assert_allclose(_generate(engines(degree, mode), image=source), expected, rtol=0, atol=1e-5)
+
+
+def test_a_source_sets_the_default_size_on_the_32_pixel_grid_and_elongated_ones_are_refused():
+    path = resolve_model_path(MODEL)
+    preprocess = RequestPreprocessor(read_pipeline_spec(path), EngineLimits(), path)  # no workers at all
+    request = preprocess(GenerationParams(prompt=PROMPT, image=_png(100, 70)), "r", 1)
+    assert (request.width, request.height) == (96, 64)
+    with pytest.raises(RequestError, match="more than 4:1 apart") as caught:
+        preprocess(GenerationParams(prompt=PROMPT, image=_png(160, 32)), "r", 1)
     assert caught.value.param == "image"
 
 

@@ -2,8 +2,8 @@
 
 Four servers for the module, started together (one worker each: the route is the images routes'
 path, the SP core is tested elsewhere): `tiny/qwen-image`, `tiny/qwen-image-edit` (a 1 MB upload
-limit, so an oversized data URL is cheap to send), `tiny/glm-image` (an AR stage, then its DiT) and
-`tiny/z-image` (text-to-image, and img2img for a request with a source image).
+limit, so an oversized data URL is cheap to send), `tiny/glm-image` (an AR stage, then its DiT;
+image-to-image too) and `tiny/z-image` (text-to-image, and img2img for a request with a source image).
 The same request through chat and through
 /v1/images/generations or /v1/images/edits must give the same pixels; bad messages and parts are a
 400 naming them; `stream: true` is a 400; a client that disconnects has its request cancelled.
@@ -114,7 +114,8 @@ def test_openai_client_chat_gives_the_image_of_images_generations_for_the_same_s
     np.testing.assert_array_equal(image, reference)
 
 
-def test_glm_image_through_chat_equals_images_generations_and_refuses_an_image_part(servers):
+def test_glm_image_through_chat_equals_images_generations_and_edits(servers):
+    """Text-to-image, and image-to-image (a source as an image_url part, or a file on /v1/images/edits)."""
     server = servers[GLM]
     prompt = "a poster with the title 'OPEN'"
     response = client_of(server).chat.completions.create(
@@ -125,10 +126,27 @@ def test_glm_image_through_chat_equals_images_generations_and_refuses_an_image_p
     image = pixels_of_url(response.choices[0].message.content[0]["image_url"]["url"])
     reference = images_generation(server, prompt=prompt, size="64x64", num_inference_steps=2, seed=7)
     np.testing.assert_array_equal(image, reference)
-    parts = [{"type": "text", "text": prompt}, {"type": "image_url", "image_url": {"url": png_data_url(64, 64)}}]
-    refused = chat(server, model=GLM, messages=[{"role": "user", "content": parts}], size="64x64")
-    assert refused.status_code == 400, refused.text  # image-to-image (the condition image's K/V) is not served
-    assert refused.json()["error"]["param"].startswith("messages[0].content[1]"), refused.text
+
+    # A 96x64 source (6 x 4 DiT tokens, 3 x 2 on the AR's grid); without a size the output takes its size.
+    source = png_data_url(96, 64)
+    parts = [{"type": "text", "text": prompt}, {"type": "image_url", "image_url": {"url": source}}]
+    response = client_of(server).chat.completions.create(
+        model=GLM,
+        messages=[{"role": "user", "content": parts}],
+        extra_body={"num_inference_steps": 2, "seed": 7},
+    )
+    edited = pixels_of_url(response.choices[0].message.content[0]["image_url"]["url"])
+    assert edited.shape == (64, 96, 3) and response.model_extra["size"] == "96x64"
+    files = client_of(server).images.edit(
+        model=GLM,
+        image=("source.png", base64.b64decode(source[len(PNG_URL) :]), "image/png"),
+        prompt=prompt,
+        extra_body={"num_inference_steps": 2, "seed": 7},
+    )
+    np.testing.assert_array_equal(np.asarray(decode_image(files.data[0].b64_json)), edited)
+    without_source = images_generation(server, prompt=prompt, size="96x64", num_inference_steps=2, seed=7)
+    assert np.abs(edited.astype(int) - without_source).max() > 0  # the source conditions the image
+
     off_grid = chat(server, model=GLM, messages=[{"role": "user", "content": prompt}], size="80x64")
     assert off_grid.status_code == 400 and off_grid.json()["error"]["param"] == "size", off_grid.text
 

@@ -138,15 +138,58 @@ def test_parameter_names_and_config_are_the_checkpoints(models):
     assert public(ours.config) == public(ref.config)
 
 
-def test_a_text_mask_and_image_to_image_caches_are_refused(models):
+def test_a_text_mask_is_refused(models):
     _, ours = models
     inputs = make_inputs(COND)
     with pytest.raises(ValueError, match="attention_mask"):
         run(ours, dict(inputs, attention_mask=torch.ones(1, COND.text_len)))
+
+
+# ---- image-to-image: the condition images' K/V cache ------------------------------------------
+
+# Condition latent grids: 1 x 7 tokens (padded at Ulysses 2 and 3), 2 x 3 (divisible by both).
+CONDITIONS = ((2, 14), (4, 6))
+
+
+def condition_inputs(latent: tuple[int, int], seed: int) -> dict:
+    """The pipeline's write pass for one condition image: no text, its AR tokens ([N], one row), timestep 0."""
+    gen = torch.Generator().manual_seed(seed)
+    height, width = latent
+    tokens = (height // 2) * (width // 2)
+    ids = torch.randint(0, CODEBOOK, (tokens,), generator=gen)
+    return dict(
+        hidden_states=torch.randn(1, LATENT_CHANNELS, height, width, generator=gen),
+        encoder_hidden_states=torch.zeros(1, 0, TEXT_DIM),
+        prior_token_id=ids,
+        prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
+        timestep=torch.zeros(1),
+        target_size=torch.tensor([[height * 8.0, width * 8.0]]),
+        crop_coords=torch.zeros(1, 2),
+    )
+
+
+def run_with_conditions(model, conditions=CONDITIONS, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """As the pipeline runs a step of image-to-image: write the conditions, then cond ("read") and uncond ("skip")."""
     caches = GlmImageKVCache(num_layers=CONFIG["num_layers"])
-    caches.set_mode("write")  # what the pipeline does for a condition image
-    with pytest.raises(ValueError, match="image-to-image"):
-        run(ours, dict(inputs, kv_caches=caches))
+    caches.set_mode("write")
+    for i, latent in enumerate(conditions):
+        run(model, dict(condition_inputs(latent, 10 + i), kv_caches=caches))
+    caches.set_mode("read")
+    cond = run(model, dict(make_inputs(dataclasses.replace(COND, batch=batch)), kv_caches=caches))
+    caches.set_mode("skip")
+    uncond = run(model, dict(make_inputs(dataclasses.replace(UNCOND, batch=batch)), kv_caches=caches))
+    return cond, uncond
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_image_to_image_matches_diffusers_reference(models, batch):
+    """Two condition images cached, then read by a cond pass (batch 2: the one cached sample serves both)."""
+    ref, ours = models
+    expected = run_with_conditions(ref, batch=batch)
+    for actual, wanted in zip(run_with_conditions(ours, batch=batch), expected):
+        torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-5)
+    # The condition reaches the cond pass only.
+    assert (expected[0] - run(ref, make_inputs(dataclasses.replace(COND, batch=batch)))).abs().max() > 1e-3
 
 
 # ---- under SP (gloo workers) ----------------------------------------------------------------
@@ -185,6 +228,30 @@ def sp_forward(folder: str, case: Case, mode: str, random_padding: bool = False)
             return run(_worker_models[folder], make_inputs(case)), warnings.messages
     finally:
         root.removeHandler(warnings)
+
+
+def sp_image_to_image(folder: str, mode: str, random_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker side: `run_with_conditions` under the worker's SP group in `mode` (random padding in every pass)."""
+    if folder not in _worker_models:
+        _worker_models[folder] = GlmImageTransformer2DModel.from_pretrained(folder).eval()
+    state = get_parallel_state()
+    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
+    with use_parallel_state(dataclasses.replace(state, config=config)), random_sp_padding(random_padding):
+        return run_with_conditions(_worker_models[folder])
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_sp_image_to_image_matches_single_process_whatever_the_padding(sp_pool, models, checkpoint, mode):
+    """Each rank caches its shard of the conditions' keys and values, padding included; read back, the
+    padding stays out of every real token (random padding gives the same bits)."""
+    expected = run_with_conditions(models[1])
+    clean = sp_pool.run(sp_image_to_image, checkpoint, mode)
+    for outs in clean:
+        for actual, wanted in zip(outs, expected):
+            torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-5)
+    noisy = sp_pool.run(sp_image_to_image, checkpoint, mode, True)
+    for a, b in zip(clean, noisy):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 SP_CASES = {

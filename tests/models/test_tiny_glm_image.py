@@ -4,17 +4,22 @@ With our transformer in place of diffusers', the pipeline produces the image it 
 own (same tiny checkpoint, same seed, CFG on). The family's AR stage (`encode_text`, what an SP
 group's rank 0 runs) gives the pipeline's own prior tokens, and a pipeline loaded without the AR
 model and its processor, given them, gives the full pipeline's image bit for bit. The AR reports
-every generated token and stops when its progress callback raises.
+every generated token and stops when its progress callback raises. With a source image (image-to-image),
+the same holds for the AR's tokens of the source and the image.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 from diffusers import GlmImagePipeline
+from PIL import Image
 
 from vllm_omni.diffusion.models.glm_image.pipeline import FAMILY
 from vllm_omni.diffusion.models.glm_image.tiny import build_tiny_model
@@ -92,6 +97,58 @@ def test_prior_tokens_from_encode_text_give_the_full_pipelines_image(folder, ref
     actual = _run(textless, **{**FAMILY.with_text(kwargs, embeds), "generator": torch.Generator().manual_seed(3)})
     assert expected.shape[0] == 2
     np.testing.assert_array_equal(actual, expected)
+
+
+def _source(width: int, height: int):
+    pixels = np.random.RandomState(0).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@contextlib.contextmanager
+def per_image_vision_tokens(pipe):
+    """diffusers 0.42.1's AR stage hands `get_image_tokens` the sources' features concatenated ([C, h, w] for one
+    source), which transformers 5 reads per image: give it the one source's as the batch of one it expects."""
+    ar = pipe.vision_language_encoder
+    tokens = ar.get_image_tokens
+    with mock.patch.object(ar, "get_image_tokens", lambda features, grid: tokens(features[None], grid)):
+        yield
+
+
+def test_image_to_image_gives_the_reference_pipelines_image(folder, reference):
+    """A source (96x64: 6 x 4 DiT tokens) read by our AR stage gives the pipeline's own tokens; a pipeline with
+    our DiT and without the AR, given them, gives the reference pipeline's image."""
+    spec = REGISTRY["GlmImagePipeline"]
+    request = DiffusionRequest(
+        request_id="r", prompt=PROMPT, images=[_source(96, 64)], **SIZE, num_inference_steps=2, seed=3
+    )
+    kwargs = dict(FAMILY.call_kwargs(reference, request, spec), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        embeds = FAMILY.encode_text(reference, kwargs)
+    with torch.inference_mode(), per_image_vision_tokens(reference):
+        generator = torch.Generator().manual_seed(3)
+        own = reference.generate_prior_tokens(
+            PROMPT, **SIZE, image=[kwargs["image"]], device=torch.device("cpu"), generator=generator
+        )
+        expected = _run(reference, **{**kwargs, "generator": torch.Generator().manual_seed(3)})
+    assert torch.equal(embeds["prior_token_ids"], own[0])
+    assert torch.equal(embeds["prior_token_image_ids"], own[1][0])
+    assert torch.equal(embeds["source_image_grid_thw"], own[2][0])
+
+    ours = FAMILY.denoisers["transformer"].from_pretrained(folder, subfolder="transformer")
+    textless = GlmImagePipeline.from_pretrained(folder, transformer=ours, **dict.fromkeys(FAMILY.text_encoders))
+    textless.set_progress_bar_config(disable=True)
+    actual = _run(textless, **{**FAMILY.with_text(kwargs, embeds), "generator": torch.Generator().manual_seed(3)})
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
+    assert np.abs(expected - _run(reference)).max() > 1e-3  # the source conditions the image
+
+
+def test_sources_go_on_the_32_pixel_grid_and_the_step_cache_refuses_them():
+    spec = REGISTRY["GlmImagePipeline"]
+    request = DiffusionRequest(request_id="r", prompt=PROMPT, images=[_source(100, 70), _source(96, 64)], **SIZE)
+    resized, kept = FAMILY.pipeline_kwargs(request, spec)["image"]
+    assert resized.size == (96, 64) and kept is request.images[1]
+    with pytest.raises(ValueError, match="step cache"):  # the sources' K/V pass is no denoising step
+        FAMILY.pipeline_kwargs(dataclasses.replace(request, cache_threshold=0.1), spec)
 
 
 def test_the_ar_reports_every_token_and_stops_when_progress_raises(reference):

@@ -3,6 +3,7 @@
 - `JointAttention`: self-attention over an image/video stream and an optional text stream joined
   to it ("front": [text, image], Qwen-Image, FLUX.2; "rear": [video, text], HunyuanVideo 1.5; no
   text: Wan2.2's video self-attention; the text stream alone: Z-Image's caption refiner),
+  optionally after streams that give keys and values only (GLM-Image's cached condition image),
   Ulysses-parallel when a sequence-parallel context is active: one seq->head all-to-all for q, k,
   v of both streams, `attend_joint` (join, kernel, layout for the way back), one head->seq
   all-to-all. What attention may see of the SP padding comes from the context's `JointLayout`
@@ -17,6 +18,7 @@ the kernel comes from backends.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -36,8 +38,9 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def pack_streams(layout: JointLayout, streams: dict[str, QKV]) -> torch.Tensor:
-    """Lay out q, k, v of every stream for the seq->head all-to-all: [P, 3, B, S_local, H/P, D]."""
-    query = next(iter(streams.values()))[0]
+    """Lay out q, k, v of every stream for the seq->head all-to-all: [P, 3, B, S_local, H/P, D]
+    (a stream without queries gives (None, k, v); its query rows are sent unset and never read)."""
+    query = next(q for q, _, _ in streams.values() if q is not None)
     batch, _, heads, head_dim = query.shape
     world = layout.world_size
     send = query.new_empty(world, 3, batch, layout.local_len, heads // world, head_dim)
@@ -45,6 +48,8 @@ def pack_streams(layout: JointLayout, streams: dict[str, QKV]) -> torch.Tensor:
         n = slot.shard.local_seq_len
         dst = send[:, :, :, slot.local_start : slot.local_start + n]
         for i, tensor in enumerate(streams[slot.name]):
+            if tensor is None:
+                continue
             if tensor.shape[1] != n:
                 raise ValueError(
                     f"{slot.name} stream has {tensor.shape[1]} local tokens, expected {n}: "
@@ -56,13 +61,14 @@ def pack_streams(layout: JointLayout, streams: dict[str, QKV]) -> torch.Tensor:
 
 
 def unpack_streams(layout: JointLayout, back: torch.Tensor) -> list[torch.Tensor]:
-    """Each stream's [B, S_local, H, D] output from the head->seq all-to-all's result, in layout order."""
+    """Each query stream's [B, S_local, H, D] output from the head->seq all-to-all's result, in layout order."""
     world, batch, _, heads, head_dim = back.shape
     return [
         back[:, :, slot.local_start : slot.local_start + slot.shard.local_seq_len]
         .permute(1, 2, 0, 3, 4)
         .reshape(batch, slot.shard.local_seq_len, world * heads, head_dim)
         for slot in layout.slots
+        if not slot.kv_only
     ]
 
 
@@ -84,13 +90,16 @@ def attend_joint(recv: torch.Tensor, layout: JointLayout, backend: AttentionBack
         dst = joint[:, :, offset : offset + world * n].view(3, batch, world, n, heads, head_dim)
         dst.copy_(recv[:, :, :, start : start + n].permute(1, 2, 0, 3, 4, 5))
     kv = joint[1:, :, : layout.kv_len]
-    out = backend(joint[0, :, : layout.query_len], kv[0], kv[1], layout.key_mask)
+    first = layout.query_start
+    out = backend(joint[0, :, first : layout.query_len], kv[0], kv[1], layout.key_mask)
     if joint_len > layout.query_len:  # rows read back for the dropped tail: any values do
         out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, joint_len - layout.query_len))
 
-    send = out.new_empty(world, batch, local_len, heads, head_dim)
+    send = out.new_empty(world, batch, layout.query_local_len, heads, head_dim)
     for slot in layout.slots:
-        n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset
+        if slot.kv_only:
+            continue
+        n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset - first
         src = out[:, offset : offset + world * n].view(batch, world, n, heads, head_dim)
         send[:, :, start : start + n].copy_(src.permute(1, 0, 2, 3, 4))
     return send
@@ -123,10 +132,14 @@ class JointAttention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         text_qkv: QKV | None = None,
+        kv_streams: Sequence[tuple[str, torch.Tensor, torch.Tensor]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return the attention output of `stream` (the image's, by default) and of the text stream (None
-        without `text_qkv`)."""
-        streams: dict[str, QKV] = {self.stream: (query, key, value)}
+        without `text_qkv`).
+
+        `kv_streams`: (stream, key, value) of streams that give keys and values only, joined in front of
+        the others (each recorded in the SP context, `record_sharded_stream`; rank-local shards under SP)."""
+        streams: dict[str, tuple] = {self.stream: (query, key, value)}
         if text_qkv is not None:
             if self.stream == TEXT:
                 raise ValueError("text_qkv joins a text stream to the image stream; this layer attends within the text")
@@ -135,21 +148,26 @@ class JointAttention(nn.Module):
             order = [self.stream]
         else:
             order = [TEXT, IMAGE] if self.text_position == "front" else [IMAGE, TEXT]
+        queried = list(order)
+        for name, k, v in kv_streams:
+            streams[name] = (None, k, v)
+        order = [name for name, _, _ in kv_streams] + order
 
         ctx = get_sp_context()
         if ctx is None or not ctx.enabled:
             outs = self._attend_single_process(ctx, order, streams)
         else:
-            outs = self._attend_ulysses(ctx, order, streams)
-        by_name = dict(zip(order, outs))
+            outs = self._attend_ulysses(ctx, order, streams, [name for name, _, _ in kv_streams])
+        by_name = dict(zip(queried, outs))
         return by_name[self.stream], by_name[TEXT] if text_qkv is not None else None
 
     @staticmethod
     def _attend_single_process(
-        ctx: SequenceParallelContext | None, order: list[str], streams: dict[str, QKV]
+        ctx: SequenceParallelContext | None, order: list[str], streams: dict[str, tuple]
     ) -> list[torch.Tensor]:
         ordered = [streams[name] for name in order]
-        query = torch.cat([q for q, _, _ in ordered], dim=1)
+        queries = [q for q, _, _ in ordered if q is not None]
+        query = torch.cat(queries, dim=1)
         # A stream's filler (shard_with_auto_pad's valid_len) is cut from keys and values: exact, dense.
         # Only a tensor of the stream's recorded length carries it (FLUX.2's fused single-stream
         # blocks pass [text, image] as one stream, which has no filler).
@@ -161,16 +179,18 @@ class JointAttention(nn.Module):
         key = torch.cat([k[:, :n] for (_, k, _), n in zip(ordered, kept)], dim=1)
         value = torch.cat([v[:, :n] for (_, _, v), n in zip(ordered, kept)], dim=1)
         out = resolve_attention_backend(needs_mask=False)(query, key, value)
-        return list(out.split([q.shape[1] for q, _, _ in ordered], dim=1))
+        return list(out.split([q.shape[1] for q in queries], dim=1))
 
     @staticmethod
-    def _attend_ulysses(ctx: SequenceParallelContext, order: list[str], streams: dict[str, QKV]) -> list[torch.Tensor]:
-        query = streams[order[0]][0]
+    def _attend_ulysses(
+        ctx: SequenceParallelContext, order: list[str], streams: dict[str, tuple], kv_only: Sequence[str] = ()
+    ) -> list[torch.Tensor]:
+        query = next(streams[name][0] for name in order if streams[name][0] is not None)
         if query.shape[2] % ctx.world_size:
             raise ValueError(
                 f"ulysses_degree={ctx.world_size} must divide the number of attention heads ({query.shape[2]})"
             )
-        layout = ctx.joint_layout(order, query.device, query.dtype)
+        layout = ctx.joint_layout(order, query.device, query.dtype, kv_only)
         recv = all_to_all(pack_streams(layout, streams), ctx.group)
         backend = resolve_attention_backend(needs_mask=layout.key_mask is not None)
         back = all_to_all(attend_joint(recv, layout, backend), ctx.group)

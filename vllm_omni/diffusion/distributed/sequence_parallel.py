@@ -18,6 +18,10 @@ A stream may also end in tokens the model itself wants dropped (a text-length bu
 filler, text_compaction.py): `shard_with_auto_pad(x, dim, TEXT, valid_len=n)` records n as
 the stream's true length, and the filler is treated like its SP padding, except that it is
 cut from keys and values in ``none`` mode too (and in a single process, in every mode).
+
+A stream may give keys and values only (GLM-Image's condition image, cached by an earlier forward
+as this rank's shard): `record_sharded_stream` records it, and the layout puts it in front of the
+query streams, under the same policy.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class StreamSlot:
     shard: StreamShard
     local_start: int  # offset in the rank-local [stream, stream] sequence that is exchanged
     joint_offset: int  # offset of the stream's first token in the joint attention buffer
+    kv_only: bool = False  # gives keys and values, no queries (a cached condition)
 
 
 @dataclass(frozen=True)
@@ -83,19 +88,26 @@ class JointLayout:
     Each stream is copied, padding included, to `joint_offset`. A stream cut at its true
     length (every stream in trim mode; in none mode, one that carries filler) is followed
     at its true end, so the next stream's copy overwrites its padding and only the last
-    stream's padding remains, past `kv_len`. Queries span `query_len`; keys and values
-    span `kv_len`.
+    stream's padding remains, past `kv_len`. Queries span [`query_start`, `query_len`) (the
+    key-and-value-only streams come first, locally after the query streams, so the way back
+    carries only rows with queries); keys and values span `kv_len`.
     """
 
-    slots: tuple[StreamSlot, ...]
+    slots: tuple[StreamSlot, ...]  # in joint order
     world_size: int
     query_len: int
     kv_len: int
     key_mask: torch.Tensor | None  # additive [1, 1, 1, query_len] bias, mask mode only
+    query_start: int = 0
 
     @property
     def local_len(self) -> int:
         return sum(slot.shard.local_seq_len for slot in self.slots)
+
+    @property
+    def query_local_len(self) -> int:
+        """Rank-local rows of the streams with queries: what the head->seq all-to-all sends back."""
+        return sum(slot.shard.local_seq_len for slot in self.slots if not slot.kv_only)
 
 
 @dataclass
@@ -144,12 +156,15 @@ class SequenceParallelContext:
             )
         return shard
 
-    def joint_layout(self, order: Sequence[str], device: torch.device, dtype: torch.dtype) -> JointLayout:
-        """The layout for streams joined in `order`; computed once per forward and reused by every layer."""
-        key = (tuple(order), device, dtype)
+    def joint_layout(
+        self, order: Sequence[str], device: torch.device, dtype: torch.dtype, kv_only: Sequence[str] = ()
+    ) -> JointLayout:
+        """The layout for streams joined in `order` (the `kv_only` ones, keys and values only, first);
+        computed once per forward and reused by every layer."""
+        key = (tuple(order), tuple(kv_only), device, dtype)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._build_layout(order, device, dtype)
+            layout = self._build_layout(order, device, dtype, frozenset(kv_only))
             self._layouts[key] = layout
         return layout
 
@@ -157,15 +172,26 @@ class SequenceParallelContext:
         # Trim cuts every stream; "none" still cuts a stream's own filler, which is not SP padding.
         return self.padding_mode == "trim" or (self.padding_mode == "none" and shard.filler_len > 0)
 
-    def _build_layout(self, order: Sequence[str], device: torch.device, dtype: torch.dtype) -> JointLayout:
-        slots, local_start, joint_offset = [], 0, 0
+    def _build_layout(
+        self, order: Sequence[str], device: torch.device, dtype: torch.dtype, kv_only: frozenset[str] = frozenset()
+    ) -> JointLayout:
+        flags = [name in kv_only for name in order]
+        if flags != sorted(flags, reverse=True) or all(flags):
+            raise ValueError(f"streams without queries ({sorted(kv_only)}) must come first, before one with queries")
         for name in order:
             if name not in self.streams:
                 raise RuntimeError(f"stream {name!r} reached attention without shard_with_auto_pad")
+        # Locally the query streams come first, so the way back is a prefix of the way out.
+        local_starts, local_start = {}, 0
+        for name in sorted(order, key=lambda name: name in kv_only):
+            local_starts[name] = local_start
+            local_start += self.streams[name].local_seq_len
+        slots, joint_offset = [], 0
+        for name in order:
             shard = self.streams[name]
-            slots.append(StreamSlot(name, shard, local_start, joint_offset))
-            local_start += shard.local_seq_len
+            slots.append(StreamSlot(name, shard, local_starts[name], joint_offset, name in kv_only))
             joint_offset += shard.original_seq_len if self._cut_at_true_length(shard) else shard.padded_seq_len
+        query_start = next(slot.joint_offset for slot in slots if not slot.kv_only)
         last = slots[-1]
         query_len = last.joint_offset + last.shard.padded_seq_len
         kv_len = last.joint_offset + (
@@ -190,7 +216,7 @@ class SequenceParallelContext:
                 true_len,
                 self.ulysses_degree,
             )
-        return JointLayout(tuple(slots), self.world_size, query_len, kv_len, key_mask)
+        return JointLayout(tuple(slots), self.world_size, query_len, kv_len, key_mask, query_start)
 
 
 _CONTEXT: contextvars.ContextVar[SequenceParallelContext | None] = contextvars.ContextVar(
@@ -286,6 +312,15 @@ def shard_with_auto_pad(x: torch.Tensor, dim: int, stream: str = IMAGE, valid_le
         )
         x = _pad_tail(x, dim, sp_pad)
     return x.narrow(dim, ctx.rank * shard.local_seq_len, shard.local_seq_len).contiguous()
+
+
+def record_sharded_stream(stream: str, seq_len: int) -> int:
+    """Record a stream of `seq_len` tokens whose tensors were sharded by an earlier forward under the same
+    group (a K/V cache: each rank holds its shard, padded by this module's rule); its rank-local length."""
+    ctx = get_sp_context()
+    if ctx is None:
+        return seq_len
+    return ctx.record_stream(stream, seq_len).local_seq_len
 
 
 def gather_sequence(x: torch.Tensor, dim: int, stream: str = IMAGE) -> torch.Tensor:

@@ -60,9 +60,10 @@ class PipelineSpec:
     auto_size_source: int = 0
     # How the pipeline resizes a source image before its VAE encodes it: "area" (Qwen-Image-Edit's
     # calculate_dimensions: the aspect ratio at about `source_area` pixels, sides rounded to 32),
-    # "shrink" (FLUX.2: down to at most `source_area` pixels, sides floored to 16); None: as given (Z-Image
-    # img2img: the engine floors the sides to size_multiple, as the pipeline's image processor does).
-    source_resize: Literal["area", "shrink"] | None = None
+    # "shrink" (FLUX.2: down to at most `source_area` pixels, sides floored to 16), "grid" (GLM-Image:
+    # sides floored to size_multiple, its AR's grid); None: as given (Z-Image img2img: the engine floors the
+    # sides to size_multiple, as the pipeline's image processor does).
+    source_resize: Literal["area", "shrink", "grid"] | None = None
     source_area: int = 1024 * 1024
     # The encoded sources' latent tokens join the transformer's sequence (Qwen-Image-Edit, FLUX.2):
     # each adds its tokens to every denoising step.
@@ -110,6 +111,8 @@ class PipelineSpec:
         """(width, height) at which the pipeline encodes a source image of width x height (not for buckets)."""
         if self.source_resize == "area":
             return area_size(width / height, self.source_area, 32)
+        if self.source_resize == "grid":
+            return width // self.size_multiple * self.size_multiple, height // self.size_multiple * self.size_multiple
         if self.source_resize == "shrink":
             if width * height > self.source_area:  # Flux2ImageProcessor._resize_to_target_area
                 scale = math.sqrt(self.source_area / (width * height))
@@ -348,14 +351,23 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "glm_image",
         # The AR stage samples the prior tokens once (family.encode_text), then the DiT runs with CFG.
-        # No negative prompt (the uncond pass's glyph text is always ""); text-to-image only: the
-        # image-to-image path (the condition image's K/V cache) is not served, so images are refused.
+        # No negative prompt (the uncond pass's glyph text is always ""). Source images are optional
+        # (one checkpoint does text-to-image and image-to-image, so one spec): the AR reads them, and
+        # the DiT caches their keys and values once for every cond forward.
         (
             PipelineSpec(
                 "GlmImagePipeline",
                 "glm_image",
                 "generate",
                 COMMON_FIELDS | {"guidance_scale"},
+                max_input_images=4,
+                # Sources go on the AR's 32-pixel grid (sides floored; there its tokens match the DiT's). Without
+                # a size the output takes the first source's: the pipeline's rule (its size floored to 16
+                # pixels), on the 32-pixel grid its AR needs (the pipeline's own AR stage fails without a size).
+                source_resize="grid",
+                # Their keys and values join every cond forward's attention (keys only: counted in full).
+                sources_in_sequence=True,
+                max_source_aspect_ratio=4.0,  # the AR's image processor refuses sources more elongated
                 # 8x VAE and 2x2 patches: 16-pixel DiT tokens; the AR generates one token per 32x32 pixels.
                 size_multiple=32,
                 token_pixels=16,

@@ -24,7 +24,7 @@ from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 TINY_MODELS: dict[str, str] = {"tiny/glm-image": "GlmImagePipeline"}
 
 # Bump when the generated folder changes so stale caches are not reused.
-_CACHE_VERSION = "v1"
+_CACHE_VERSION = "v2"
 
 _VISION_VOCAB = 128  # AR output ids (and the DiT's prior codebook); the real model has 16512 (16384 codebook)
 _GLYPH_HIDDEN = 32  # ByT5 d_model: the DiT's text_embed_dim (real: 1472)
@@ -33,7 +33,7 @@ _LATENT_CHANNELS = 16
 # start (also the generation's bos), image end (its eos), the image placeholder, the grid brackets, pad.
 _IMAGE_START, _IMAGE_END = "<|dit_token_16384|>", "<|dit_token_16385|>"
 _SPECIALS = [_IMAGE_START, _IMAGE_END, "<|image|>", "<sop>", "<eop>", "<|endoftext|>"]
-# Text passes through; an image becomes <image start><|image|><image end> (image-to-image, not served).
+# Text passes through; an image becomes <image start><|image|><image end> (image-to-image).
 _CHAT_TEMPLATE = (
     "{%- for m in messages -%}{%- if m.content is string -%}{{ m.content }}{%- else -%}"
     "{%- for item in m.content -%}{%- if item.type == 'image' -%}"
@@ -115,12 +115,17 @@ def _build_ar(tokenizer):
 
 
 def build_ar_processor(tokenizer):
-    """The pipeline's `processor`: GLM-Image's image processor, `tokenizer` and a pass-through chat template."""
+    """The pipeline's `processor`: GLM-Image's image processor, `tokenizer` and a pass-through chat template.
+
+    The image processor cuts a source into the AR vision encoder's 16-pixel patches, one frame, no merge,
+    at half the source's size: one AR token per 32 pixels of the source, which the pipeline upsamples to
+    one per DiT token. Its pixel bounds keep small sources at that scale."""
     from transformers import GlmImageImageProcessor, GlmImageProcessor
 
-    return GlmImageProcessor(
-        image_processor=GlmImageImageProcessor(), tokenizer=tokenizer, chat_template=_CHAT_TEMPLATE
+    image_processor = GlmImageImageProcessor(
+        patch_size=16, temporal_patch_size=1, merge_size=1, size={"shortest_edge": 32 * 32, "longest_edge": 2048 * 2048}
     )
+    return GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=_CHAT_TEMPLATE)
 
 
 def _build_glyph_encoder():

@@ -17,14 +17,22 @@ names, so `from_pretrained` reads the diffusers checkpoint as is) with a new for
 - Each stream has its own AdaLN and both share the feed-forward weights; both work token by
   token, so the reference's block runs unchanged on a rank's shards.
 
+Image-to-image: the pipeline first runs each condition image (its latents and AR tokens, no
+text) through the DiT with the reference's K/V cache in "write" mode, then reads the cached keys
+and values in every cond forward ("read"; the uncond forward "skip"s them). Here the condition
+pass is sharded like any image stream, and each rank caches its own shard of the condition's keys
+and values, padding included; a later forward joins them in front of [text, image] as streams
+that give keys and values only (one per condition image), under the same padding policy
+(distributed/sequence_parallel.py), so they stay exact at padded sizes.
+
 The reference's `attention_mask` adds a 0/1 float mask to the logits (the pipeline never passes
-one) and its `kv_caches` serve image-to-image (the condition image's keys and values): both are
-refused.
+one): refused.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -38,13 +46,29 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
     TEXT,
     gather_sequence,
+    record_sharded_stream,
     sequence_parallel_context,
     shard_with_auto_pad,
 )
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer, declare_cache_block
 
 MASK_REFUSED = "attention_mask is not supported (the pipeline passes none; the reference's mask path is broken)"
-KV_CACHE_REFUSED = "image-to-image (the condition image's K/V cache) is not supported"
+CONDITION = "condition"  # the SP streams of cached condition images: condition0, condition1, ...
+
+
+class ConditionWriter:
+    """One layer's "write" pass: collects this rank's (key, value) shards of the condition image."""
+
+    def __init__(self) -> None:
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class ConditionKV:
+    """One layer's cached condition keys and values for a "read" pass: (stream, key, value) per condition image."""
+
+    def __init__(self, streams: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]) -> None:
+        self.streams = streams
+
 
 # Where diffusers' cache hooks (the step cache, diffusion/worker/step_cache.py) find the block's outputs:
 # (hidden_states, encoder_hidden_states). diffusers 0.42.1 registers none for this block.
@@ -65,19 +89,22 @@ class GlmImageSPAttnProcessor:
         encoder_hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        kv_cache: reference.GlmImageLayerKVCache | None = None,
+        kv_cache: ConditionWriter | ConditionKV | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if attention_mask is not None:
             raise ValueError(MASK_REFUSED)
-        if kv_cache is not None and kv_cache.mode is not None:
-            raise ValueError(KV_CACHE_REFUSED)
         dtype = encoder_hidden_states.dtype
         img_q, img_k, img_v = _qkv(attn, hidden_states, dtype)
         txt_q, txt_k, txt_v = _qkv(attn, encoder_hidden_states, dtype)
         if image_rotary_emb is not None:
             img_q = apply_rotary_emb(img_q, image_rotary_emb, sequence_dim=1, use_real_unbind_dim=-2)
             img_k = apply_rotary_emb(img_k, image_rotary_emb, sequence_dim=1, use_real_unbind_dim=-2)
-        img_out, txt_out = self.attention(img_q, img_k, img_v, text_qkv=(txt_q, txt_k, txt_v))
+        kv_streams = ()
+        if isinstance(kv_cache, ConditionWriter):  # the reference caches [text, image]: the pipeline's text is empty
+            kv_cache.kv = (torch.cat([txt_k, img_k], dim=1), torch.cat([txt_v, img_v], dim=1))
+        elif isinstance(kv_cache, ConditionKV):
+            kv_streams = kv_cache.streams
+        img_out, txt_out = self.attention(img_q, img_k, img_v, text_qkv=(txt_q, txt_k, txt_v), kv_streams=kv_streams)
         return _out(attn, img_out, img_q.dtype), _out(attn, txt_out, img_q.dtype)
 
 
@@ -93,6 +120,17 @@ def _qkv(attn, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return query, key, value
 
 
+def _cache_mode(kv_caches: reference.GlmImageKVCache | None) -> str | None:
+    """The caches' mode: None or "skip" (no condition), "write" or "read" (the pipeline sets every layer's alike)."""
+    if kv_caches is None:
+        return None
+    modes = {cache.mode for cache in kv_caches.caches}
+    if len(modes) > 1:
+        raise ValueError(f"the layers' K/V caches are in different modes: {sorted(map(str, modes))}")
+    mode = modes.pop()
+    return None if mode == "skip" else mode
+
+
 def _out(attn, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return attn.to_out[1](attn.to_out[0](x.flatten(2, 3).to(dtype)))
 
@@ -105,7 +143,7 @@ def _patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
 
 
 class GlmImageTransformer2DModel(SequenceParallelTransformer, reference.GlmImageTransformer2DModel):
-    """Diffusers' GLM-Image DiT, sequence-parallel under an SP process group (text-to-image)."""
+    """Diffusers' GLM-Image DiT, sequence-parallel under an SP process group (the condition image's K/V too)."""
 
     @functools.wraps(reference.GlmImageTransformer2DModel.__init__)  # keeps the config signature
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -116,6 +154,8 @@ class GlmImageTransformer2DModel(SequenceParallelTransformer, reference.GlmImage
         # host at every forward (and copies them to the device in every layer).
         self._rotary_key: tuple | None = None
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Per K/V cache written by this model: each sample's condition images' true token counts.
+        self._condition_lens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def rotary_tables(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's 2D rotary cos/sin [N, head_dim] for this latent grid, on its device (fp32)."""
@@ -141,12 +181,17 @@ class GlmImageTransformer2DModel(SequenceParallelTransformer, reference.GlmImage
         kv_caches: reference.GlmImageKVCache | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor] | Transformer2DModelOutput:
-        """Same arguments and outputs as the diffusers reference (text-to-image: no mask, no K/V cache)."""
+        """Same arguments and outputs as the diffusers reference (no mask). `kv_caches` in "write" mode cache
+        this forward's keys and values (the condition image's), in "read" mode join them to its keys."""
         if attention_mask is not None:
             raise ValueError(MASK_REFUSED)
-        # The pipeline always passes a cache; text-to-image never gives it a mode.
-        if kv_caches is not None and any(cache.mode is not None for cache in kv_caches.caches):
-            raise ValueError(KV_CACHE_REFUSED)
+        # The pipeline always passes a cache; text-to-image never gives it a mode, nor does its uncond pass ("skip").
+        mode = _cache_mode(kv_caches)
+        condition: dict[str, Any] = {}
+        if mode == "write":
+            condition["condition_out"] = [ConditionWriter() for _ in self.transformer_blocks]
+        elif mode == "read":
+            condition = self._cached_condition(kv_caches, hidden_states.shape[0])
         # Computed here, not in the graphed forward_sharded: a CUDA graph must own what it reads
         # (as arguments, it copies them).
         rotary_cos, rotary_sin = image_rotary_emb if image_rotary_emb is not None else self.rotary_tables(hidden_states)
@@ -161,8 +206,46 @@ class GlmImageTransformer2DModel(SequenceParallelTransformer, reference.GlmImage
             rotary_cos=rotary_cos.to(hidden_states.device),
             rotary_sin=rotary_sin.to(hidden_states.device),
             attention_kwargs=attention_kwargs,
+            **condition,
         )
+        if mode == "write":
+            self._store_condition(kv_caches, condition["condition_out"], hidden_states, encoder_hidden_states)
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+    def _store_condition(
+        self,
+        kv_caches: reference.GlmImageKVCache,
+        writers: list[ConditionWriter],
+        latents: torch.Tensor,
+        text: torch.Tensor,
+    ) -> None:
+        """Append this rank's condition keys and values to the caches, and the condition's true length to
+        `_condition_lens` (a rank's shard does not tell it)."""
+        p = self.config.patch_size
+        length = text.shape[1] + (latents.shape[-2] // p) * (latents.shape[-1] // p)
+        first = kv_caches.caches[0]
+        if not first.k_caches:  # a cache written afresh (or cleared by the pipeline)
+            self._condition_lens[kv_caches] = []
+        per_sample = self._condition_lens.setdefault(kv_caches, [])
+        per_sample.extend([] for _ in range(first.current_sample_idx + 1 - len(per_sample)))
+        per_sample[first.current_sample_idx].append(length)
+        for cache, writer in zip(kv_caches.caches, writers):
+            cache.store(*writer.kv)
+
+    def _cached_condition(self, kv_caches: reference.GlmImageKVCache, batch: int) -> dict[str, Any]:
+        """forward_sharded's condition arguments: every layer's cached keys and values (the reference's
+        per-sample batching, its `get`), and each condition image's true length."""
+        per_sample = self._condition_lens.get(kv_caches)
+        if per_sample is None or len(per_sample) != len(kv_caches.caches[0].k_caches):
+            raise ValueError("kv_caches in read mode must have been written by this model (a write-mode forward)")
+        if any(lens != per_sample[0] for lens in per_sample[1:]):
+            raise ValueError(f"every sample needs condition images of the same token counts, got {per_sample}")
+        flat = []
+        for cache in kv_caches.caches:
+            cached = cache.k_caches[0]
+            empty = cached.new_empty(batch, 0, *cached.shape[2:])
+            flat.extend(cache.get(empty, empty))
+        return {"condition_kv": tuple(flat), "condition_lens": tuple(per_sample[0])}
 
     def forward_sharded(
         self,
@@ -177,12 +260,26 @@ class GlmImageTransformer2DModel(SequenceParallelTransformer, reference.GlmImage
         rotary_cos: torch.Tensor,  # [N, head_dim]
         rotary_sin: torch.Tensor,
         attention_kwargs: dict[str, Any] | None,
+        condition_kv: tuple[torch.Tensor, ...] = (),  # read: each layer's cached key and value shards, in turn
+        condition_lens: tuple[int, ...] = (),  # the cached condition images' true token counts
+        condition_out: list[ConditionWriter] | None = None,  # write: one per layer, gets its key and value shards
     ) -> torch.Tensor:
         """The per-step work on this rank's shards, tensors in and out (the runner may replay it as
-        a CUDA graph)."""
+        a CUDA graph; a call with a condition runs eagerly)."""
         batch, _, height, width = hidden_states.shape
         p = self.config.patch_size
-        with sequence_parallel_context():
+        with sequence_parallel_context() as ctx:
+            if condition_out is not None and encoder_hidden_states.shape[1] and ctx.enabled:
+                # Text and image shards would be cached as one stream, padded in its middle.
+                raise ValueError("a write-mode (condition) forward takes no text under sequence parallelism")
+            layer_kv: list[Any] = list(condition_out or [None] * len(self.transformer_blocks))
+            if condition_lens:
+                names = [f"{CONDITION}{i}" for i in range(len(condition_lens))]
+                local = [record_sharded_stream(name, n) for name, n in zip(names, condition_lens)]
+                for i in range(len(self.transformer_blocks)):
+                    keys = condition_kv[2 * i].split(local, dim=1)
+                    values = condition_kv[2 * i + 1].split(local, dim=1)
+                    layer_kv[i] = ConditionKV(tuple(zip(names, keys, values)))
             patches = _patchify(hidden_states, p)
             image = self.image_projector.proj(shard_with_auto_pad(patches, 1, IMAGE))
             tokens = patches.shape[:2]
@@ -203,13 +300,13 @@ class GlmImageTransformer2DModel(SequenceParallelTransformer, reference.GlmImage
             text = self.glyph_projector(shard_with_auto_pad(encoder_hidden_states, 1, TEXT))
             temb = self.time_condition_embed(timestep, target_size, crop_coords, image.dtype)
 
-            for block in self.transformer_blocks:
+            for block, kv in zip(self.transformer_blocks, layer_kv):
                 if torch.is_grad_enabled() and self.gradient_checkpointing:
                     image, text = self._gradient_checkpointing_func(
-                        block, image, text, temb, rotary, None, attention_kwargs
+                        block, image, text, temb, rotary, None, attention_kwargs, kv
                     )
                 else:
-                    image, text = block(image, text, temb, rotary, None, attention_kwargs)
+                    image, text = block(image, text, temb, rotary, None, attention_kwargs, kv_cache=kv)
 
             image = gather_sequence(self.proj_out(self.norm_out(image, temb)), 1, IMAGE)
 
