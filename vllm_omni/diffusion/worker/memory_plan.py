@@ -155,8 +155,8 @@ def step_bytes(config: Mapping[str, Any], tokens: int, text_tokens: int, rows: i
     """One denoising step's activations on a rank: `rows` sequences of `tokens` image and `text_tokens`
     text tokens, each split over `sp` ranks, at the denoiser's width (heads x head dim)."""
     width = int(config.get("num_attention_heads", 0)) * int(config.get("attention_head_dim", 0))
-    if width <= 0:
-        width = int(config.get("hidden_size", 0) or config.get("inner_dim", 0) or 3072)
+    if width <= 0:  # Z-Image names its width `dim`
+        width = int(config.get("dim", 0) or config.get("hidden_size", 0) or 3072)
     per_rank = math.ceil(tokens / sp) + math.ceil(text_tokens / sp)
     return rows * per_rank * width * dtype_bytes * STEP_BYTES_PER_TOKEN_WIDTH
 
@@ -237,6 +237,7 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
     memory = device_memory(device)
     if memory is None:
         return None
+    from vllm_omni.diffusion.models.family import attention_heads
     from vllm_omni.diffusion.worker.quantization import FP8_RULE
 
     components = list(components)
@@ -273,7 +274,7 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
     for mode in ("model", "layerwise"):
         if mode != config.cpu_offload and config.quantization is None:
             alternatives[f"--cpu-offload {mode}"] = plan(offload=mode)
-    heads = [_config(path / name).get("num_attention_heads") for name in denoisers]
+    heads = [attention_heads(_config(path / name)) for name in denoisers]
     degree = parallel.ulysses_degree * 2
     if heads and all(isinstance(h, int) and h % degree == 0 for h in heads):
         alternatives[f"--ulysses-degree {degree}"] = plan(sp=degree * parallel.ring_degree)
