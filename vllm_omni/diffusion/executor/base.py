@@ -467,9 +467,10 @@ class WorkerGroupExecutor:
             failed = failures[0]
             if isinstance(failed.error, RequestError):  # the client's mistake, found in a worker (a damaged image)
                 raise failed.error
-            oom = next((reply for reply in failures if reply.out_of_memory), None)
-            if oom is not None:  # one rank, or every rank at an agreed point: the group serves on
-                raise out_of_memory_error(request, oom, restarting=False)
+            ooms = [reply for reply in failures if reply.out_of_memory]
+            if ooms:  # one rank, or every rank at an agreed point: the group serves on
+                # The lowest rank: at the prompt encoding, the one that encoded (its peers got a copy).
+                raise out_of_memory_error(request, min(ooms, key=lambda reply: reply.rank), restarting=False)
             raise RequestFailed(failed.error)
         raise RequestCancelled(replies[0].reason if isinstance(replies[0], Cancelled) else "cancelled")
 
@@ -502,8 +503,8 @@ def out_of_memory_error(request: DiffusionRequest, failed: Failed, restarting: b
     detail = (str(failed.error).splitlines() or [""])[0].split(". GPU ")[0].rstrip(".")
     after = "the workers are restarting" if restarting else "the server freed its memory and serves on"
     return RequestOutOfMemory(
-        f"out of memory on rank {failed.rank} while {_PHASE_WORDS.get(failed.out_of_memory, 'running')} "
-        f"request {request.request_id} ({size}): {detail}; {after}. What helps: a smaller size, fewer "
+        f"request {request.request_id} ({size}) ran out of memory on rank {failed.rank} while "
+        f"{_PHASE_WORDS.get(failed.out_of_memory, 'running')}: {detail}; {after}. What helps: a smaller size, fewer "
         "frames or images (n); on the server, FP8 (--quantization fp8), a higher --ulysses-degree, or a GPU "
         "with more free memory"
     )
