@@ -60,11 +60,15 @@ REPORTS = [
         compiles=0,
         step_cache={"decisions": {"cond": {0: True, 1: False}}, "changes": [0.1]},
         peak_memory_bytes=2**30,
+        allocated_memory_bytes=2**29,
+        reserved_memory_bytes=3 * 2**29,
+        traced_memory={"objects": 5, "tensors": 2, "tensor_bytes": 64},
     ),
     Done(0, "req-1", np.arange(12, dtype=np.uint8).reshape(1, 2, 2, 3)),
     Done(1, "req-1"),
     Failed(0, "req-1", RequestError("the source image cannot be decoded", param="image")),
     Failed(1, "req-1", "RuntimeError: test fault on rank 1 at step 1"),
+    Failed(0, "req-1", "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "encode", agreed=True),
     Cancelled(0, "req-1", "request req-1 cancelled at step 2"),
 ]
 

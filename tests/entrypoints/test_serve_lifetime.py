@@ -2,7 +2,10 @@
 
 SIGKILL of the server leaves none of its children (workers, multiprocessing's helper) alive. A
 rank that fails while its peer waits in a collective costs one request (500) and a restart that
-/health reports; SIGTERM while a rank hangs exits 0 without respawning the workers. The faults
+/health reports; an out-of-memory error costs one request (507, naming its size): the group serves
+on where both ranks raised it at one agreed point (the prompt encoding's broadcast), and restarts
+where one rank raised it alone (a step). SIGTERM while a rank hangs exits 0 without respawning the
+workers. The faults
 come from the worker's VLLM_OMNI_TEST_FAULT hook, keyed by prompt, so other requests run
 normally; VLLM_OMNI_STALL_TIMEOUT_S shortens the deadline.
 """
@@ -16,6 +19,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 from process_tree import children_of, still_alive_after
 from server_process import HTTP_TIMEOUT_S, START_TIMEOUT_S, ServerProcess, omni_command, server_env, start_server
@@ -23,6 +27,8 @@ from server_process import HTTP_TIMEOUT_S, START_TIMEOUT_S, ServerProcess, omni_
 MODEL = "tiny/qwen-image"
 RAISE_PROMPT = "rank 1 raises at step 1"
 HANG_PROMPT = "rank 1 hangs at step 1"
+TEXT_OOM_PROMPT = "rank 0 runs out of memory encoding this prompt"
+STEP_OOM_PROMPT = "rank 1 runs out of memory at step 1"
 STALL_S = 4
 SLACK_S = 15.0  # a loaded 2-core CI machine; the point is "at the deadline", not "never"
 
@@ -72,6 +78,8 @@ def faulty_server(tmp_path_factory):
     faults = [
         {"kind": "raise", "rank": 1, "step": 1, "prompt": RAISE_PROMPT},
         {"kind": "hang", "rank": 1, "step": 1, "prompt": HANG_PROMPT},
+        {"kind": "oom", "rank": 0, "step": 0, "phase": "text", "prompt": TEXT_OOM_PROMPT},
+        {"kind": "oom", "rank": 1, "step": 1, "prompt": STEP_OOM_PROMPT},
     ]
     server = start_server(
         [MODEL, "--ulysses-degree", "2", "--device", "cpu"],  # the 4 s deadline is sized for CPU steps
@@ -105,6 +113,54 @@ def test_a_rank_failing_while_its_peer_waits_costs_one_request_and_a_restart_hea
     assert (health.status_code, body["status"], body["restarts"]) == (200, "ok", 1), body
     assert "test fault on rank 1" in body["last_restart_reason"]
     server.wait_for_log(r"Restarting workers: request img-\w+ failed \(RuntimeError: test fault", start)
+    assert set(server.worker_pids()).isdisjoint(workers)
+    assert generate(server, "a cat").status_code == 200
+
+
+def _out_of_memory(server, prompt: str) -> str:
+    """The 507's message for a request of `prompt` at 48x32, n=2 (the openai client, no retries)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S)
+    with pytest.raises(openai.APIStatusError) as failure:
+        client.images.generate(model=MODEL, prompt=prompt, size="48x32", n=2, extra_body={"num_inference_steps": 4})
+    assert failure.value.status_code == 507, failure.value.response.text
+    error = failure.value.response.json()["error"]
+    assert error["code"] == "out_of_memory" and "(48x32, n=2)" in error["message"], error
+    assert (
+        "CUDA out of memory. Tried to allocate 20.00 GiB" in error["message"] and "a smaller size" in error["message"]
+    )
+    return error["message"]
+
+
+def _health(server) -> dict:
+    deadline = time.monotonic() + HTTP_TIMEOUT_S  # a hang guard: a new group loads, the watchdog sees it
+    health = httpx.get(f"{server.url}/health", timeout=30)
+    while health.status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        health = httpx.get(f"{server.url}/health", timeout=30)
+    assert health.status_code == 200, health.text
+    return health.json()
+
+
+def test_out_of_memory_at_an_agreed_point_fails_the_request_alone_and_restarts_nothing(faulty_server):
+    server = faulty_server
+    restarts = _health(server).get("restarts", 0)
+    workers = server.worker_pids()
+    message = _out_of_memory(server, TEXT_OOM_PROMPT)
+    assert "ran out of memory on rank 0 while encoding the prompt" in message and "serves on" in message, message
+    assert generate(server, "a cat").status_code == 200
+    assert server.worker_pids() == workers and _health(server).get("restarts", 0) == restarts
+
+
+def test_out_of_memory_on_one_rank_mid_request_fails_it_and_restarts_the_group(faulty_server):
+    server = faulty_server
+    restarts = _health(server).get("restarts", 0)
+    workers = server.worker_pids()
+    begun = time.monotonic()
+    message = _out_of_memory(server, STEP_OOM_PROMPT)
+    assert time.monotonic() - begun < STALL_S + SLACK_S  # at once, not after the stuck-rank wait
+    assert "ran out of memory on rank 1 while denoising" in message and "workers are restarting" in message, message
+    body = _health(server)
+    assert body["restarts"] == restarts + 1 and "ran out of memory on rank 1" in body["last_restart_reason"]
     assert set(server.worker_pids()).isdisjoint(workers)
     assert generate(server, "a cat").status_code == 200
 

@@ -1,18 +1,25 @@
 """GET /metrics on a real server (`vllm-omni serve tiny/qwen-image --api-key ...`): the Prometheus
 text parses with prometheus_client's own parser, it takes the API key like /v1/*, and its counters
-move as requests run (the `openai` client makes them)."""
+move as requests run (the `openai` client makes them). The per-rank GPU memory gauges, which a CPU
+server has no figures for, are read from ranks' reports without a server."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import get_args
 
 import httpx
 import pytest
 from openai import BadRequestError, OpenAI
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import HTTP_TIMEOUT_S, start_server
 
+from vllm_omni.diffusion.engine.core import DiffusionEngine
 from vllm_omni.diffusion.engine.health import HealthState
+from vllm_omni.diffusion.engine.scheduler import Health
+from vllm_omni.diffusion.executor.protocol import Stats
+from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 
 KEY = "metrics-test-key"
 
@@ -91,3 +98,38 @@ def test_counters_move_as_requests_run(server):
     # Each rank's counts as of its last request: a CPU worker captures no CUDA graph and compiles nothing.
     assert after[("vllm_omni_graph_captures", (("rank", "0"), ("replica", "0")))] == 0
     assert after[("vllm_omni_compiles", (("rank", "0"), ("replica", "0")))] == 0
+
+
+def test_each_ranks_gpu_memory_is_exported_from_its_last_report():
+    """Peak, allocated and reserved bytes per rank, as each CUDA rank last reported them (protocol.Stats);
+    a rank without figures (a CPU rank) has no series."""
+
+    def stats(rank: int, peak: int | None, allocated: int | None, reserved: int | None) -> Stats:
+        return Stats(rank, "req-1", {}, 0, 0, None, peak, allocated, reserved)
+
+    class Engine(SimpleNamespace):  # DiffusionEngine's own reading of its executor's reports
+        memory_bytes = DiffusionEngine.memory_bytes
+
+    engine = Engine(
+        executor=SimpleNamespace(rank_stats={0: stats(0, 9, 5, 8), 1: stats(1, 7, 3, 4), 2: stats(2, *[None] * 3)})
+    )
+    scheduler = SimpleNamespace(
+        health=lambda: Health("ok"),
+        queue_length=0,
+        running=0,
+        replica_states=lambda: [(Health("ok"), [], engine)],
+    )
+    samples = {
+        (sample.name, sample.labels["rank"]): sample.value
+        for family in text_string_to_metric_families(generate_latest(ServerMetrics(scheduler).registry).decode())
+        for sample in family.samples
+        if sample.name.startswith("vllm_omni_gpu_memory_")
+    }
+    assert samples == {
+        ("vllm_omni_gpu_memory_peak_bytes", "0"): 9,
+        ("vllm_omni_gpu_memory_allocated_bytes", "0"): 5,
+        ("vllm_omni_gpu_memory_reserved_bytes", "0"): 8,
+        ("vllm_omni_gpu_memory_peak_bytes", "1"): 7,
+        ("vllm_omni_gpu_memory_allocated_bytes", "1"): 3,
+        ("vllm_omni_gpu_memory_reserved_bytes", "1"): 4,
+    }

@@ -108,3 +108,10 @@ class RequestCancelled(Exception):
 
 class RequestFailed(RuntimeError):
     """The workers could not complete the request; the engine stays usable."""
+
+
+class RequestOutOfMemory(RequestFailed):
+    """The request ran out of device memory on a rank; the message names its size and what helps.
+
+    The ranks freed what it held; the HTTP server answers 507.
+    """

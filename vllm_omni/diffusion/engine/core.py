@@ -253,8 +253,14 @@ class DiffusionEngine:
     @property
     def peak_memory_bytes(self) -> dict[int, int]:
         """Each CUDA rank's peak allocated memory during its last request (none on the CPU)."""
-        stats = self.executor.rank_stats
-        return {rank: s.peak_memory_bytes for rank, s in sorted(stats.items()) if s.peak_memory_bytes is not None}
+        return self.memory_bytes("peak")
+
+    def memory_bytes(self, kind: Literal["peak", "allocated", "reserved"]) -> dict[int, int]:
+        """Each CUDA rank's memory as of its last request (none on the CPU): "peak" allocated during it,
+        "allocated" and "reserved" (the caching allocator's) once its tensors were dropped."""
+        name = f"{kind}_memory_bytes"
+        stats = sorted(self.executor.rank_stats.items())
+        return {rank: getattr(s, name) for rank, s in stats if getattr(s, name) is not None}
 
     def check_workers(self) -> None:
         """Respawn the group if a worker died while idle; the server's watchdog calls it."""

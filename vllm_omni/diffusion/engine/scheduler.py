@@ -27,13 +27,14 @@ from vllm_omni.diffusion.request import (
     GenerationParams,
     RequestCancelled,
     RequestError,
+    RequestOutOfMemory,
 )
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
-ErrorCode = Literal["invalid_request", "server_error", "cancelled", "shutting_down"]
+ErrorCode = Literal["invalid_request", "server_error", "out_of_memory", "cancelled", "shutting_down"]
 MESSAGE_CHARS = 500  # a client's error message is one line, at most this long
 
 
@@ -58,7 +59,8 @@ class JobError:
     """Why a job did not complete.
 
     code: "invalid_request" (bad input; `param` names the field), "server_error" (the engine or
-    the workers failed), "cancelled" (`Scheduler.cancel`), "shutting_down" (the server stops).
+    the workers failed), "out_of_memory" (the request needed more device memory than a rank had;
+    the message names its size), "cancelled" (`Scheduler.cancel`), "shutting_down" (the server stops).
     """
 
     code: ErrorCode
@@ -562,6 +564,9 @@ class Scheduler:
         elif isinstance(exc, RequestError):
             logger.info("Request %s refused: %s", job.id, exc)
             self._finish(job, "failed", error=JobError("invalid_request", one_line(exc), exc.param))
+        elif isinstance(exc, RequestOutOfMemory):  # the worker logged its traceback
+            logger.warning("Request %s failed: %s", job.id, exc)
+            self._finish(job, "failed", error=JobError("out_of_memory", one_line(exc)))
         else:
             # The whole text (a worker's traceback, say) goes to the log; the client gets its first line.
             logger.error("Request %s failed: %s: %s", job.id, type(exc).__name__, exc, exc_info=exc)

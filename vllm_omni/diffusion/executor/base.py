@@ -11,6 +11,12 @@ busy after another rank failed fail the request in flight and restart the whole 
 group is broken); the new group loads in the background and runs the warm-up requests before it
 takes a request ("warming_up"). A group that cannot load marks the executor failed. Once
 `shutdown()` begins, nothing is executed, collected or respawned. /health reads `status()`.
+
+A request that runs out of device memory fails alone (RequestOutOfMemory, naming its size): on a
+one-rank group, or where every rank raised it at an agreed point (protocol.Failed.agreed: the
+prompt encoding's broadcast), the ranks freed what it held and the group serves on. Anywhere else
+on a group of several ranks (inside a denoiser forward, a split decode) its peers may be left inside
+a collective, or on NCCL with an unmatched one: the group restarts at once.
 """
 
 from __future__ import annotations
@@ -37,7 +43,13 @@ from vllm_omni.diffusion.executor.protocol import (
     RequestReport,
     Stats,
 )
-from vllm_omni.diffusion.request import DiffusionRequest, RequestCancelled, RequestError, RequestFailed
+from vllm_omni.diffusion.request import (
+    DiffusionRequest,
+    RequestCancelled,
+    RequestError,
+    RequestFailed,
+    RequestOutOfMemory,
+)
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -400,9 +412,9 @@ class WorkerGroupExecutor:
                 raise _ShutDown()
             now = time.monotonic()
             if now > stuck_after:  # the first error is the cause; the ranks left waiting are its effect
-                error = next(reply.error for reply in replies.values() if isinstance(reply, Failed))
+                cause = next(reply for reply in replies.values() if isinstance(reply, Failed))
                 busy = sorted(set(range(self.world_size)) - set(replies))
-                self._fail_hung(request, f"failed ({error}) and rank(s) {busy} did not finish")
+                self._fail_hung(request, f"failed ({cause.error}) and rank(s) {busy} did not finish", cause)
             if now - last_progress > stall_s:
                 where = ", ".join(
                     f"rank {rank} {'finished' if rank in replies else _step_text(step)}" for rank, step in steps.items()
@@ -443,20 +455,59 @@ class WorkerGroupExecutor:
                     replies[report.rank] = report
                     if isinstance(report, Failed) and stuck_after == math.inf:
                         stuck_after = last_progress + min(STUCK_AFTER_ERROR_S, stall_s)
+                    if isinstance(report, Failed) and _restarts_group(report, self.world_size):
+                        # Its peers may be inside a collective it left: no waiting for them to get stuck.
+                        self._restart_locked(f"request {request.request_id} ran out of memory on rank {report.rank}")
+                        raise out_of_memory_error(request, report, restarting=True)
         self._group_idle = True
         if all(isinstance(reply, Done) for reply in replies.values()):
             return replies[0].images
-        failed = next((reply for reply in replies.values() if isinstance(reply, Failed)), None)
-        if failed is not None:
+        failures = [reply for reply in replies.values() if isinstance(reply, Failed)]
+        if failures:
+            failed = failures[0]
             if isinstance(failed.error, RequestError):  # the client's mistake, found in a worker (a damaged image)
                 raise failed.error
+            ooms = [reply for reply in failures if reply.out_of_memory]
+            if ooms:  # one rank, or every rank at an agreed point: the group serves on
+                # The lowest rank: at the prompt encoding, the one that encoded (its peers got a copy).
+                raise out_of_memory_error(request, min(ooms, key=lambda reply: reply.rank), restarting=False)
             raise RequestFailed(failed.error)
         raise RequestCancelled(replies[0].reason if isinstance(replies[0], Cancelled) else "cancelled")
 
-    def _fail_hung(self, request: DiffusionRequest, why: str) -> None:
+    def _fail_hung(self, request: DiffusionRequest, why: str, cause: Failed | None = None) -> None:
         """The group is stuck in this request: restart it, and fail the request saying why."""
         self._restart_locked(f"request {request.request_id} {why}")
+        if cause is not None and cause.out_of_memory:
+            raise out_of_memory_error(request, cause, restarting=True)
         raise RequestFailed(f"request {request.request_id} {why}; the workers are restarting")
+
+
+def _restarts_group(failed: Failed, world_size: int) -> bool:
+    """An out-of-memory error outside an agreed point, on a group of several ranks (the module's rule)."""
+    return failed.out_of_memory is not None and not failed.agreed and world_size > 1
+
+
+_PHASE_WORDS = {"encode": "encoding the prompt", "denoise": "denoising", "decode": "decoding"}
+
+
+def out_of_memory_error(request: DiffusionRequest, failed: Failed, restarting: bool) -> RequestOutOfMemory:
+    """The error of a request that ran out of memory on `failed.rank`: its size, where, and what helps."""
+    rows = request.rows
+    size = f"{request.width}x{request.height}" if request.width else "the default size"
+    if request.num_frames:
+        size += f", {request.num_frames} frames"
+    size += f", n={request.num_images}"
+    if len(rows) > 1:
+        size += f", batched with {len(rows) - 1} other request(s)"
+    # torch's first sentences (what it tried to allocate); the rest is in the worker's log.
+    detail = (str(failed.error).splitlines() or [""])[0].split(". GPU ")[0].rstrip(".")
+    after = "the workers are restarting" if restarting else "the server freed its memory and serves on"
+    return RequestOutOfMemory(
+        f"request {request.request_id} ({size}) ran out of memory on rank {failed.rank} while "
+        f"{_PHASE_WORDS.get(failed.out_of_memory, 'running')}: {detail}; {after}. What helps: a smaller size, fewer "
+        "frames or images (n); on the server, FP8 (--quantization fp8), a higher --ulysses-degree, or a GPU "
+        "with more free memory"
+    )
 
 
 def _request_shape(request: DiffusionRequest) -> str:

@@ -98,6 +98,11 @@ class Stats(RequestReport):
     compiles: int  # graphs torch.compile compiled, likewise
     step_cache: dict[str, Any] | None = None  # the step cache's record (step_cache.CacheRecord.summary)
     peak_memory_bytes: int | None = None  # on CUDA: peak allocated memory during the request
+    allocated_memory_bytes: int | None = None  # on CUDA: allocated once the request's tensors were dropped
+    reserved_memory_bytes: int | None = None  # on CUDA: held by the caching allocator then
+    # Test only (VLLM_OMNI_TEST_MEMORY_TRACE): what the rank held as the request arrived, after the
+    # previous one (testing/memory_trace.py).
+    traced_memory: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,12 +112,23 @@ class Done(RequestReport):
     images: np.ndarray | None = None
 
 
+# Where a request was when its rank ran out of memory: encoding its text, denoising, decoding.
+RunPhase = Literal["encode", "denoise", "decode"]
+
+
 @dataclass(frozen=True)
 class Failed(RequestReport):
     """The request failed on this rank: bad input only a worker could see (a RequestError, with its
-    param), or any other error as its text."""
+    param), or any other error as its text.
+
+    `out_of_memory`: the phase in which the rank ran out of device memory (None: another error);
+    `agreed`: it raised that error at a point every rank of its SP group reached together (the prompt
+    encoding's broadcast), so no peer was left inside a collective.
+    """
 
     error: RequestError | str
+    out_of_memory: RunPhase | None = None
+    agreed: bool = False
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import torch
 from vllm_omni.diffusion.config import StepCacheConfig
 from vllm_omni.diffusion.distributed.comm import SourceFailed, broadcast_tensors
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
+from vllm_omni.diffusion.executor.protocol import RunPhase
 from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, attention_heads, undeclared_denoisers
 from vllm_omni.diffusion.models.registry import PipelineSpec
@@ -43,6 +44,7 @@ from vllm_omni.diffusion.worker.forward_chain import (
     reset_step_cache,
     sharded_graphs,
 )
+from vllm_omni.diffusion.worker.memory_guard import GroupOutOfMemory, is_out_of_memory
 from vllm_omni.diffusion.worker.offload import apply_offload
 from vllm_omni.diffusion.worker.quantization import quantize_denoisers, stored_bytes
 from vllm_omni.diffusion.worker.step_cache import CacheRecord
@@ -90,6 +92,7 @@ class PipelineRunner:
         self.spec = spec
         self.device = device
         self.phase_seconds: dict[str, float] = {}  # the last request's: encode (text once), denoise, decode
+        self.phase: RunPhase = "denoise"  # where the current (or last) request is: what an out-of-memory names
         self.family: FamilyPipeline = spec.family_pipeline()
         # Straight onto the device, without a random initialisation first (accelerate's meta-device load);
         # offloaded weights load onto the CPU, where they wait between their phases (offload.py).
@@ -189,12 +192,15 @@ class PipelineRunner:
         on_step_end: StepCallback,
         on_decode_tile: Callable[[int], None] | None = None,
         on_encode_progress: Callable[[int, int], None] | None = None,
+        on_text_encode: Callable[[], None] | None = None,
     ) -> np.ndarray:
         """Run one request; `on_step_end(step)` is called after every denoising step and may raise to stop.
 
         `on_decode_tile(tile)`, likewise, at every tile of a split VAE decode, on every rank;
         `on_encode_progress(done, total)` as a family's long encode stage advances (GLM-Image's AR
-        tokens), on the rank that runs it (the SP group's rank 0), and may raise to stop it.
+        tokens), on the rank that runs it (the SP group's rank 0), and may raise to stop it;
+        `on_text_encode()` as that rank starts encoding the prompts once for its group (the worker's
+        test faults; what it raises reaches the group as an encoding failure).
 
         Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np".
         """
@@ -216,8 +222,10 @@ class PipelineRunner:
         started = time_now = time.perf_counter()
         encodes_first = self.text_peers or self.family.encodes_first
         if encodes_first:
-            kwargs = self._with_shared_text(kwargs, on_encode_progress)
+            self.phase = "encode"
+            kwargs = self._with_shared_text(kwargs, on_encode_progress, on_text_encode)
             time_now = time.perf_counter()
+        self.phase = "denoise"
         self.phase_seconds = {"encode": time_now - started} if encodes_first else {}
         called = time_now
         denoised = {"at": called}
@@ -238,6 +246,8 @@ class PipelineRunner:
                 torch.cuda.synchronize(self.device)  # the phases end where the GPU's work ends, once a request
             denoised["at"] = time.perf_counter()
             on_step_end(step)
+            if step >= last_step:
+                self.phase = "decode"
 
         self._on_decode_tile = on_decode_tile
         try:
@@ -271,15 +281,23 @@ class PipelineRunner:
             raise ValueError(f"request {request.request_id}: batched requests differ beyond their prompts")
         return {**kwargs, **{name: [row[name] for row in rows] for name in texts}}
 
-    def _with_shared_text(self, kwargs: dict[str, Any], progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+    def _with_shared_text(
+        self,
+        kwargs: dict[str, Any],
+        progress: Callable[[int, int], None] | None,
+        on_start: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
         """The call with the prompt embeddings that rank 0 of this SP group encoded (the same prompts
         on every rank of the group: under CFG parallel each group encodes its own, swapped ones).
 
         Where rank 0 fails (a cancel from `progress` included), its peers, waiting in the broadcast,
-        raise the same error there: the whole group stops at that one point."""
+        raise the same error there: the whole group stops at that one point (an out-of-memory error
+        as GroupOutOfMemory, which says so)."""
         embeds: dict[str, torch.Tensor] | BaseException | None = None
         if self.encodes_text:
             try:
+                if on_start is not None:
+                    on_start()
                 with torch.inference_mode():
                     embeds = self.family.encode_text(self.pipe, kwargs, progress=progress)
                 if not embeds:
@@ -292,10 +310,22 @@ class PipelineRunner:
             try:
                 embeds = broadcast_tensors(embeds, src, state.sp_group, state.sp_control_group)
             except SourceFailed as failed:
+                if is_out_of_memory(failed.error):
+                    raise GroupOutOfMemory(failed.error) from None
                 raise failed.error from None
         elif isinstance(embeds, BaseException):
             raise embeds
         return self.family.with_text(kwargs, embeds)
+
+    def end_failed_request(self) -> None:
+        """Drop the per-request state a failed request left mid-way: the CFG exchange's branches, the step
+        cache's residuals (the next request would reset them; until then they would hold memory)."""
+        if self.cfg is not None:
+            self.cfg.end_step()
+        if self.cache is not None:
+            for denoiser in self.denoisers.values():
+                reset_step_cache(denoiser)
+        self.forwards.clear()
 
     @contextlib.contextmanager
     def _per_step_hook(self, kwargs: dict[str, Any], step_end: Callable[[int], None]) -> Iterator[None]:

@@ -35,9 +35,11 @@ from vllm_omni.diffusion.executor.protocol import (
     Stats,
 )
 from vllm_omni.diffusion.request import DiffusionRequest, RequestCancelled, RequestError
+from vllm_omni.diffusion.worker.memory_guard import GroupOutOfMemory, is_out_of_memory, memory_figures, release_memory
 from vllm_omni.diffusion.worker.step_cache import step_cache_line
 from vllm_omni.logger import init_logger
 from vllm_omni.testing.faults import InjectedFault
+from vllm_omni.testing.memory_trace import MemoryTrace
 
 logger = init_logger(__name__)
 
@@ -181,101 +183,148 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
 
 
 def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: Any) -> None:
-    from vllm_omni.diffusion.distributed.parallel_state import any_rank, destroy_parallel_state
+    from vllm_omni.diffusion.distributed.parallel_state import destroy_parallel_state
 
     faults = InjectedFault.from_env()
+    trace = MemoryTrace.from_env()  # test only: what the rank holds between requests
     while True:
         request: DiffusionRequest | None = requests.get()
         if request is None:
             break
-        total = request.num_inference_steps
-        reports.put(Progress(rank, request.request_id, 0, total))
-
-        def on_step_end(step: int, request: DiffusionRequest = request, total: int = total) -> None:
-            for fault in faults:
-                fault.trigger(rank, step, request, "step", lambda: cancel_token.value == request.cancel_token)
-            # All ranks must stop at the same step, or the others would wait in a collective forever.
-            if any_rank(cancel_token.value == request.cancel_token):
-                raise RequestCancelled(f"request {request.request_id} cancelled at step {step + 1}")
-            reports.put(Progress(rank, request.request_id, min(step + 1, total), total))
-
-        def on_decode_tile(tile: int, request: DiffusionRequest = request, total: int = total) -> None:
-            for fault in faults:
-                fault.trigger(rank, tile, request, "decode", lambda: cancel_token.value == request.cancel_token)
-            # Every rank reaches every tile start of a split decode: a cancel stops them all at one tile.
-            if any_rank(cancel_token.value == request.cancel_token):
-                raise RequestCancelled(f"request {request.request_id} cancelled while decoding (tile {tile + 1})")
-            reports.put(Progress(rank, request.request_id, total, total))  # alive: the stall deadline
-
-        encoded: list[tuple[int, int]] = []
-
-        def on_encode_progress(
-            done: int, total: int, request: DiffusionRequest = request, encoded: list = encoded
-        ) -> None:
-            for fault in faults:
-                fault.trigger(rank, done, request, "encode", lambda: cancel_token.value == request.cancel_token)
-            # Only this rank runs the stage (its SP peers wait in the broadcast of its output, where the
-            # runner tells them it stopped): its own cancel check decides.
-            if cancel_token.value == request.cancel_token:
-                raise RequestCancelled(f"request {request.request_id} cancelled while encoding ({done}/{total})")
-            encoded[:] = [(done, total)]
-            reports.put(Progress(rank, request.request_id, done, total, "encode"))
-
-        start = time.perf_counter()
-        try:
-            try:
-                images = runner.run(request, on_step_end, on_decode_tile, on_encode_progress)
-            finally:
-                # Before the request's last report: the executor stops reading once every rank answered.
-                while runner.graph_capture_failures:
-                    reason = runner.graph_capture_failures.pop(0)
-                    reports.put(GraphCaptureFailed(rank, request.request_id, reason))
-        except RequestCancelled as exc:
-            logger.info("%s", exc)
-            reports.put(Cancelled(rank, request.request_id, str(exc)))
-            continue
-        except RequestError as exc:  # bad input only the worker could see (a source image's data): a 400
-            logger.info("Request %s refused on rank %d: %s", request.request_id, rank, exc)
-            reports.put(Failed(rank, request.request_id, exc))  # pickles with its param
-            continue
-        except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
-            logger.warning(
-                "Request %s failed on rank %d: %s: %s", request.request_id, rank, type(exc).__name__, exc, exc_info=True
-            )
-            reports.put(Failed(rank, request.request_id, f"{type(exc).__name__}: {exc}"))
-            continue
-        records = runner.cache.summary() if runner.cache is not None else None
-        cache = None if records is None else runner.cache.report()
-        if rank == 0:
-            batched = f" (batched with {', '.join(row.request_id for row in request.batch)})" if request.batch else ""
-            logger.info(
-                "Request %s%s: %s%d step(s) in %.2f s (forwards: %s)%s",
-                request.request_id,
-                batched,
-                "".join(
-                    f"encode {done}/{total} token(s) in {runner.phase_seconds['encode']:.2f} s, "
-                    for done, total in encoded
-                ),
-                request.num_inference_steps,
-                time.perf_counter() - start,
-                ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
-                "" if cache is None else f"; {step_cache_line(cache)}",
-            )
-        peak_memory = None
-        if runner.device.type == "cuda":
-            import torch
-
-            peak_memory = torch.cuda.max_memory_allocated(runner.device)
-            torch.cuda.reset_peak_memory_stats(runner.device)
-        stats = Stats(
-            rank,
-            request.request_id,
-            phase_seconds=dict(runner.phase_seconds),  # a copy: a Ray rank's report waits for its poll
-            graph_captures=runner.graph_captures,
-            compiles=runner.compiles(),
-            step_cache=records,
-            peak_memory_bytes=peak_memory,
-        )
-        reports.put(stats)
-        reports.put(Done(rank, request.request_id, images if rank == 0 else None))
+        traced = trace.measure(request) if trace is not None else None
+        # In a function of its own: whatever the request held (its images, a failure's frames) is
+        # dropped when it returns, before the next request arrives.
+        _serve_request(rank, runner, request, reports, cancel_token, faults, traced)
+        del request
     destroy_parallel_state()
+
+
+def _serve_request(
+    rank: int,
+    runner: Any,
+    request: DiffusionRequest,
+    reports: Any,
+    cancel_token: Any,
+    faults: list[InjectedFault],
+    traced: dict[str, int] | None,
+) -> None:
+    """Run one request on this rank and send its reports: progress, then stats and done, or how it ended."""
+    from vllm_omni.diffusion.distributed.parallel_state import any_rank
+
+    total = request.num_inference_steps
+    reports.put(Progress(rank, request.request_id, 0, total))
+
+    def cancelled() -> bool:
+        return cancel_token.value == request.cancel_token
+
+    def on_step_end(step: int) -> None:
+        for fault in faults:
+            fault.trigger(rank, step, request, "step", cancelled)
+        # All ranks must stop at the same step, or the others would wait in a collective forever.
+        if any_rank(cancelled()):
+            raise RequestCancelled(f"request {request.request_id} cancelled at step {step + 1}")
+        reports.put(Progress(rank, request.request_id, min(step + 1, total), total))
+
+    def on_decode_tile(tile: int) -> None:
+        for fault in faults:
+            fault.trigger(rank, tile, request, "decode", cancelled)
+        # Every rank reaches every tile start of a split decode: a cancel stops them all at one tile.
+        if any_rank(cancelled()):
+            raise RequestCancelled(f"request {request.request_id} cancelled while decoding (tile {tile + 1})")
+        reports.put(Progress(rank, request.request_id, total, total))  # alive: the stall deadline
+
+    encoded: list[tuple[int, int]] = []
+
+    def on_encode_progress(done: int, total: int) -> None:
+        for fault in faults:
+            fault.trigger(rank, done, request, "encode", cancelled)
+        # Only this rank runs the stage (its SP peers wait in the broadcast of its output, where the
+        # runner tells them it stopped): its own cancel check decides.
+        if cancelled():
+            raise RequestCancelled(f"request {request.request_id} cancelled while encoding ({done}/{total})")
+        encoded[:] = [(done, total)]
+        reports.put(Progress(rank, request.request_id, done, total, "encode"))
+
+    def on_text_encode() -> None:
+        for fault in faults:
+            fault.trigger(rank, 0, request, "text", cancelled)
+
+    start = time.perf_counter()
+    failure: Failed | None = None
+    try:
+        try:
+            images = runner.run(request, on_step_end, on_decode_tile, on_encode_progress, on_text_encode)
+        finally:
+            # Before the request's last report: the executor stops reading once every rank answered.
+            while runner.graph_capture_failures:
+                reason = runner.graph_capture_failures.pop(0)
+                reports.put(GraphCaptureFailed(rank, request.request_id, reason))
+    except RequestCancelled as exc:
+        logger.info("%s", exc)
+        reports.put(Cancelled(rank, request.request_id, str(exc)))
+        return
+    except RequestError as exc:  # bad input only the worker could see (a source image's data): a 400
+        logger.info("Request %s refused on rank %d: %s", request.request_id, rank, exc)
+        reports.put(Failed(rank, request.request_id, exc))  # pickles with its param
+        return
+    except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
+        failure = _failure(rank, request, runner, exc)
+    if failure is not None:
+        # Out of the except clause, so its exception (and the tensors its frames hold) can go.
+        runner.end_failed_request()
+        release_memory(runner.device)
+        reports.put(failure)
+        return
+    records = runner.cache.summary() if runner.cache is not None else None
+    cache = None if records is None else runner.cache.report()
+    if rank == 0:
+        batched = f" (batched with {', '.join(row.request_id for row in request.batch)})" if request.batch else ""
+        logger.info(
+            "Request %s%s: %s%d step(s) in %.2f s (forwards: %s)%s",
+            request.request_id,
+            batched,
+            "".join(
+                f"encode {done}/{total} token(s) in {runner.phase_seconds['encode']:.2f} s, " for done, total in encoded
+            ),
+            request.num_inference_steps,
+            time.perf_counter() - start,
+            ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
+            "" if cache is None else f"; {step_cache_line(cache)}",
+        )
+    peak, allocated, reserved = memory_figures(runner.device)
+    stats = Stats(
+        rank,
+        request.request_id,
+        phase_seconds=dict(runner.phase_seconds),  # a copy: a Ray rank's report waits for its poll
+        graph_captures=runner.graph_captures,
+        compiles=runner.compiles(),
+        step_cache=records,
+        peak_memory_bytes=peak,
+        allocated_memory_bytes=allocated,
+        reserved_memory_bytes=reserved,
+        traced_memory=traced,
+    )
+    reports.put(stats)
+    reports.put(Done(rank, request.request_id, images if rank == 0 else None))
+
+
+def _failure(rank: int, request: DiffusionRequest, runner: Any, exc: Exception) -> Failed:
+    """The report of a request that failed on this rank with `exc` (logged here, with its traceback)."""
+    if not is_out_of_memory(exc):
+        logger.warning(
+            "Request %s failed on rank %d: %s: %s", request.request_id, rank, type(exc).__name__, exc, exc_info=True
+        )
+        return Failed(rank, request.request_id, f"{type(exc).__name__}: {exc}")
+    agreed = isinstance(exc, GroupOutOfMemory)
+    error = exc.error if agreed else exc
+    logger.warning(
+        "Request %s ran out of memory on rank %d while %s: %s: %s",
+        request.request_id,
+        rank,
+        {"encode": "encoding the prompt", "denoise": "denoising", "decode": "decoding"}[runner.phase],
+        type(error).__name__,
+        error,
+        exc_info=True,
+    )
+    text = f"{type(error).__name__}: {error}"
+    return Failed(rank, request.request_id, text, out_of_memory=runner.phase, agreed=agreed)

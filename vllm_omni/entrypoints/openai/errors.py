@@ -5,7 +5,8 @@ large or unparsable); `install_error_handlers` makes the app answer everything e
 shape too: the scheduler's refusals (503, 429 with Retry-After), bad input found by the engine
 (`RequestError`, 400 with its `param`), pydantic's validation errors, Starlette's own 404 / 405,
 a client gone mid-body (one log line), and unexpected exceptions (500, one line; the traceback
-goes to the log). `job_error` maps a failed or cancelled job to its answer.
+goes to the log). `job_error` maps a failed or cancelled job to its answer (a request that ran out
+of device memory: 507, code "out_of_memory").
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vllm_omni.logger import init_logger
 logger = init_logger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it, but the access log does
+INSUFFICIENT_STORAGE = 507  # a request that ran out of device memory (the closest standard status)
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -88,6 +90,8 @@ def job_error(error: JobError, size: str | None = None) -> ApiError:
         return ApiError(503, error.message, code="shutting_down")
     if error.code == "cancelled":
         return ApiError(CLIENT_CLOSED, error.message, code="cancelled")
+    if error.code == "out_of_memory":  # this request's size, not the server's state: 507, not 503
+        return ApiError(INSUFFICIENT_STORAGE, error.message, code="out_of_memory")
     return ApiError(500, error.message)
 
 

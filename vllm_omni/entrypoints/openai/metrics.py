@@ -24,7 +24,10 @@ server already holds and never asks the workers:
   `vllm_omni_replica_state{replica, state}`, `vllm_omni_replica_worker_restarts_total{replica}`;
   `vllm_omni_graph_captures{replica, rank}` and `vllm_omni_compiles{replica, rank}` (since the
   rank's group started), and on CUDA `vllm_omni_gpu_memory_peak_bytes{replica, rank}`, each rank's
-  peak allocated memory in its last request (all reported by the rank with its result).
+  peak allocated memory in its last request, `vllm_omni_gpu_memory_allocated_bytes{replica, rank}`
+  and `vllm_omni_gpu_memory_reserved_bytes{replica, rank}`, what it held once that request's
+  tensors were dropped (allocated; reserved by the caching allocator): all reported by the rank with
+  its result. Flat allocated bytes over requests is the no-leak check.
 
 The route takes the API key like /v1/* when the server has one (api_server.BearerAuth).
 """
@@ -167,23 +170,27 @@ class _StateCollector:
                 ("compiles", "graphs torch.compile compiled in the rank since its group started"),
             )
         }
-        memory = GaugeMetricFamily(
-            "vllm_omni_gpu_memory_peak_bytes",
-            "peak allocated GPU memory in the rank's last request",
-            labels=["replica", "rank"],
-        )
+        memory = {
+            kind: GaugeMetricFamily(f"vllm_omni_gpu_memory_{kind}_bytes", what, labels=["replica", "rank"])
+            for kind, what in (
+                ("peak", "peak allocated GPU memory in the rank's last request"),
+                ("allocated", "GPU memory the rank's tensors held after its last request"),
+                ("reserved", "GPU memory the rank's caching allocator held after its last request"),
+            )
+        }
         for replica, (health, jobs, engine) in enumerate(self.scheduler.replica_states()):
             label = str(replica)
             running.add_metric([label], len(jobs))
             for name in HEALTH_STATES:
                 states.add_metric([label, name], 1.0 if health.state == name else 0.0)
             restarts.add_metric([label], health.restarts)
-            for rank, peak in getattr(engine, "peak_memory_bytes", {}).items():
-                memory.add_metric([label, str(rank)], peak)
+            for kind, family in memory.items():
+                for rank, value in (engine.memory_bytes(kind) if hasattr(engine, "memory_bytes") else {}).items():
+                    family.add_metric([label, str(rank)], value)
             for name, family in counts.items():
                 for rank, count in (engine.rank_counts(name) if hasattr(engine, "rank_counts") else {}).items():
                     family.add_metric([label, str(rank)], count)
-        yield from (running, states, restarts, memory, *counts.values())
+        yield from (running, states, restarts, *memory.values(), *counts.values())
 
 
 class CountHTTP:
