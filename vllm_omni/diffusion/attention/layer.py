@@ -5,7 +5,8 @@
   text: Wan2.2's video self-attention), Ulysses-parallel when a sequence-parallel context is
   active: one seq->head all-to-all for q, k, v of both streams, `attend_joint` (join, kernel,
   layout for the way back), one head->seq all-to-all. What attention may see of the SP padding
-  comes from the context's `JointLayout` (distributed/sequence_parallel.py).
+  comes from the context's `JointLayout` (distributed/sequence_parallel.py). `attend_reference`
+  adds FLUX.2 klein's reference stream in front, whose keys and values are kept across steps.
 - `CrossAttention`: queries from the rank's own shard of the video stream, keys and values from a
   stream every rank holds whole (Wan2.2's 512 text tokens). No all-to-all and no padding policy:
   the padded query rows give rows that the gather drops like every padded row.
@@ -16,6 +17,7 @@ the kernel comes from backends.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -25,6 +27,7 @@ from vllm_omni.diffusion.attention.backends import AttentionBackend, resolve_att
 from vllm_omni.diffusion.distributed.comm import all_to_all
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
+    REFERENCE,
     TEXT,
     JointLayout,
     SequenceParallelContext,
@@ -34,6 +37,26 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+@dataclass
+class ReferenceKV:
+    """Keys and values of FLUX.2 klein's reference stream, held by attention across denoising steps.
+
+    The reference stream leads the joint sequence; its tokens attend only to each other, and every
+    other token attends to them too. Under SP they are this rank's heads over the whole stream
+    after the seq->head all-to-all, laid out as the joint layout placed them (trim: cut at the true
+    length; mask and none: padded, the mask hiding the padding), so a later step joins them in
+    without exchanging or recomputing anything, and the padding policy stays the layout's. With one
+    rank they are diffusers' own format, [B, tokens, H, D]. Empty until the first step fills them.
+    """
+
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+
+    @property
+    def filled(self) -> bool:
+        return self.key is not None
+
+
 def pack_streams(layout: JointLayout, streams: dict[str, QKV]) -> torch.Tensor:
     """Lay out q, k, v of every stream for the seq->head all-to-all: [P, 3, B, S_local, H/P, D]."""
     query = streams[IMAGE][0]
@@ -41,6 +64,8 @@ def pack_streams(layout: JointLayout, streams: dict[str, QKV]) -> torch.Tensor:
     world = layout.world_size
     send = query.new_empty(world, 3, batch, layout.local_len, heads // world, head_dim)
     for slot in layout.slots:
+        if not slot.exchanged:
+            continue
         n = slot.shard.local_seq_len
         dst = send[:, :, :, slot.local_start : slot.local_start + n]
         for i, tensor in enumerate(streams[slot.name]):
@@ -55,41 +80,68 @@ def pack_streams(layout: JointLayout, streams: dict[str, QKV]) -> torch.Tensor:
 
 
 def unpack_streams(layout: JointLayout, back: torch.Tensor) -> list[torch.Tensor]:
-    """Each stream's [B, S_local, H, D] output from the head->seq all-to-all's result, in layout order."""
+    """Each exchanged stream's [B, S_local, H, D] output from the head->seq all-to-all's result, in layout order."""
     world, batch, _, heads, head_dim = back.shape
     return [
         back[:, :, slot.local_start : slot.local_start + slot.shard.local_seq_len]
         .permute(1, 2, 0, 3, 4)
         .reshape(batch, slot.shard.local_seq_len, world * heads, head_dim)
         for slot in layout.slots
+        if slot.exchanged
     ]
 
 
-def attend_joint(recv: torch.Tensor, layout: JointLayout, backend: AttentionBackend) -> torch.Tensor:
+def attend_joint(
+    recv: torch.Tensor, layout: JointLayout, backend: AttentionBackend, reference: ReferenceKV | None = None
+) -> torch.Tensor:
     """A rank's work between the two all-to-alls.
 
     `recv` [P, 3, B, S_local, H/P, D] holds q, k, v from every rank (rank-local streams side
     by side). Each stream is copied to its joint offset (one copy per stream, as in every
     mode), the kernel runs, and its output is written straight into the [P, B, S_local,
     H/P, D] buffer the reverse all-to-all sends.
+
+    `reference`: the layout's first stream is FLUX.2 klein's reference stream (`ReferenceKV`). Empty,
+    it is exchanged like the others; its rows attend only to themselves, in a second kernel call, and
+    their keys and values are kept in it. Filled, the layout keeps that stream (not exchanged): its
+    keys and values are copied in and only the rows after it are queries.
     """
     world, _, batch, local_len, heads, head_dim = recv.shape
+    exchanged = [slot for slot in layout.slots if slot.exchanged]
     # A stream's padding and filler rows are copied too and overwritten by the next stream's rows;
     # where they reach past every real row (text filler longer than a tiny image) the buffer grows.
-    joint_len = max(layout.query_len, *(s.joint_offset + world * s.shard.local_seq_len for s in layout.slots))
+    joint_len = max(layout.query_len, *(s.joint_offset + world * s.shard.local_seq_len for s in exchanged))
     joint = recv.new_empty(3, batch, joint_len, heads, head_dim)
-    for slot in layout.slots:
+    for slot in exchanged:
         n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset
         dst = joint[:, :, offset : offset + world * n].view(3, batch, world, n, heads, head_dim)
         dst.copy_(recv[:, :, :, start : start + n].permute(1, 2, 0, 3, 4, 5))
+    query_start, reference_out = 0, None
+    if reference is not None:
+        _, query_start = layout.span(0)  # the reference rows; every later row is a query over all keys
+        mask = None if layout.key_mask is None else layout.key_mask[..., :query_start]
+        if reference.filled:
+            expected = (batch, query_start, heads, head_dim)
+            if tuple(reference.key.shape) != expected:
+                raise ValueError(
+                    f"kept reference keys have shape {tuple(reference.key.shape)}, this layout needs {expected}: "
+                    "they were kept under another sequence-parallel layout; extract them again"
+                )
+            joint[1, :, :query_start] = reference.key
+            joint[2, :, :query_start] = reference.value
+        else:
+            reference.key, reference.value = joint[1:, :, :query_start].clone().unbind(0)
+            reference_out = backend(joint[0, :, :query_start], reference.key, reference.value, mask)
     kv = joint[1:, :, : layout.kv_len]
-    out = backend(joint[0, :, : layout.query_len], kv[0], kv[1], layout.key_mask)
+    out = backend(joint[0, :, query_start : layout.query_len], kv[0], kv[1], layout.key_mask)
+    if reference_out is not None:
+        out, query_start = torch.cat([reference_out, out], dim=1), 0
     if joint_len > layout.query_len:  # rows read back for the dropped tail: any values do
         out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, joint_len - layout.query_len))
 
     send = out.new_empty(world, batch, local_len, heads, head_dim)
-    for slot in layout.slots:
-        n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset
+    for slot in exchanged:
+        n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset - query_start
         src = out[:, offset : offset + world * n].view(batch, world, n, heads, head_dim)
         send[:, :, start : start + n].copy_(src.permute(1, 0, 2, 3, 4))
     return send
@@ -122,44 +174,101 @@ class JointAttention(nn.Module):
             streams[TEXT] = text_qkv
         order = [IMAGE] if text_qkv is None else ([TEXT, IMAGE] if self.text_position == "front" else [IMAGE, TEXT])
 
+        by_name = self._attend(order, streams)
+        return by_name[IMAGE], by_name.get(TEXT)
+
+    @torch.compiler.disable
+    def attend_reference(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        text_qkv: QKV | None,
+        reference: ReferenceKV,
+        reference_qkv: QKV | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """FLUX.2 klein's KV mode: joint attention over [reference, text, image], the reference tokens
+        attending only to each other. With `reference_qkv` (the first step, `reference` empty) their
+        keys and values are kept in `reference`; without (later steps) `reference`'s are used and the
+        reference tokens are not computed at all. Returns the image, text and reference outputs
+        (reference: None on later steps)."""
+        if self.text_position != "front":
+            raise ValueError("the reference stream joins in front of the text: text_position must be 'front'")
+        if reference.filled == (reference_qkv is not None):
+            raise ValueError("give reference_qkv with an empty ReferenceKV (first step), or a filled one alone")
+        streams: dict[str, QKV] = {IMAGE: (query, key, value)}
+        if text_qkv is not None:
+            streams[TEXT] = text_qkv
+        if reference_qkv is not None:
+            streams[REFERENCE] = reference_qkv
+        order = [REFERENCE, *([TEXT] if text_qkv is not None else []), IMAGE]
+        by_name = self._attend(order, streams, reference)
+        return by_name[IMAGE], by_name.get(TEXT), by_name.get(REFERENCE)
+
+    def _attend(
+        self, order: list[str], streams: dict[str, QKV], reference: ReferenceKV | None = None
+    ) -> dict[str, torch.Tensor]:
         ctx = get_sp_context()
         if ctx is None or not ctx.enabled:
-            outs = self._attend_single_process(ctx, order, streams)
+            outs = self._attend_single_process(ctx, order, streams, reference)
         else:
-            outs = self._attend_ulysses(ctx, order, streams)
-        by_name = dict(zip(order, outs))
-        return by_name[IMAGE], by_name.get(TEXT)
+            outs = self._attend_ulysses(ctx, order, streams, reference)
+        return dict(zip([name for name in order if name in streams], outs))
 
     @staticmethod
     def _attend_single_process(
-        ctx: SequenceParallelContext | None, order: list[str], streams: dict[str, QKV]
+        ctx: SequenceParallelContext | None,
+        order: list[str],
+        streams: dict[str, QKV],
+        reference: ReferenceKV | None = None,
     ) -> list[torch.Tensor]:
-        ordered = [streams[name] for name in order]
-        query = torch.cat([q for q, _, _ in ordered], dim=1)
+        names = [name for name in order if name in streams]
+        ordered = [streams[name] for name in names]
         # A stream's filler (shard_with_auto_pad's valid_len) is cut from keys and values: exact, dense.
         # Only a tensor of the stream's recorded length carries it (FLUX.2's fused single-stream
         # blocks pass [text, image] as one stream, which has no filler).
         kept = []
-        for name, (_, k, _) in zip(order, ordered):
+        for name, (_, k, _) in zip(names, ordered):
             shard = ctx.streams.get(name) if ctx is not None else None
             has_filler = shard is not None and shard.filler_len > 0 and k.shape[1] == shard.seq_len
             kept.append(shard.original_seq_len if has_filler else k.shape[1])
-        key = torch.cat([k[:, :n] for (_, k, _), n in zip(ordered, kept)], dim=1)
-        value = torch.cat([v[:, :n] for (_, _, v), n in zip(ordered, kept)], dim=1)
-        out = resolve_attention_backend(needs_mask=False)(query, key, value)
-        return list(out.split([q.shape[1] for q, _, _ in ordered], dim=1))
+        keys = [k[:, :n] for (_, k, _), n in zip(ordered, kept)]
+        values = [v[:, :n] for (_, _, v), n in zip(ordered, kept)]
+        backend = resolve_attention_backend(needs_mask=False)
+        if reference is None:
+            query = torch.cat([q for q, _, _ in ordered], dim=1)
+            out = backend(query, torch.cat(keys, dim=1), torch.cat(values, dim=1))
+            return list(out.split([q.shape[1] for q, _, _ in ordered], dim=1))
+        # The reference stream leads: it attends to itself alone, every later query to all keys.
+        reference_out = None
+        if reference.filled:
+            keys, values = [reference.key, *keys], [reference.value, *values]
+        else:
+            (ref_query, *_), ordered = ordered[0], ordered[1:]
+            reference.key, reference.value = keys[0].clone(), values[0].clone()
+            reference_out = backend(ref_query, reference.key, reference.value)
+        query = torch.cat([q for q, _, _ in ordered], dim=1)
+        out = backend(query, torch.cat(keys, dim=1), torch.cat(values, dim=1))
+        outs = list(out.split([q.shape[1] for q, _, _ in ordered], dim=1))
+        return outs if reference_out is None else [reference_out, *outs]
 
     @staticmethod
-    def _attend_ulysses(ctx: SequenceParallelContext, order: list[str], streams: dict[str, QKV]) -> list[torch.Tensor]:
+    def _attend_ulysses(
+        ctx: SequenceParallelContext,
+        order: list[str],
+        streams: dict[str, QKV],
+        reference: ReferenceKV | None = None,
+    ) -> list[torch.Tensor]:
         query = streams[IMAGE][0]
         if query.shape[2] % ctx.world_size:
             raise ValueError(
                 f"ulysses_degree={ctx.world_size} must divide the number of attention heads ({query.shape[2]})"
             )
-        layout = ctx.joint_layout(order, query.device, query.dtype)
+        kept = (REFERENCE,) if reference is not None and reference.filled else ()
+        layout = ctx.joint_layout(order, query.device, query.dtype, kept)
         recv = all_to_all(pack_streams(layout, streams), ctx.group)
         backend = resolve_attention_backend(needs_mask=layout.key_mask is not None)
-        back = all_to_all(attend_joint(recv, layout, backend), ctx.group)
+        back = all_to_all(attend_joint(recv, layout, backend, reference), ctx.group)
         return unpack_streams(layout, back)
 
 

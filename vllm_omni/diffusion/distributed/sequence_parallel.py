@@ -18,6 +18,10 @@ A stream may also end in tokens the model itself wants dropped (a text-length bu
 filler, text_compaction.py): `shard_with_auto_pad(x, dim, TEXT, valid_len=n)` records n as
 the stream's true length, and the filler is treated like its SP padding, except that it is
 cut from keys and values in ``none`` mode too (and in a single process, in every mode).
+
+A stream may also be *kept*: its keys and values were exchanged by an earlier forward and held
+by attention since (FLUX.2 klein's reference tokens); `declare_kept_stream` records its length,
+and the layout places it where that forward did, without exchanging it again.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ logger = init_logger(__name__)
 
 IMAGE = "image"  # the image or video tokens
 TEXT = "text"
+REFERENCE = "reference"  # FLUX.2 klein KV: the reference images' tokens, whose keys and values are kept
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class StreamSlot:
     shard: StreamShard
     local_start: int  # offset in the rank-local [stream, stream] sequence that is exchanged
     joint_offset: int  # offset of the stream's first token in the joint attention buffer
+    exchanged: bool = True  # False: a kept stream, whose keys and values attention already holds
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class JointLayout:
     length (every stream in trim mode; in none mode, one that carries filler) is followed
     at its true end, so the next stream's copy overwrites its padding and only the last
     stream's padding remains, past `kv_len`. Queries span `query_len`; keys and values
-    span `kv_len`.
+    span `kv_len`. A kept stream sits at its offset like any other but is not exchanged.
     """
 
     slots: tuple[StreamSlot, ...]
@@ -95,7 +101,16 @@ class JointLayout:
 
     @property
     def local_len(self) -> int:
-        return sum(slot.shard.local_seq_len for slot in self.slots)
+        """Tokens a rank exchanges: its shard of every stream but the kept ones."""
+        return sum(slot.shard.local_seq_len for slot in self.slots if slot.exchanged)
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Joint rows [start, end) of stream `index` up to the next stream's (a stream cut at its true
+        length ends there; one that is not carries its padding, which the mask, if any, hides)."""
+        slot = self.slots[index]
+        if index + 1 < len(self.slots):
+            return slot.joint_offset, self.slots[index + 1].joint_offset
+        return slot.joint_offset, self.kv_len
 
 
 @dataclass
@@ -144,12 +159,15 @@ class SequenceParallelContext:
             )
         return shard
 
-    def joint_layout(self, order: Sequence[str], device: torch.device, dtype: torch.dtype) -> JointLayout:
-        """The layout for streams joined in `order`; computed once per forward and reused by every layer."""
-        key = (tuple(order), device, dtype)
+    def joint_layout(
+        self, order: Sequence[str], device: torch.device, dtype: torch.dtype, kept: Sequence[str] = ()
+    ) -> JointLayout:
+        """The layout for streams joined in `order` (those in `kept` not exchanged); computed once per
+        forward and reused by every layer."""
+        key = (tuple(order), device, dtype, tuple(kept))
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._build_layout(order, device, dtype)
+            layout = self._build_layout(order, device, dtype, kept)
             self._layouts[key] = layout
         return layout
 
@@ -157,14 +175,17 @@ class SequenceParallelContext:
         # Trim cuts every stream; "none" still cuts a stream's own filler, which is not SP padding.
         return self.padding_mode == "trim" or (self.padding_mode == "none" and shard.filler_len > 0)
 
-    def _build_layout(self, order: Sequence[str], device: torch.device, dtype: torch.dtype) -> JointLayout:
+    def _build_layout(
+        self, order: Sequence[str], device: torch.device, dtype: torch.dtype, kept: Sequence[str]
+    ) -> JointLayout:
         slots, local_start, joint_offset = [], 0, 0
         for name in order:
             if name not in self.streams:
                 raise RuntimeError(f"stream {name!r} reached attention without shard_with_auto_pad")
             shard = self.streams[name]
-            slots.append(StreamSlot(name, shard, local_start, joint_offset))
-            local_start += shard.local_seq_len
+            exchanged = name not in kept
+            slots.append(StreamSlot(name, shard, local_start, joint_offset, exchanged))
+            local_start += shard.local_seq_len if exchanged else 0
             joint_offset += shard.original_seq_len if self._cut_at_true_length(shard) else shard.padded_seq_len
         last = slots[-1]
         query_len = last.joint_offset + last.shard.padded_seq_len
@@ -286,6 +307,14 @@ def shard_with_auto_pad(x: torch.Tensor, dim: int, stream: str = IMAGE, valid_le
         )
         x = _pad_tail(x, dim, sp_pad)
     return x.narrow(dim, ctx.rank * shard.local_seq_len, shard.local_seq_len).contiguous()
+
+
+def declare_kept_stream(stream: str, seq_len: int) -> None:
+    """Record a stream of `seq_len` tokens that this forward does not shard: attention holds its keys
+    and values from an earlier forward, which sharded it (FLUX.2 klein's reference tokens)."""
+    ctx = get_sp_context()
+    if ctx is not None:
+        ctx.record_stream(stream, seq_len)
 
 
 def gather_sequence(x: torch.Tensor, dim: int, stream: str = IMAGE) -> torch.Tensor:
