@@ -14,6 +14,8 @@ The runner reads nothing else of a family:
 - `call_kwargs(pipe, request, spec)`: a validated request -> the pipeline's `__call__` keyword
   arguments (the runner adds the generator, the output type and the per-step hook). A family
   that must also set per-request state on the pipeline (HunyuanVideo 1.5's guider) does it here.
+- `prepare_pipeline(pipe)`: once, after the runner loads the pipeline with the family's denoisers
+  (FLUX.2 klein KV: its own attention processors replaced by ours, which take the same arguments).
 - `uses_cfg(request)`: whether the request runs two forwards per step (cond, uncond), which CFG
   parallel splits between two rank groups; `default_negative_prompt` is what the pipeline uses
   when such a request gives none (the uncond group's prompt).
@@ -61,6 +63,10 @@ class FamilyPipeline(abc.ABC):
     def call_kwargs(self, pipe: Any, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         """The pipeline call's keyword arguments (a family with per-request pipeline state overrides it)."""
         return self.pipeline_kwargs(request, spec)
+
+    def prepare_pipeline(self, pipe: Any) -> None:
+        """Called once on the loaded pipeline, before any wrapper is installed; most families need nothing."""
+        return None
 
     def uses_cfg(self, request: DiffusionRequest) -> bool:
         """True when the pipeline runs a conditional and an unconditional forward per step for `request`."""

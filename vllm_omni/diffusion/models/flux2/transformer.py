@@ -215,6 +215,10 @@ class Flux2Transformer2DModel(SequenceParallelTransformer, reference.Flux2Transf
     @functools.wraps(reference.Flux2Transformer2DModel.__init__)  # keeps the config signature for from_pretrained
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.use_sequence_parallel_processors()
+
+    def use_sequence_parallel_processors(self) -> None:
+        """Install our processors on every block (as at construction), in place of any set since."""
         # Installed like any diffusers processor, so a later `set_attn_processor` replaces them.
         for block in self.transformer_blocks:
             block.attn.set_processor(Flux2SPAttnProcessor())
