@@ -59,7 +59,7 @@ def _request(**fields) -> DiffusionRequest:
 
 
 def _run(pipe, request: DiffusionRequest, name: str) -> np.ndarray:
-    kwargs = FAMILY.pipeline_kwargs(request, TINY_MODELS[name] if name != "tiny/flux2-klein" else _DISTILLED)
+    kwargs = FAMILY.call_kwargs(pipe, request, TINY_MODELS[name] if name != "tiny/flux2-klein" else _DISTILLED)
     with torch.inference_mode():
         out = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np")
     return out.images
@@ -134,13 +134,14 @@ def test_kv_cached_steps_equal_recomputing_the_references(pipes):
     assert len(checked) == 2  # steps 2 and 3 of 3
 
 
-def test_pipeline_kwargs_map_the_request():
+def test_pipeline_kwargs_map_the_request(pipes):
     kv_spec = TINY_MODELS["tiny/flux2-klein-kv"]
     assert not kv_spec.takes("guidance_scale") and kv_spec.default_steps == 4 and _DISTILLED.default_steps == 4
     kwargs = FAMILY.pipeline_kwargs(_request(images=REFERENCES), kv_spec)
     assert kwargs["image"] == REFERENCES and "guidance_scale" not in kwargs
     # Step-distilled klein ignores guidance: 1.0 keeps its 4.0 default from warning at every call.
-    assert FAMILY.pipeline_kwargs(_request(), _DISTILLED)["guidance_scale"] == 1.0
+    assert not _DISTILLED.takes("guidance_scale")
+    assert FAMILY.call_kwargs(pipes["tiny/flux2-klein", True], _request(), _DISTILLED)["guidance_scale"] == 1.0
     with pytest.raises(ValueError, match="at most 10 reference images"):
         FAMILY.pipeline_kwargs(_request(images=REFERENCES * 6), kv_spec)
 

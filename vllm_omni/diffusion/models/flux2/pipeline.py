@@ -42,12 +42,9 @@ class Flux2Family(FamilyPipeline):
         }
         if request.num_inference_steps is not None:
             kwargs["num_inference_steps"] = request.num_inference_steps
-        if spec.takes("guidance_scale"):
-            if request.guidance_scale is not None:
-                # FLUX.2-dev: embedded guidance (default 4.0); klein base: the CFG scale (default 4.0).
-                kwargs["guidance_scale"] = request.guidance_scale
-        elif spec.diffusers_class == "Flux2KleinPipeline":
-            kwargs["guidance_scale"] = 1.0  # step-distilled: no CFG either way; its 4.0 default only warns
+        if request.guidance_scale is not None:  # the specs of klein's step-distilled checkpoints refuse it
+            # FLUX.2-dev: embedded guidance (default 4.0); klein base: the CFG scale (default 4.0).
+            kwargs["guidance_scale"] = request.guidance_scale
         if request.images:
             if len(request.images) > spec.max_input_images:
                 raise ValueError(
@@ -55,6 +52,12 @@ class Flux2Family(FamilyPipeline):
                     f"got {len(request.images)}"
                 )
             kwargs["image"] = list(request.images)
+        return kwargs
+
+    def call_kwargs(self, pipe: Any, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
+        kwargs = self.pipeline_kwargs(request, spec)
+        if type(pipe).__name__ == "Flux2KleinPipeline" and pipe.config.is_distilled:
+            kwargs.setdefault("guidance_scale", 1.0)  # step-distilled: no CFG either way; its 4.0 default only warns
         return kwargs
 
     def prepare_pipeline(self, pipe: Any) -> None:
