@@ -13,6 +13,7 @@ import torch
 from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
+    REFERENCE,
     TEXT,
     SequenceParallelContext,
     StreamShard,
@@ -135,6 +136,27 @@ def test_layout_per_mode():
         else:
             assert layout.key_mask is None  # never built outside mask mode
         assert ctx.joint_layout([TEXT, IMAGE], torch.device("cpu"), torch.float32) is layout
+
+
+def test_kept_stream_is_placed_as_when_exchanged_but_not_exchanged():
+    """FLUX.2 klein KV: the reference stream's later-step layout has its first-step offsets and mask."""
+    for mode in ("mask", "trim", "none"):
+        ctx = _ctx(mode)
+        for stream, length in ((REFERENCE, 5), (TEXT, 6), (IMAGE, 13)):  # padded to 8, 8, 16
+            ctx.record_stream(stream, length)
+        order, cpu = [REFERENCE, TEXT, IMAGE], torch.device("cpu")
+        exchanged = ctx.joint_layout(order, cpu, torch.float32)
+        kept = ctx.joint_layout(order, cpu, torch.float32, kept=(REFERENCE,))
+        assert [s.joint_offset for s in kept.slots] == [s.joint_offset for s in exchanged.slots]
+        assert (kept.query_len, kept.kv_len) == (exchanged.query_len, exchanged.kv_len)
+        assert (kept.key_mask is None) == (exchanged.key_mask is None)
+        if kept.key_mask is not None:
+            assert torch.equal(kept.key_mask, exchanged.key_mask)
+        assert [s.exchanged for s in kept.slots] == [False, True, True]
+        assert (exchanged.local_len, kept.local_len) == (2 + 2 + 4, 2 + 4)
+        assert [s.local_start for s in kept.slots[1:]] == [0, 2]
+        # The reference span runs to the text's offset: cut at its true length in trim mode only.
+        assert kept.span(0) == (0, 5 if mode == "trim" else 8)
 
 
 def test_layout_with_stream_filler_per_mode():

@@ -257,3 +257,9 @@ def test_step_cache_flags_that_cannot_be_served_are_refused_with_the_reason(tmp_
 def test_a_bad_yaml_cache_is_an_error_naming_it(tmp_path, cache, words):
     with pytest.raises(DeployConfigError, match=words):
         load_deploy_config(write(tmp_path, GOOD + f"    cache: {cache}\n"))
+
+
+def test_packaged_klein_deploy_has_the_distilled_defaults():
+    deploy = load_deploy_config("flux2_klein")
+    assert deploy.options["ulysses_degree"] == 8 and deploy.devices == list(range(8))
+    assert deploy.default_sampling_params == {"num_inference_steps": 4}

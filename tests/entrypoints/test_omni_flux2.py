@@ -80,3 +80,36 @@ def test_unmasked_padding_is_close_not_equal_and_warns_once_per_worker(engines, 
     assert 0 < diff < 0.5, diff
     warnings = [line for line in capfd.readouterr().err.splitlines() if "unmasked SP padding" in line]
     assert sorted(re.search(r"\[(omni-worker-\d)", w).group(1) for w in warnings) == ["omni-worker-0", "omni-worker-1"]
+
+
+def test_klein_kv_references_under_sp_equal_the_pipeline_in_process(omni_engines):
+    """FLUX.2 klein KV through the engine at Ulysses 2: the references' K/V extracted at the first step and kept
+    per rank (image and reference tokens padded), equal to diffusers' KV pipeline with our transformer in process."""
+    import torch
+    from diffusers import Flux2KleinKVPipeline
+
+    from vllm_omni.diffusion.models.flux2.pipeline import FAMILY
+    from vllm_omni.diffusion.models.flux2.tiny import tiny_model_path
+
+    model = "tiny/flux2-klein-kv"
+    rng = np.random.default_rng(1)
+    references = [Image.fromarray(rng.integers(0, 256, (80, 80, 3), dtype=np.uint8)), _reference_image()]
+    args = dict(image=references, height=HEIGHT, width=WIDTH, num_inference_steps=3, seed=3, output_type="np")
+    actual = np.stack(omni_engines(model, 2, "trim").generate(PROMPT, **args))
+
+    folder = tiny_model_path(model)
+    transformer = FAMILY.denoisers["transformer"].from_pretrained(folder, subfolder="transformer")
+    pipe = Flux2KleinKVPipeline.from_pretrained(folder, transformer=transformer)
+    FAMILY.prepare_pipeline(pipe)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        expected = pipe(
+            prompt=PROMPT,
+            image=references,
+            height=HEIGHT,
+            width=WIDTH,
+            num_inference_steps=3,
+            output_type="np",
+            generator=torch.Generator().manual_seed(3),
+        ).images
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)

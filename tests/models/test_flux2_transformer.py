@@ -153,15 +153,34 @@ def test_lora_scale_is_applied_around_the_forward(models, monkeypatch):
     assert kwargs == {"scale": 0.5}  # the caller's dict is left alone
 
 
-def klein_kv_inputs(batch: int) -> tuple[dict, dict, int]:
+KLEIN_KV_GRIDS = ((5, 7), (5, 5))  # the image, the reference image: 35 and 25 tokens, padded at 2 and 3 ranks
+
+
+def klein_kv_inputs(batch: int, seed: int = 1) -> tuple[dict, dict, int]:
     """klein KV's two kinds of call: the first step, the reference image's tokens in front ([reference, image]),
-    extracts their keys and values; a later step (the image alone) reads them from the cache."""
-    first = make_inputs("reference_image", batch)
-    (image_h, image_w), (ref_h, ref_w) = CASES["reference_image"][0]
+    extracts their keys and values; a later step (the image alone) reads them from the cache. The later
+    step's inputs are the first step's image rows at a new timestep, so it can also be recomputed in full."""
+    (image_h, image_w), (ref_h, ref_w) = KLEIN_KV_GRIDS
     image_len, ref_len = image_h * image_w, ref_h * ref_w
-    order = torch.cat([torch.arange(image_len, image_len + ref_len), torch.arange(image_len)])
-    first.update(hidden_states=first["hidden_states"][:, order], img_ids=first["img_ids"][:, order])
-    return first, make_inputs("generate", batch, seed=2), ref_len
+    gen = torch.Generator().manual_seed(seed)
+    text_len = CASES["generate"][1]
+    img_ids = torch.cat([_ids(10, ref_h, ref_w, 1), _ids(0, image_h, image_w, 1)])
+    first = dict(
+        hidden_states=torch.randn(batch, ref_len + image_len, CONFIG["in_channels"], generator=gen),
+        encoder_hidden_states=torch.randn(batch, text_len, CONFIG["joint_attention_dim"], generator=gen),
+        timestep=torch.rand(batch, generator=gen),
+        img_ids=img_ids.expand(batch, -1, -1),
+        txt_ids=_ids(0, 1, 1, text_len).expand(batch, -1, -1),
+        guidance=None,  # klein has no guidance embedding; this config has one, which the reference then skips
+        return_dict=False,
+    )
+    later = dict(
+        first,
+        hidden_states=first["hidden_states"][:, ref_len:] + 0.5,
+        img_ids=first["img_ids"][:, ref_len:],
+        timestep=first["timestep"] * 0.5,
+    )
+    return first, later, ref_len
 
 
 def set_klein_kv_processors(model) -> None:
@@ -172,51 +191,67 @@ def set_klein_kv_processors(model) -> None:
         block.attn.set_processor(reference.Flux2KVParallelSelfAttnProcessor())
 
 
+def kv_steps(model, first: dict, later: dict, ref_len: int) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """The first step (extract) and a later one (cached): (first output, later output, cache)."""
+    with torch.no_grad():
+        out, cache = model(**first, kv_cache_mode="extract", num_ref_tokens=ref_len, ref_fixed_timestep=0.0)
+        later_out = model(**later, kv_cache=cache, kv_cache_mode="cached")[0]
+    return out, later_out, cache
+
+
+@pytest.mark.parametrize("processors", ["ours", "diffusers_kv"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_klein_kv_cache_matches_diffusers_reference_at_one_rank(checkpoint, batch):
+def test_klein_kv_cache_matches_diffusers_reference_at_one_rank(checkpoint, batch, processors):
+    """Our processors take the KV arguments as diffusers' KV processors do; theirs, set on ours, run as in diffusers."""
     ref = ReferenceTransformer.from_pretrained(checkpoint).eval()
     ours = Flux2Transformer2DModel.from_pretrained(checkpoint).eval()
     set_klein_kv_processors(ref)
-    set_klein_kv_processors(ours)
+    if processors == "diffusers_kv":
+        set_klein_kv_processors(ours)
     first, later, ref_len = klein_kv_inputs(batch)
-    extract = dict(kv_cache_mode="extract", num_ref_tokens=ref_len, ref_fixed_timestep=0.0)
-    with torch.no_grad():
-        expected, expected_cache = ref(**first, **extract)
-        actual, cache = ours(**first, **extract)
-        assert actual.shape == (batch, first["hidden_states"].shape[1] - ref_len, CONFIG["in_channels"])
-        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
-        layers = zip(
-            cache.double_block_caches + cache.single_block_caches,
-            expected_cache.double_block_caches + expected_cache.single_block_caches,
-        )
-        for layer, expected_layer in layers:
-            torch.testing.assert_close(layer.get(), expected_layer.get(), rtol=0, atol=1e-5)
-        cached = dict(kv_cache_mode="cached", return_dict=True)
-        expected = ref(**dict(later, kv_cache=expected_cache, **cached)).sample
-        actual = ours(**dict(later, kv_cache=cache, **cached)).sample
+    expected, expected_later, expected_cache = kv_steps(ref, first, later, ref_len)
+    actual, actual_later, cache = kv_steps(ours, first, later, ref_len)
+    assert actual.shape == (batch, first["hidden_states"].shape[1] - ref_len, CONFIG["in_channels"])
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(actual_later, expected_later, rtol=0, atol=1e-5)
+    assert cache.num_ref_tokens == ref_len
+    layers = zip(
+        cache.double_block_caches + cache.single_block_caches,
+        expected_cache.double_block_caches + expected_cache.single_block_caches,
+    )
+    for layer, expected_layer in layers:  # diffusers' format at one rank: [B, reference tokens, H, D]
+        torch.testing.assert_close(layer.get(), expected_layer.get(), rtol=0, atol=1e-5)
 
 
-def test_klein_kv_arguments_with_our_processors_match_the_reference(models):
-    """Without the KV processors both models ignore the cache arguments alike (diffusers' KV-mode tests do this)."""
-    ref, ours = models
+def test_klein_kv_cached_step_equals_recomputing_the_references(models):
+    """The cached step's output is the first-step computation at the later step's inputs: the reference tokens
+    attend only to themselves at a fixed timestep, so their keys and values never change."""
+    _, ours = models
+    first, later, ref_len = klein_kv_inputs(2)
+    _, cached, _ = kv_steps(ours, first, later, ref_len)
+    recomputed_inputs = dict(
+        later,
+        hidden_states=torch.cat([first["hidden_states"][:, :ref_len], later["hidden_states"]], dim=1),
+        img_ids=first["img_ids"],
+    )
+    with torch.no_grad():
+        recomputed = ours(**recomputed_inputs, kv_cache_mode="extract", num_ref_tokens=ref_len)[0]
+    torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-5)
+
+
+def test_klein_kv_arguments_with_diffusers_default_processors_match_the_reference(checkpoint):
+    """With diffusers' default processors set on both, the KV arguments are ignored alike (the reference's
+    processors take none of them): our forward hands the blocks what diffusers' does."""
+    ref = ReferenceTransformer.from_pretrained(checkpoint).eval()
+    ours = Flux2Transformer2DModel.from_pretrained(checkpoint).eval()
+    ours.set_attn_processor(
+        {name: type(proc)() for name, proc in ref.attn_processors.items()}  # fresh default instances
+    )
     first, _, ref_len = klein_kv_inputs(1)
     with torch.no_grad():
         expected = ref(**first, kv_cache_mode="extract", num_ref_tokens=ref_len)[0]
         actual = ours(**first, kv_cache_mode="extract", num_ref_tokens=ref_len)[0]
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
-
-
-def test_klein_kv_cache_is_refused_under_sp(models):
-    _, ours = models
-    first, later, ref_len = klein_kv_inputs(1)
-    state = ParallelState(DiffusionParallelConfig(ulysses_degree=2), 0, 2, SimulatedGroup(2), None)
-    cache = reference.Flux2KVCache(CONFIG["num_layers"], CONFIG["num_single_layers"])
-    with use_parallel_state(state), torch.no_grad():
-        with pytest.raises(NotImplementedError, match="KV cache.*sequence parallelism"):
-            ours(**first, kv_cache_mode="extract", num_ref_tokens=ref_len)
-        with pytest.raises(NotImplementedError, match="KV cache.*sequence parallelism"):
-            ours(**later, kv_cache=cache, kv_cache_mode="cached")
 
 
 # ---- under SP (gloo workers) ----------------------------------------------------------------
@@ -305,3 +340,62 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, c
         expected = ours(**make_inputs("divisible", 1))[0]
     for out, _ in sp_pool.run(sp_forward, checkpoint, "divisible", "none", 1):
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+def sp_kv_forward(folder: str, mode: str, batch: int, random_padding: bool = False):
+    """Worker side: klein KV's first and later step under the worker's SP group; (first, later, warnings)."""
+    if folder not in _worker_models:
+        _worker_models[folder] = Flux2Transformer2DModel.from_pretrained(folder).eval()
+    state = get_parallel_state()
+    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
+    warnings = _Warnings()
+    logging.getLogger("vllm_omni").addHandler(warnings)
+    try:
+        with random_sp_padding(random_padding), use_parallel_state(dataclasses.replace(state, config=config)):
+            first, later, _ = kv_steps(_worker_models[folder], *klein_kv_inputs(batch))
+    finally:
+        logging.getLogger("vllm_omni").removeHandler(warnings)
+    return first, later, warnings.messages
+
+
+def test_sp_klein_kv_exact_modes_match_single_process(sp_pool, models, checkpoint):
+    """Image, text and reference tokens all pad at 2 and 3 ranks; each rank keeps its heads' reference K/V."""
+    _, ours = models
+    expected = {batch: kv_steps(ours, *klein_kv_inputs(batch))[:2] for batch in (1, 2)}
+    for batch in (1, 2):
+        for mode in ("mask", "trim"):
+            for first, later, warnings in sp_pool.run(sp_kv_forward, checkpoint, mode, batch):
+                torch.testing.assert_close(first, expected[batch][0], rtol=0, atol=1e-5)
+                torch.testing.assert_close(later, expected[batch][1], rtol=0, atol=1e-5)
+                assert warnings == []
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_sp_klein_kv_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
+    """Random padding at the first step, kept in the reference K/V (mask mode), changes no real token at either step."""
+    clean = sp_pool.run(sp_kv_forward, checkpoint, mode, 2)
+    noisy = sp_pool.run(sp_kv_forward, checkpoint, mode, 2, random_padding=True)
+    for (first, later, _), (noisy_first, noisy_later, _) in zip(clean, noisy):
+        assert torch.equal(first, noisy_first) and torch.equal(later, noisy_later)
+
+
+def test_sp_klein_kv_cache_from_another_layout_is_refused(sp_pool, checkpoint):
+    """A cache kept at one rank holds every head: a later step under SP names the mismatch."""
+    results = sp_pool.run(sp_kv_with_single_process_cache, checkpoint)
+    assert all("another sequence-parallel layout" in message for message in results)
+
+
+def sp_kv_with_single_process_cache(folder: str) -> str:
+    if folder not in _worker_models:
+        _worker_models[folder] = Flux2Transformer2DModel.from_pretrained(folder).eval()
+    model = _worker_models[folder]
+    first, later, ref_len = klein_kv_inputs(1)
+    state = get_parallel_state()
+    with use_parallel_state(None), torch.no_grad():
+        _, cache = model(**first, kv_cache_mode="extract", num_ref_tokens=ref_len)
+    try:
+        with use_parallel_state(state), torch.no_grad():
+            model(**later, kv_cache=cache, kv_cache_mode="cached")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

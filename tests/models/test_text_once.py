@@ -32,6 +32,8 @@ CASES = {  # (tiny model, case) -> request fields; "cfg" cases give a negative p
     ("tiny/qwen-image-edit", "cfg"): dict(height=64, width=64, images=[_image(64, 48)], **QWEN_CFG),
     ("tiny/qwen-image-edit-plus", "cfg"): dict(height=64, width=64, images=[_image(40, 56)], **QWEN_CFG),
     ("tiny/flux2", "no-cfg"): dict(height=64, width=64, num_images=2, images=[_image(80, 64)]),  # embedded guidance
+    ("tiny/flux2-klein", "no-cfg"): dict(height=64, width=64, num_images=2, images=[_image(80, 64)]),  # distilled
+    ("tiny/flux2-klein-kv", "no-cfg"): dict(height=64, width=64, images=[_image(80, 64)]),  # reference K/V kept
     ("tiny/hunyuan-video-1.5", "cfg"): dict(height=144, width=176, negative_prompt="blurry", **VIDEO),
     ("tiny/hunyuan-video-1.5", "no-cfg"): dict(height=144, width=176, guidance_scale=1.0, **VIDEO),
     ("tiny/hunyuan-video-1.5-i2v", "cfg"): dict(images=[_image(150, 120)], negative_prompt="blurry", **VIDEO),

@@ -3,11 +3,14 @@
 - `JointAttention`: self-attention over an image/video stream and an optional text stream joined
   to it ("front": [text, image], Qwen-Image, FLUX.2; "rear": [video, text], HunyuanVideo 1.5; no
   text: Wan2.2's video self-attention; the text stream alone: Z-Image's caption refiner),
-  optionally after streams that give keys and values only (GLM-Image's cached condition image),
-  Ulysses-parallel when a sequence-parallel context is active: one seq->head all-to-all for q, k,
-  v of both streams, `attend_joint` (join, kernel, layout for the way back), one head->seq
-  all-to-all. What attention may see of the SP padding comes from the context's `JointLayout`
-  (distributed/sequence_parallel.py).
+  optionally after kv-only streams, which give keys and values only, Ulysses-parallel when a
+  sequence-parallel context is active: one seq->head all-to-all for q, k, v of both streams,
+  `attend_joint` (join, kernel, layout for the way back), one head->seq all-to-all. What attention
+  may see of the SP padding comes from the context's `JointLayout` (distributed/sequence_parallel.py).
+  A kv-only stream is exchanged (`kv_streams`: GLM-Image's cached condition image, each rank's
+  sequence shard sent every step) or kept (`attend_reference`: FLUX.2 klein's reference stream,
+  computed with queries at the first step, attending only to itself, then held as each rank's
+  heads after that all-to-all, `ReferenceKV`, and never exchanged again).
 - `CrossAttention`: queries from the rank's own shard of the video stream, keys and values from a
   stream every rank holds whole (Wan2.2's 512 text tokens). No all-to-all and no padding policy:
   the padded query rows give rows that the gather drops like every padded row.
@@ -19,6 +22,7 @@ the kernel comes from backends.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -28,6 +32,7 @@ from vllm_omni.diffusion.attention.backends import AttentionBackend, resolve_att
 from vllm_omni.diffusion.distributed.comm import all_to_all
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
+    REFERENCE,
     TEXT,
     JointLayout,
     SequenceParallelContext,
@@ -37,14 +42,38 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+@dataclass
+class ReferenceKV:
+    """Keys and values of FLUX.2 klein's reference stream, held by attention across denoising steps.
+
+    The reference stream leads the joint sequence; its tokens attend only to each other, and every
+    other token attends to them too. Under SP they are this rank's heads over the whole stream
+    after the seq->head all-to-all, laid out as the joint layout placed them (trim: cut at the true
+    length; mask and none: padded, the mask hiding the padding), so a later step joins them in as a
+    kept kv-only stream without exchanging or recomputing anything, and the padding policy stays
+    the layout's. With one rank they are diffusers' own format, [B, tokens, H, D]. Empty until the
+    first step fills them.
+    """
+
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+
+    @property
+    def filled(self) -> bool:
+        return self.key is not None
+
+
 def pack_streams(layout: JointLayout, streams: dict[str, QKV]) -> torch.Tensor:
     """Lay out q, k, v of every stream for the seq->head all-to-all: [P, 3, B, S_local, H/P, D]
-    (a stream without queries gives (None, k, v); its query rows are sent unset and never read)."""
+    (a kv-only stream gives (None, k, v): its query rows are sent unset and never read; a kept one
+    is not sent)."""
     query = next(q for q, _, _ in streams.values() if q is not None)
     batch, _, heads, head_dim = query.shape
     world = layout.world_size
     send = query.new_empty(world, 3, batch, layout.local_len, heads // world, head_dim)
     for slot in layout.slots:
+        if not slot.exchanged:
+            continue
         n = slot.shard.local_seq_len
         dst = send[:, :, :, slot.local_start : slot.local_start + n]
         for i, tensor in enumerate(streams[slot.name]):
@@ -72,26 +101,55 @@ def unpack_streams(layout: JointLayout, back: torch.Tensor) -> list[torch.Tensor
     ]
 
 
-def attend_joint(recv: torch.Tensor, layout: JointLayout, backend: AttentionBackend) -> torch.Tensor:
+def attend_joint(
+    recv: torch.Tensor, layout: JointLayout, backend: AttentionBackend, reference: ReferenceKV | None = None
+) -> torch.Tensor:
     """A rank's work between the two all-to-alls.
 
     `recv` [P, 3, B, S_local, H/P, D] holds q, k, v from every rank (rank-local streams side
-    by side). Each stream is copied to its joint offset (one copy per stream, as in every
-    mode), the kernel runs, and its output is written straight into the [P, B, S_local,
-    H/P, D] buffer the reverse all-to-all sends.
+    by side). Each exchanged stream is copied to its joint offset (one copy per stream, as in
+    every mode), the kernel runs for the query rows, and its output is written straight into
+    the [P, B, S_local, H/P, D] buffer the reverse all-to-all sends (query streams only).
+
+    `reference` (FLUX.2 klein): filled, it holds the keys and values of the layout's kept stream,
+    copied to its joint rows. Empty, the layout's first stream is the reference stream with queries:
+    its rows attend only to themselves, in a second kernel call, and their keys and values are kept
+    in it for the later steps.
     """
     world, _, batch, local_len, heads, head_dim = recv.shape
+    exchanged = [slot for slot in layout.slots if slot.exchanged]
     # A stream's padding and filler rows are copied too and overwritten by the next stream's rows;
     # where they reach past every real row (text filler longer than a tiny image) the buffer grows.
-    joint_len = max(layout.query_len, *(s.joint_offset + world * s.shard.local_seq_len for s in layout.slots))
+    joint_len = max(layout.query_len, *(s.joint_offset + world * s.shard.local_seq_len for s in exchanged))
     joint = recv.new_empty(3, batch, joint_len, heads, head_dim)
-    for slot in layout.slots:
+    for slot in exchanged:
         n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset
         dst = joint[:, :, offset : offset + world * n].view(3, batch, world, n, heads, head_dim)
         dst.copy_(recv[:, :, :, start : start + n].permute(1, 2, 0, 3, 4, 5))
+    first, reference_out = layout.query_start, None
+    for index, slot in enumerate(layout.slots):
+        if slot.exchanged:
+            continue
+        if reference is None or not reference.filled:
+            raise ValueError(f"the kept {slot.name} stream needs the filled ReferenceKV that holds its keys and values")
+        start, end = layout.span(index)
+        expected = (batch, end - start, heads, head_dim)
+        if tuple(reference.key.shape) != expected:
+            raise ValueError(
+                f"kept reference keys have shape {tuple(reference.key.shape)}, this layout needs {expected}: "
+                "they were kept under another sequence-parallel layout; extract them again"
+            )
+        joint[1, :, start:end] = reference.key
+        joint[2, :, start:end] = reference.value
+    if reference is not None and not reference.filled:
+        _, first = layout.span(0)  # the reference rows; every later row is a query over all keys
+        mask = None if layout.key_mask is None else layout.key_mask[..., :first]
+        reference.key, reference.value = joint[1:, :, :first].clone().unbind(0)
+        reference_out = backend(joint[0, :, :first], reference.key, reference.value, mask)
     kv = joint[1:, :, : layout.kv_len]
-    first = layout.query_start
     out = backend(joint[0, :, first : layout.query_len], kv[0], kv[1], layout.key_mask)
+    if reference_out is not None:
+        out, first = torch.cat([reference_out, out], dim=1), 0
     if joint_len > layout.query_len:  # rows read back for the dropped tail: any values do
         out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, joint_len - layout.query_len))
 
@@ -137,8 +195,8 @@ class JointAttention(nn.Module):
         """Return the attention output of `stream` (the image's, by default) and of the text stream (None
         without `text_qkv`).
 
-        `kv_streams`: (stream, key, value) of streams that give keys and values only, joined in front of
-        the others (each recorded in the SP context, `record_sharded_stream`; rank-local shards under SP)."""
+        `kv_streams`: (stream, key, value) of kv-only streams, joined in front of the others and exchanged
+        (each recorded in the SP context, `record_sharded_stream`; rank-local sequence shards under SP)."""
         streams: dict[str, tuple] = {self.stream: (query, key, value)}
         if text_qkv is not None:
             if self.stream == TEXT:
@@ -148,23 +206,67 @@ class JointAttention(nn.Module):
             order = [self.stream]
         else:
             order = [TEXT, IMAGE] if self.text_position == "front" else [IMAGE, TEXT]
-        queried = list(order)
         for name, k, v in kv_streams:
             streams[name] = (None, k, v)
         order = [name for name, _, _ in kv_streams] + order
+        by_name = self._attend(order, streams)
+        return by_name[self.stream], by_name[TEXT] if text_qkv is not None else None
 
+    @torch.compiler.disable
+    def attend_reference(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        text_qkv: QKV | None,
+        reference: ReferenceKV,
+        reference_qkv: QKV | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """FLUX.2 klein's KV mode: joint attention over [reference, text, image], the reference tokens
+        attending only to each other. With `reference_qkv` (the first step, `reference` empty) their
+        keys and values are kept in `reference`; without (later steps) `reference`'s are used, a kept
+        kv-only stream, and the reference tokens are not computed at all. Returns the image, text and
+        reference outputs (reference: None on later steps)."""
+        if self.text_position != "front" or self.stream != IMAGE:
+            raise ValueError("the reference stream joins in front of the text and image: text_position must be 'front'")
+        if reference.filled == (reference_qkv is not None):
+            raise ValueError("give reference_qkv with an empty ReferenceKV (first step), or a filled one alone")
+        streams: dict[str, tuple] = {IMAGE: (query, key, value)}
+        if text_qkv is not None:
+            streams[TEXT] = text_qkv
+        streams[REFERENCE] = reference_qkv if reference_qkv is not None else (None, reference.key, reference.value)
+        order = [REFERENCE, *([TEXT] if text_qkv is not None else []), IMAGE]
+        by_name = self._attend(order, streams, reference)
+        return by_name[IMAGE], by_name.get(TEXT), by_name.get(REFERENCE)
+
+    def _attend(
+        self, order: list[str], streams: dict[str, tuple], reference: ReferenceKV | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Outputs of the streams in `order` that have queries, by name (`streams`: name -> (q or None, k, v))."""
+        queried = [name for name in order if streams[name][0] is not None]
         ctx = get_sp_context()
         if ctx is None or not ctx.enabled:
-            outs = self._attend_single_process(ctx, order, streams)
+            outs = self._attend_single_process(ctx, order, streams, reference)
         else:
-            outs = self._attend_ulysses(ctx, order, streams, [name for name, _, _ in kv_streams])
-        by_name = dict(zip(queried, outs))
-        return by_name[self.stream], by_name[TEXT] if text_qkv is not None else None
+            outs = self._attend_ulysses(ctx, order, streams, reference)
+        return dict(zip(queried, outs))
 
     @staticmethod
     def _attend_single_process(
-        ctx: SequenceParallelContext | None, order: list[str], streams: dict[str, tuple]
+        ctx: SequenceParallelContext | None,
+        order: list[str],
+        streams: dict[str, tuple],
+        reference: ReferenceKV | None = None,
     ) -> list[torch.Tensor]:
+        backend = resolve_attention_backend(needs_mask=False)
+        reference_out = None
+        if reference is not None and not reference.filled:
+            # klein's first step: the reference rows attend to themselves alone; for every later query
+            # the reference stream is kv-only, its keys and values kept for the next steps.
+            ref_query, ref_key, ref_value = streams[REFERENCE]
+            reference.key, reference.value = ref_key.clone(), ref_value.clone()
+            reference_out = backend(ref_query, reference.key, reference.value)
+            streams = {**streams, REFERENCE: (None, reference.key, reference.value)}
         ordered = [streams[name] for name in order]
         queries = [q for q, _, _ in ordered if q is not None]
         query = torch.cat(queries, dim=1)
@@ -178,22 +280,30 @@ class JointAttention(nn.Module):
             kept.append(shard.original_seq_len if has_filler else k.shape[1])
         key = torch.cat([k[:, :n] for (_, k, _), n in zip(ordered, kept)], dim=1)
         value = torch.cat([v[:, :n] for (_, _, v), n in zip(ordered, kept)], dim=1)
-        out = resolve_attention_backend(needs_mask=False)(query, key, value)
-        return list(out.split([q.shape[1] for q in queries], dim=1))
+        out = backend(query, key, value)
+        outs = list(out.split([q.shape[1] for q in queries], dim=1))
+        return outs if reference_out is None else [reference_out, *outs]
 
     @staticmethod
     def _attend_ulysses(
-        ctx: SequenceParallelContext, order: list[str], streams: dict[str, tuple], kv_only: Sequence[str] = ()
+        ctx: SequenceParallelContext,
+        order: list[str],
+        streams: dict[str, tuple],
+        reference: ReferenceKV | None = None,
     ) -> list[torch.Tensor]:
         query = next(streams[name][0] for name in order if streams[name][0] is not None)
         if query.shape[2] % ctx.world_size:
             raise ValueError(
                 f"ulysses_degree={ctx.world_size} must divide the number of attention heads ({query.shape[2]})"
             )
-        layout = ctx.joint_layout(order, query.device, query.dtype, kv_only)
+        # A filled reference is kept: each rank already holds its heads' keys and values; other kv-only
+        # streams are this rank's sequence shards, exchanged like the query streams.
+        kept = (REFERENCE,) if reference is not None and reference.filled else ()
+        kv_only = [name for name in order if streams[name][0] is None and name not in kept]
+        layout = ctx.joint_layout(order, query.device, query.dtype, kv_only, kept)
         recv = all_to_all(pack_streams(layout, streams), ctx.group)
         backend = resolve_attention_backend(needs_mask=layout.key_mask is not None)
-        back = all_to_all(attend_joint(recv, layout, backend), ctx.group)
+        back = all_to_all(attend_joint(recv, layout, backend, reference), ctx.group)
         return unpack_streams(layout, back)
 
 

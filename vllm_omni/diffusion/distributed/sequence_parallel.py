@@ -19,9 +19,13 @@ filler, text_compaction.py): `shard_with_auto_pad(x, dim, TEXT, valid_len=n)` re
 the stream's true length, and the filler is treated like its SP padding, except that it is
 cut from keys and values in ``none`` mode too (and in a single process, in every mode).
 
-A stream may give keys and values only (GLM-Image's condition image, cached by an earlier forward
-as this rank's shard): `record_sharded_stream` records it, and the layout puts it in front of the
-query streams, under the same policy.
+A stream may give keys and values only (*kv-only*: no queries, no output), cached by an earlier
+forward that sharded it; `record_sharded_stream` records its length, and the layout puts it in
+front of the query streams, under the same policy. Its keys and values reach attention one of two
+ways: *exchanged* every forward through the seq->head all-to-all from each rank's sequence shard
+(GLM-Image's condition images, `kv_only=`), or *kept*: held by attention since an earlier forward's
+all-to-all, as each rank's heads over the whole stream, and not exchanged again (FLUX.2 klein's
+reference tokens, `kept=`). Either way the stream sits at the joint offset it had when exchanged.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ logger = init_logger(__name__)
 
 IMAGE = "image"  # the image or video tokens
 TEXT = "text"
+REFERENCE = "reference"  # FLUX.2 klein KV: the reference images' tokens, a kept kv-only stream after the first step
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,8 @@ class StreamSlot:
     shard: StreamShard
     local_start: int  # offset in the rank-local [stream, stream] sequence that is exchanged
     joint_offset: int  # offset of the stream's first token in the joint attention buffer
-    kv_only: bool = False  # gives keys and values, no queries (a cached condition)
+    kv_only: bool = False  # gives keys and values, no queries (a cached condition or reference)
+    exchanged: bool = True  # False: a kept kv-only stream, whose keys and values attention already holds
 
 
 @dataclass(frozen=True)
@@ -89,8 +95,9 @@ class JointLayout:
     length (every stream in trim mode; in none mode, one that carries filler) is followed
     at its true end, so the next stream's copy overwrites its padding and only the last
     stream's padding remains, past `kv_len`. Queries span [`query_start`, `query_len`) (the
-    key-and-value-only streams come first, locally after the query streams, so the way back
-    carries only rows with queries); keys and values span `kv_len`.
+    kv-only streams come first, locally after the query streams, so the way back
+    carries only rows with queries); keys and values span `kv_len`. A kept stream sits at its
+    offset like an exchanged one but takes no local rows.
     """
 
     slots: tuple[StreamSlot, ...]  # in joint order
@@ -102,12 +109,21 @@ class JointLayout:
 
     @property
     def local_len(self) -> int:
-        return sum(slot.shard.local_seq_len for slot in self.slots)
+        """Rank-local rows the seq->head all-to-all sends: every stream's shard but the kept ones'."""
+        return sum(slot.shard.local_seq_len for slot in self.slots if slot.exchanged)
 
     @property
     def query_local_len(self) -> int:
         """Rank-local rows of the streams with queries: what the head->seq all-to-all sends back."""
         return sum(slot.shard.local_seq_len for slot in self.slots if not slot.kv_only)
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Joint rows [start, end) of stream `index` up to the next stream's (a stream cut at its true
+        length ends there; one that is not carries its padding, which the mask, if any, hides)."""
+        slot = self.slots[index]
+        if index + 1 < len(self.slots):
+            return slot.joint_offset, self.slots[index + 1].joint_offset
+        return slot.joint_offset, self.kv_len
 
 
 @dataclass
@@ -157,14 +173,19 @@ class SequenceParallelContext:
         return shard
 
     def joint_layout(
-        self, order: Sequence[str], device: torch.device, dtype: torch.dtype, kv_only: Sequence[str] = ()
+        self,
+        order: Sequence[str],
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_only: Sequence[str] = (),
+        kept: Sequence[str] = (),
     ) -> JointLayout:
-        """The layout for streams joined in `order` (the `kv_only` ones, keys and values only, first);
-        computed once per forward and reused by every layer."""
-        key = (tuple(order), tuple(kv_only), device, dtype)
+        """The layout for streams joined in `order`, the kv-only ones first: `kv_only` exchanged, `kept`
+        (kv-only too) not; computed once per forward and reused by every layer."""
+        key = (tuple(order), tuple(kv_only), tuple(kept), device, dtype)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._build_layout(order, device, dtype, frozenset(kv_only))
+            layout = self._build_layout(order, device, dtype, frozenset(kv_only) | frozenset(kept), frozenset(kept))
             self._layouts[key] = layout
         return layout
 
@@ -173,7 +194,12 @@ class SequenceParallelContext:
         return self.padding_mode == "trim" or (self.padding_mode == "none" and shard.filler_len > 0)
 
     def _build_layout(
-        self, order: Sequence[str], device: torch.device, dtype: torch.dtype, kv_only: frozenset[str] = frozenset()
+        self,
+        order: Sequence[str],
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_only: frozenset[str] = frozenset(),
+        kept: frozenset[str] = frozenset(),
     ) -> JointLayout:
         flags = [name in kv_only for name in order]
         if flags != sorted(flags, reverse=True) or all(flags):
@@ -181,15 +207,17 @@ class SequenceParallelContext:
         for name in order:
             if name not in self.streams:
                 raise RuntimeError(f"stream {name!r} reached attention without shard_with_auto_pad")
-        # Locally the query streams come first, so the way back is a prefix of the way out.
+        # Locally the query streams come first, so the way back is a prefix of the way out; a kept
+        # stream takes no local rows (its local_start is where it would be, unused).
         local_starts, local_start = {}, 0
         for name in sorted(order, key=lambda name: name in kv_only):
             local_starts[name] = local_start
-            local_start += self.streams[name].local_seq_len
+            local_start += 0 if name in kept else self.streams[name].local_seq_len
         slots, joint_offset = [], 0
         for name in order:
             shard = self.streams[name]
-            slots.append(StreamSlot(name, shard, local_starts[name], joint_offset, name in kv_only))
+            slot = StreamSlot(name, shard, local_starts[name], joint_offset, name in kv_only, name not in kept)
+            slots.append(slot)
             joint_offset += shard.original_seq_len if self._cut_at_true_length(shard) else shard.padded_seq_len
         query_start = next(slot.joint_offset for slot in slots if not slot.kv_only)
         last = slots[-1]
@@ -315,8 +343,10 @@ def shard_with_auto_pad(x: torch.Tensor, dim: int, stream: str = IMAGE, valid_le
 
 
 def record_sharded_stream(stream: str, seq_len: int) -> int:
-    """Record a stream of `seq_len` tokens whose tensors were sharded by an earlier forward under the same
-    group (a K/V cache: each rank holds its shard, padded by this module's rule); its rank-local length."""
+    """Record a kv-only stream of `seq_len` tokens that an earlier forward sharded under the same group and
+    this one does not shard again (a K/V cache, padded by this module's rule: GLM-Image's condition, each
+    rank holding its sequence shard; FLUX.2 klein's reference, each rank holding its heads); its rank-local
+    length."""
     ctx = get_sp_context()
     if ctx is None:
         return seq_len

@@ -16,6 +16,8 @@ The runner reads nothing else of a family:
   that must also set per-request state on the pipeline (HunyuanVideo 1.5's guider) does it here.
 - `pipeline_for(pipe, request)`: the pipeline that runs `request`: the loaded one, or one built on its
   components (Z-Image: its img2img pipeline for a request with a source image).
+- `prepare_pipeline(pipe)`: once, after the runner loads the pipeline with the family's denoisers
+  (FLUX.2 klein KV: its own attention processors replaced by ours, which take the same arguments).
 - `uses_cfg(request)`: whether the request runs two forwards per step (cond, uncond), which CFG
   parallel splits between two rank groups; `default_negative_prompt` is what the pipeline uses
   when such a request gives none (the uncond group's prompt).
@@ -67,6 +69,10 @@ class FamilyPipeline(abc.ABC):
     def pipeline_for(self, pipe: Any, request: DiffusionRequest) -> Any:
         """The pipeline that runs `request`: `pipe` itself, or another built on its components (same modules)."""
         return pipe
+
+    def prepare_pipeline(self, pipe: Any) -> None:
+        """Called once on the loaded pipeline, before any wrapper is installed; most families need nothing."""
+        return None
 
     def uses_cfg(self, request: DiffusionRequest) -> bool:
         """True when the pipeline runs a conditional and an unconditional forward per step for `request`."""

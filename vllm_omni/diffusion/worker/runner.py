@@ -125,6 +125,7 @@ class PipelineRunner:
                 f"{spec.diffusers_class} has denoiser(s) {undeclared} that the {spec.family} family does not "
                 "declare (models/family.py): they would run unsharded on every rank"
             )
+        self.family.prepare_pipeline(self.pipe)
         self.pipe.set_progress_bar_config(disable=rank != 0, desc="denoising")
 
         self.graph_capture_failures: list[str] = []  # this rank's, since the worker last reported them

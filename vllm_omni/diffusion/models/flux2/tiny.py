@@ -1,4 +1,4 @@
-"""Tiny embedded FLUX.2 model: a complete diffusers folder with seeded random weights.
+"""Tiny embedded FLUX.2 models: complete diffusers folders with seeded random weights.
 
 Tests and demos call :func:`tiny_model_path` (or :func:`build_tiny_model`) to get a folder that
 ``Flux2Pipeline.from_pretrained`` loads exactly like FLUX.2-dev, without any hub access. Every
@@ -8,6 +8,11 @@ trained here, ``FlowMatchEulerDiscreteScheduler``) with shrunken widths, depths 
 while the geometry that callers depend on is kept: 8x VAE compression and 2x2 latent patches
 (one token per 16x16 pixels, so 1328x1328 gives 6889 image tokens), 512 text tokens, and
 prompt embeddings stacked from the text encoder's layers 10, 20 and 30.
+
+``tiny/flux2-klein`` (``Flux2KleinPipeline``, step-distilled like FLUX.2-klein-4B: ``is_distilled``)
+and ``tiny/flux2-klein-kv`` (``Flux2KleinKVPipeline``, the same weights) are FLUX.2 klein: the same
+transformer class without guidance embedding, a ``Qwen3ForCausalLM`` text encoder whose layers 9,
+18 and 27 are stacked, and a Qwen2 tokenizer with Qwen3's chat template (thinking switched off).
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ import torch
 
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 
-TINY_MODELS: dict[str, str] = {"tiny/flux2": "Flux2Pipeline"}
+TINY_MODELS: dict[str, str] = {
+    "tiny/flux2": "Flux2Pipeline",
+    "tiny/flux2-klein": "Flux2KleinPipeline",
+    "tiny/flux2-klein-kv": "Flux2KleinKVPipeline",
+}
 
 # Bump when the generated folder changes so stale caches are not reused.
 _CACHE_VERSION = "v1"
@@ -30,6 +39,17 @@ _TEXT_HIDDEN = 16
 _TEXT_LAYERS = 30
 _LATENT_CHANNELS = 8
 _VAE_PATCH = (2, 2)
+# klein's Qwen3 text encoder: the pipeline stacks hidden states 9, 18 and 27 (28 layers at least).
+_KLEIN_TEXT_HIDDEN = 16
+_KLEIN_TEXT_LAYERS = 28
+
+# Qwen3's chat layout as the klein pipelines render it (add_generation_prompt, enable_thinking=False).
+_QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
 
 # Mistral's control tokens, with the ids they have in the real (tekken) vocabulary; Mistral3's
 # default image_token_index (10) is [IMG]'s id. The trained BPE vocabulary follows them.
@@ -196,7 +216,45 @@ def _build_text_encoder(tokenizer):
     return Mistral3ForConditionalGeneration(config).to(torch.float32).eval()
 
 
-def _build_transformer():
+def _build_klein_tokenizer():
+    """The shared tiny Qwen2 BPE, trained on the rendered klein template, with Qwen3's chat template."""
+    from transformers import AddedToken
+
+    from vllm_omni.diffusion.models.tiny_qwen_tokenizer import build_qwen2_tokenizer
+
+    rendered = "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n\n\n\n\n"
+    tokenizer = build_qwen2_tokenizer([rendered])
+    # Qwen3's thinking markers are single added tokens in the real vocabulary.
+    tokenizer.add_tokens([AddedToken(tok, special=False, normalized=False) for tok in ("<think>", "</think>")])
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _build_klein_text_encoder(tokenizer):
+    """A narrow 28-layer Qwen3 causal LM (the pipeline reads its hidden states 9, 18 and 27)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=_padded(len(tokenizer)),  # padded past the tokenizer's length, like the real model
+        hidden_size=_KLEIN_TEXT_HIDDEN,
+        intermediate_size=2 * _KLEIN_TEXT_HIDDEN,
+        num_hidden_layers=_KLEIN_TEXT_LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(torch.float32).eval()
+
+
+def _build_transformer(text_hidden: int = _TEXT_HIDDEN, guidance_embeds: bool = True):
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(0)
@@ -207,12 +265,12 @@ def _build_transformer():
         num_single_layers=2,
         attention_head_dim=16,
         num_attention_heads=6,
-        joint_attention_dim=3 * _TEXT_HIDDEN,  # three text encoder layers stacked per token
+        joint_attention_dim=3 * text_hidden,  # three text encoder layers stacked per token
         timestep_guidance_channels=32,
         mlp_ratio=3.0,
         axes_dims_rope=(4, 4, 4, 4),  # (T, H, W, L) rotary dims, summing to attention_head_dim
         rope_theta=2000,
-        guidance_embeds=True,
+        guidance_embeds=guidance_embeds,  # FLUX.2-dev embeds its distilled guidance; klein has none
     ).eval()
 
 
@@ -258,18 +316,22 @@ def _build_scheduler():
 
 def build_tiny_model(name: str, folder: str | os.PathLike) -> None:
     """Write the complete diffusers folder of tiny model ``name`` into ``folder``."""
-    from diffusers import Flux2Pipeline
+    import diffusers
 
     if name not in TINY_MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(sorted(TINY_MODELS))}")
-    tokenizer = _build_tokenizer()
-    pipe = Flux2Pipeline(
-        scheduler=_build_scheduler(),
-        vae=_build_vae(),
-        text_encoder=_build_text_encoder(tokenizer),
-        tokenizer=_build_processor(tokenizer),
-        transformer=_build_transformer(),
-    )
+    pipeline_class = getattr(diffusers, TINY_MODELS[name])
+    if name == "tiny/flux2":
+        tokenizer = _build_tokenizer()
+        text = dict(text_encoder=_build_text_encoder(tokenizer), tokenizer=_build_processor(tokenizer))
+        transformer = _build_transformer()
+    else:
+        tokenizer = _build_klein_tokenizer()
+        text = dict(text_encoder=_build_klein_text_encoder(tokenizer), tokenizer=tokenizer)
+        transformer = _build_transformer(_KLEIN_TEXT_HIDDEN, guidance_embeds=False)
+    # FLUX.2-klein-4B's model_index says is_distilled (4 steps, no CFG); the KV pipeline has no such flag.
+    extra = {"is_distilled": True} if name == "tiny/flux2-klein" else {}
+    pipe = pipeline_class(scheduler=_build_scheduler(), vae=_build_vae(), transformer=transformer, **text, **extra)
     pipe.save_pretrained(folder, safe_serialization=True)
 
 
