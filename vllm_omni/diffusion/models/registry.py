@@ -279,6 +279,28 @@ FAMILIES: tuple[Family, ...] = (
         },
     ),
     Family(
+        "qwen_image21",
+        # Text-to-image. Its pipeline also takes condition images, but not with precomputed prompt
+        # embeddings (no image_pad_mask argument), so those could not be encoded once per SP group.
+        (
+            PipelineSpec(
+                "QwenImage21Pipeline",
+                "qwen_image21",
+                "generate",
+                COMMON_FIELDS | {"negative_prompt", "true_cfg_scale"},
+                # 16x VAE, unpatched latents: 16-pixel tokens; the pipeline rounds sides down to 32.
+                size_multiple=32,
+                token_pixels=16,
+                default_steps=40,
+                # The pipeline's default: meant to be sampled without guidance; true CFG with a scale above 1.
+                default_true_cfg_scale=1.0,
+                default_size=(1024, 1024),  # output_resolution's default
+                cfg_parallel=True,
+            ),
+        ),
+        {"tiny/qwen-image-2.1": "QwenImage21Pipeline"},
+    ),
+    Family(
         "flux2",
         # Guidance-distilled: guidance_scale is embedded, one forward per step; input images are optional
         # references, each shrunk to at most 1 MP and adding its tokens (at most 4096) to the sequence;

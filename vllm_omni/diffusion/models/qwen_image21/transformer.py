@@ -57,8 +57,9 @@ class QwenImage21SPAttnProcessor:
         segments: TextBlocks | None = None,
         key_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if layer_cache is not None or attention_mask is not None or key_valid is not None:
-            # Diffusers' forward (its KV cache, one rank): its own layout and masks, its own processor.
+        ctx = get_sp_context()
+        if ctx is None or IMAGE not in ctx.streams:
+            # Called by diffusers' forward (its KV cache, or processors around ours; one rank): its layout.
             return reference.QwenImage21AttnProcessor()(
                 attn, hidden_states, attention_mask, rotary_emb, layer_cache, kv_cache_mode, cache_write_slice,
                 segments, key_valid,
@@ -70,7 +71,7 @@ class QwenImage21SPAttnProcessor:
         query = reference.apply_rotary_emb_qwen(query, rotary_emb, use_real=False)
         key = reference.apply_rotary_emb_qwen(key, rotary_emb, use_real=False)
 
-        n = get_sp_context().streams[IMAGE].local_seq_len  # this rank's target tokens, then its prefix tokens
+        n = ctx.streams[IMAGE].local_seq_len  # this rank's target tokens, then its prefix tokens
         img_out, txt_out = self.attention(
             query[:, :n],
             key[:, :n],
