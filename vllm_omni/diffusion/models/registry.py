@@ -295,7 +295,12 @@ FAMILIES: tuple[Family, ...] = (
                 # The pipeline's default: meant to be sampled without guidance; true CFG with a scale above 1.
                 default_true_cfg_scale=1.0,
                 default_size=(1024, 1024),  # output_resolution's default
-                cfg_parallel=True,
+                cfg_parallel_refusal="runs true CFG as two forwards, but its transformer gives a row per prompt "
+                "token too, so the branches' outputs differ in length and CFG parallel's exchange (equal shapes) "
+                "cannot carry them; it is sampled without guidance by default (true_cfg_scale 1)",
+                # The prompts of a list are padded to the longest, and the padding moves the image's rotary
+                # positions: a request's image would depend on its company.
+                batchable=False,
             ),
         ),
         {"tiny/qwen-image-2.1": "QwenImage21Pipeline"},
