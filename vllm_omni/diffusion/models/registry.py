@@ -386,8 +386,18 @@ TINY_MODELS: dict[str, PipelineSpec] = {
 }
 
 
+# Pipelines of a served family that are refused at start, and why (the engine's error names them).
+REFUSED: dict[str, str] = {
+    "QwenImageLayeredPipeline": "returns several RGBA layers per image (a list of layers per prompt), while the "
+    "engine returns images per request; serving it needs a per-family output hook and a `layers` request field, "
+    "and diffusers 0.42.1's pipeline splits the layers of a batch of more than one image at the wrong offsets",
+}
+
+
 def spec_for(diffusers_class: str, model_index: dict | None = None) -> PipelineSpec:
     """The spec of a checkpoint of `diffusers_class` whose model_index.json holds `model_index`."""
+    if diffusers_class in REFUSED:
+        raise ValueError(f"pipeline {diffusers_class!r} is not served: it {REFUSED[diffusers_class]}")
     if diffusers_class not in REGISTRY:
         raise ValueError(f"pipeline {diffusers_class!r} is not supported; supported pipelines: {', '.join(REGISTRY)}")
     for spec in SPECS:

@@ -7,7 +7,8 @@ itself (text causally, each condition image within itself), the target to everyt
 prefix is the text stream and the target the image stream, each sharded at its own tail; a rank
 holds [target, prefix] in one tensor (the single-stream blocks run per token), and the attention
 layer's `text_blocks` gives the prefix its block-causal runs. The reference's prefix KV cache
-(`kv_cache`, `kv_cache_mode`) runs diffusers' own forward, at one rank only.
+(`kv_cache`, `kv_cache_mode`) and processors other than ours (`set_attn_processor`) run diffusers'
+own forward, at one rank only.
 """
 
 from __future__ import annotations
