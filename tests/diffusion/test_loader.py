@@ -37,3 +37,11 @@ def test_one_class_selects_its_spec_by_the_model_index(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "expand_timesteps": True}))
     five_b = read_pipeline_spec(tmp_path)
     assert (five_b.size_multiple, five_b.default_fps, five_b.family) == (32, 24, "wan22")
+
+
+def test_qwen_image_layered_is_refused_at_start_naming_the_pipeline_and_why(tmp_path):
+    from vllm_omni import Omni
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageLayeredPipeline"}))
+    with pytest.raises(ValueError, match="'QwenImageLayeredPipeline' is not served: it returns several RGBA layers"):
+        Omni(str(tmp_path))

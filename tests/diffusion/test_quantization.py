@@ -33,6 +33,7 @@ from sp_padding import random_sp_padding  # noqa: E402
 from benchmarks.flux2_sp import REAL_CONFIG as FLUX2_REAL  # noqa: E402
 from benchmarks.glm_image import REAL_DIT as GLM_IMAGE_REAL  # noqa: E402
 from benchmarks.hunyuan_video_sp import REAL_CONFIG as HUNYUAN_REAL  # noqa: E402
+from benchmarks.qwen_image21_sp import REAL_CONFIG as QWEN_IMAGE21_REAL  # noqa: E402
 from benchmarks.qwen_image_sp import REAL_CONFIG as QWEN_IMAGE_REAL  # noqa: E402
 from benchmarks.wan22_sp import REAL_CONFIG as WAN22_REAL  # noqa: E402
 from vllm_omni import Omni  # noqa: E402
@@ -81,6 +82,10 @@ FP8_LAYERS = {
         "blocks.N.ffn.net.N.proj",
         "blocks.N.ffn.net.N",
     },
+    "qwen_image21": {  # single-stream blocks: one set of projections and one SwiGLU MLP
+        *(f"transformer_blocks.N.attn.{p}" for p in ("to_q", "to_k", "to_v", "to_out.N")),
+        *(f"transformer_blocks.N.img_mlp.{p}" for p in ("proj", "gate_layer", "out")),
+    },
     "glm_image": {  # one set of projections and one feed-forward for both streams
         *(f"transformer_blocks.N.attn1.{p}" for p in ("to_q", "to_k", "to_v", "to_out.N")),
         "transformer_blocks.N.ff.net.N.proj",
@@ -89,6 +94,12 @@ FP8_LAYERS = {
 }
 # What stays bf16 at real dimensions, and why (the rule's reasons).
 BF16_LAYERS = {
+    "qwen_image21": {
+        "embedder": {"time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2"},
+        "input projection": {"img_in", "txt_in.in_layer", "txt_in.out_layer"},
+        "modulation": {"modulation.N"},  # one modulation shared by every block
+        "final projection": {"norm_out.linear", "proj_out"},
+    },
     "qwen_image": {
         "embedder": {"time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2"},
         "input projection": {"img_in", "txt_in"},
@@ -158,6 +169,7 @@ BF16_LAYERS = {
 }
 REAL_DIMENSIONS = {
     "qwen_image": QWEN_IMAGE_REAL,
+    "qwen_image21": QWEN_IMAGE21_REAL,
     "flux2": FLUX2_REAL,
     "hunyuan_video_15": HUNYUAN_REAL,
     "wan22": WAN22_REAL,

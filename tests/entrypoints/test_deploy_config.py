@@ -33,12 +33,16 @@ def write(tmp_path, text: str):
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen_image", "qwen_image_edit", "hunyuan_video_15", "wan22_t2v_a14b"])
+@pytest.mark.parametrize(
+    "name", ["qwen_image", "qwen_image_edit", "qwen_image_21", "hunyuan_video_15", "wan22_t2v_a14b"]
+)
 def test_packaged_deploys_load_by_name(name):
     deploy = load_deploy_config(name)
     assert deploy.path.name == f"{name}.yaml"
     assert deploy.options["ulysses_degree"] == 8 and deploy.devices == list(range(8))
-    assert deploy.default_sampling_params["num_inference_steps"] == (40 if name.startswith("wan") else 50)
+    assert deploy.default_sampling_params["num_inference_steps"] == (
+        40 if name.startswith(("wan", "qwen_image_21")) else 50
+    )
 
 
 @pytest.mark.parametrize(
@@ -77,7 +81,7 @@ def test_bad_values_are_errors_naming_the_key(tmp_path, text, words):
 
 
 def test_missing_file_is_an_error_listing_the_packaged_ones():
-    with pytest.raises(DeployConfigError, match="qwen_image, qwen_image_edit"):
+    with pytest.raises(DeployConfigError, match="qwen_image, qwen_image_21, qwen_image_edit"):
         load_deploy_config("/nonexistent/deploy.yaml")
 
 

@@ -1,9 +1,10 @@
 """`POST /v1/chat/completions` over real HTTP, on a text-to-image and an edit model.
 
-Four servers for the module, started together (one worker each: the route is the images routes'
+Five servers for the module, started together (one worker each: the route is the images routes'
 path, the SP core is tested elsewhere): `tiny/qwen-image`, `tiny/qwen-image-edit` (a 1 MB upload
 limit, so an oversized data URL is cheap to send), `tiny/glm-image` (an AR stage, then its DiT;
-image-to-image too) and `tiny/z-image` (text-to-image, and img2img for a request with a source image).
+image-to-image too), `tiny/z-image` (text-to-image, and img2img for a request with a source image)
+and `tiny/qwen-image-2.1` (RGBA images).
 The same request through chat and through
 /v1/images/generations or /v1/images/edits must give the same pixels; bad messages and parts are a
 400 naming them; `stream: true` is a 400; a client that disconnects has its request cancelled.
@@ -26,7 +27,8 @@ from server_process import HTTP_TIMEOUT_S, ServerProcess, decode_image, omni_com
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
 
-T2I, EDIT, GLM, ZIMAGE = "tiny/qwen-image", "tiny/qwen-image-edit", "tiny/glm-image", "tiny/z-image"
+T2I, EDIT, GLM = "tiny/qwen-image", "tiny/qwen-image-edit", "tiny/glm-image"
+ZIMAGE, QWEN21 = "tiny/z-image", "tiny/qwen-image-2.1"
 PROMPT = "A cat holding a sign that says hello world."
 EDIT_PROMPT = "Add a cool hat to the cat."
 SIZE = {"height": 48, "width": 64}  # 4x3 tokens: the smallest useful run
@@ -46,6 +48,7 @@ def servers(tmp_path_factory):
         ),
         GLM: ServerProcess(omni_command("serve", GLM), logs / "glm.log", server_env()),
         ZIMAGE: ServerProcess(omni_command("serve", ZIMAGE), logs / "z-image.log", server_env()),
+        QWEN21: ServerProcess(omni_command("serve", QWEN21), logs / "qwen21.log", server_env()),
     }
     try:
         for server in started.values():
@@ -149,6 +152,25 @@ def test_glm_image_through_chat_equals_images_generations_and_edits(servers):
 
     off_grid = chat(server, model=GLM, messages=[{"role": "user", "content": prompt}], size="80x64")
     assert off_grid.status_code == 400 and off_grid.json()["error"]["param"] == "size", off_grid.text
+
+
+def test_qwen_image_21_through_the_openai_client_images_and_chat_give_the_same_rgba_image(servers):
+    client = client_of(servers[QWEN21])
+    prompt = "a paper lantern floating on a lake"
+    generated = client.images.generate(
+        model=QWEN21, prompt=prompt, size="96x64", extra_body={"num_inference_steps": 2, "seed": 7}
+    )
+    image = np.asarray(decode_image(generated.data[0].b64_json))
+    assert image.shape == (64, 96, 4)  # its VAE decodes RGBA: the PNG keeps the alpha channel
+    response = client.chat.completions.create(
+        model=QWEN21,
+        messages=[{"role": "user", "content": prompt}],
+        extra_body={"size": "96x64", "num_inference_steps": 2, "seed": 7},
+    )
+    np.testing.assert_array_equal(pixels_of_url(response.choices[0].message.content[0]["image_url"]["url"]), image)
+    fields = {"num_inference_steps": 2, "seed": 7, "output_format": "jpeg"}
+    jpeg = client.images.generate(model=QWEN21, prompt=prompt, size="96x64", extra_body=fields)
+    assert np.asarray(decode_image(jpeg.data[0].b64_json)).shape == (64, 96, 3)  # JPEG has no alpha: dropped
 
 
 def test_the_prompt_is_the_last_user_message_and_a_literal_extra_body_is_read(servers):

@@ -31,6 +31,8 @@ CASES = {  # (tiny model, case) -> request fields; "cfg" cases give a negative p
     ("tiny/qwen-image", "no-cfg"): dict(height=64, width=64, true_cfg_scale=4.0),  # no negative: no true CFG
     ("tiny/qwen-image-edit", "cfg"): dict(height=64, width=64, images=[_image(64, 48)], **QWEN_CFG),
     ("tiny/qwen-image-edit-plus", "cfg"): dict(height=64, width=64, images=[_image(40, 56)], **QWEN_CFG),
+    ("tiny/qwen-image-2.1", "cfg"): dict(height=64, width=64, num_images=2, **QWEN_CFG),
+    ("tiny/qwen-image-2.1", "no-cfg"): dict(height=64, width=96),  # sampled without guidance by default
     ("tiny/flux2", "no-cfg"): dict(height=64, width=64, num_images=2, images=[_image(80, 64)]),  # embedded guidance
     ("tiny/flux2-klein", "no-cfg"): dict(height=64, width=64, num_images=2, images=[_image(80, 64)]),  # distilled
     ("tiny/flux2-klein-kv", "no-cfg"): dict(height=64, width=64, images=[_image(80, 64)]),  # reference K/V kept

@@ -14,6 +14,7 @@ import pytest
 import test_flux2_transformer as flux2_case
 import test_glm_image_transformer as glm_image_case
 import test_hunyuan_video_15_transformer as hunyuan_case
+import test_qwen_image21_transformer as qwen_image21_case
 import test_wan22_transformer as wan22_case
 import test_z_image_transformer as z_image_case
 import torch
@@ -23,6 +24,7 @@ from vllm_omni.diffusion.models.flux2 import Flux2Transformer2DModel
 from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel
 from vllm_omni.diffusion.models.hunyuan_video_15 import HunyuanVideo15Transformer3DModel
 from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
+from vllm_omni.diffusion.models.qwen_image21 import QwenImage21Transformer2DModel
 from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks
@@ -34,6 +36,11 @@ FAMILIES = {
         HunyuanVideo15Transformer3DModel,
         hunyuan_case.CONFIG,
         lambda: dict(hunyuan_case.make_inputs(hunyuan_case.PARITY_CASES["t2v_glyph"]), return_dict=False),
+    ),
+    "qwen_image21": (
+        QwenImage21Transformer2DModel,
+        qwen_image21_case.CONFIG,
+        lambda: qwen_image21_case.make_inputs("condition", 1),
     ),
     "wan22": (WanTransformer3DModel, wan22_case.CONFIGS["5b"], lambda: wan22_case.make_inputs(wan22_case.Case("5b"))),
     "glm_image": (

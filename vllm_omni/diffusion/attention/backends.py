@@ -25,12 +25,18 @@ class AttentionBackend:
     supports_mask: bool
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> torch.Tensor:
+        """`causal`: query i sees keys [0, i] (no mask tensor: every dense kernel has it)."""
         if key_mask is not None and not self.supports_mask:
             raise ValueError(f"attention backend {self.name!r} cannot apply a mask")
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask, is_causal=causal
         )
         return out.transpose(1, 2)
 

@@ -10,7 +10,8 @@
   A kv-only stream is exchanged (`kv_streams`: GLM-Image's cached condition image, each rank's
   sequence shard sent every step) or kept (`attend_reference`: FLUX.2 klein's reference stream,
   computed with queries at the first step, attending only to itself, then held as each rank's
-  heads after that all-to-all, `ReferenceKV`, and never exchanged again).
+  heads after that all-to-all, `ReferenceKV`, and never exchanged again). With `text_blocks`
+  (Qwen-Image 2.1's block-causal prefix) the text stream attends only to itself, in runs.
 - `CrossAttention`: queries from the rank's own shard of the video stream, keys and values from a
   stream every rank holds whole (Wan2.2's 512 text tokens). No all-to-all and no padding policy:
   the padded query rows give rows that the gather drops like every padded row.
@@ -40,6 +41,10 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
 )
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# Runs of the text stream, (start, end, causal) over its true tokens in order: queries [start, end)
+# attend to text keys [0, end), causally within the run where `causal` (Qwen-Image 2.1's prefix:
+# text causal, each condition image a bidirectional block). The image stream still attends to all.
+TextBlocks = tuple[tuple[int, int, bool], ...]
 
 
 @dataclass
@@ -101,8 +106,39 @@ def unpack_streams(layout: JointLayout, back: torch.Tensor) -> list[torch.Tensor
     ]
 
 
+def attend_text_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: TextBlocks) -> torch.Tensor:
+    """The text stream's block-causal attention over its own keys ([B, L, H, D] each, true tokens first).
+
+    Rows past the last run (SP padding, filler) join it causally when it is causal, else form a
+    causal run of their own: either way no true row ever sees them, in every padding mode.
+    """
+    length = query.shape[1]
+    runs = [list(run) for run in blocks]
+    if runs and runs[-1][2]:
+        runs[-1][1] = length
+    elif not runs or runs[-1][1] < length:
+        runs.append([runs[-1][1] if runs else 0, length, True])
+    outs = []
+    for start, end, causal in runs:
+        if causal and start == 0:
+            dense = resolve_attention_backend(needs_mask=False)
+            outs.append(dense(query[:, :end], key[:, :end], value[:, :end], causal=True))
+            continue
+        mask = None
+        if causal:  # row i (position start + i) sees keys [0, start + i]
+            rows = torch.arange(start, end, device=query.device)
+            mask = (torch.arange(end, device=query.device) <= rows[:, None])[None, None]
+        backend = resolve_attention_backend(needs_mask=mask is not None)
+        outs.append(backend(query[:, start:end], key[:, :end], value[:, :end], mask))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
 def attend_joint(
-    recv: torch.Tensor, layout: JointLayout, backend: AttentionBackend, reference: ReferenceKV | None = None
+    recv: torch.Tensor,
+    layout: JointLayout,
+    backend: AttentionBackend,
+    reference: ReferenceKV | None = None,
+    text_blocks: TextBlocks | None = None,
 ) -> torch.Tensor:
     """A rank's work between the two all-to-alls.
 
@@ -115,6 +151,9 @@ def attend_joint(
     copied to its joint rows. Empty, the layout's first stream is the reference stream with queries:
     its rows attend only to themselves, in a second kernel call, and their keys and values are kept
     in it for the later steps.
+
+    `text_blocks` ([text, image] only): the image rows attend to every key as usual, the text rows
+    to the text's own, block-causally.
     """
     world, _, batch, local_len, heads, head_dim = recv.shape
     exchanged = [slot for slot in layout.slots if slot.exchanged]
@@ -147,7 +186,13 @@ def attend_joint(
         reference.key, reference.value = joint[1:, :, :first].clone().unbind(0)
         reference_out = backend(joint[0, :, :first], reference.key, reference.value, mask)
     kv = joint[1:, :, : layout.kv_len]
-    out = backend(joint[0, :, first : layout.query_len], kv[0], kv[1], layout.key_mask)
+    if text_blocks is None:
+        out = backend(joint[0, :, first : layout.query_len], kv[0], kv[1], layout.key_mask)
+    else:
+        # The text's rows end where the image's begin: its true tokens (trim) or all with its padding.
+        text_end = layout.slots[1].joint_offset
+        image_out = backend(joint[0, :, text_end : layout.query_len], kv[0], kv[1], layout.key_mask)
+        out = torch.cat([attend_text_blocks(*joint[:, :, :text_end], text_blocks), image_out], dim=1)
     if reference_out is not None:
         out, first = torch.cat([reference_out, out], dim=1), 0
     if joint_len > layout.query_len:  # rows read back for the dropped tail: any values do
@@ -191,12 +236,16 @@ class JointAttention(nn.Module):
         value: torch.Tensor,
         text_qkv: QKV | None = None,
         kv_streams: Sequence[tuple[str, torch.Tensor, torch.Tensor]] = (),
+        text_blocks: TextBlocks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return the attention output of `stream` (the image's, by default) and of the text stream (None
         without `text_qkv`).
 
         `kv_streams`: (stream, key, value) of kv-only streams, joined in front of the others and exchanged
-        (each recorded in the SP context, `record_sharded_stream`; rank-local sequence shards under SP)."""
+        (each recorded in the SP context, `record_sharded_stream`; rank-local sequence shards under SP).
+        `text_blocks`: the text stream attends only to itself, in these runs (see `TextBlocks`)."""
+        if text_blocks is not None and (text_qkv is None or self.text_position != "front" or kv_streams):
+            raise ValueError("text_blocks needs a text stream joined in front of the image, and no kv-only streams")
         streams: dict[str, tuple] = {self.stream: (query, key, value)}
         if text_qkv is not None:
             if self.stream == TEXT:
@@ -209,7 +258,7 @@ class JointAttention(nn.Module):
         for name, k, v in kv_streams:
             streams[name] = (None, k, v)
         order = [name for name, _, _ in kv_streams] + order
-        by_name = self._attend(order, streams)
+        by_name = self._attend(order, streams, text_blocks=text_blocks)
         return by_name[self.stream], by_name[TEXT] if text_qkv is not None else None
 
     @torch.compiler.disable
@@ -240,15 +289,19 @@ class JointAttention(nn.Module):
         return by_name[IMAGE], by_name.get(TEXT), by_name.get(REFERENCE)
 
     def _attend(
-        self, order: list[str], streams: dict[str, tuple], reference: ReferenceKV | None = None
+        self,
+        order: list[str],
+        streams: dict[str, tuple],
+        reference: ReferenceKV | None = None,
+        text_blocks: TextBlocks | None = None,
     ) -> dict[str, torch.Tensor]:
         """Outputs of the streams in `order` that have queries, by name (`streams`: name -> (q or None, k, v))."""
         queried = [name for name in order if streams[name][0] is not None]
         ctx = get_sp_context()
         if ctx is None or not ctx.enabled:
-            outs = self._attend_single_process(ctx, order, streams, reference)
+            outs = self._attend_single_process(ctx, order, streams, reference, text_blocks)
         else:
-            outs = self._attend_ulysses(ctx, order, streams, reference)
+            outs = self._attend_ulysses(ctx, order, streams, reference, text_blocks)
         return dict(zip(queried, outs))
 
     @staticmethod
@@ -257,6 +310,7 @@ class JointAttention(nn.Module):
         order: list[str],
         streams: dict[str, tuple],
         reference: ReferenceKV | None = None,
+        text_blocks: TextBlocks | None = None,
     ) -> list[torch.Tensor]:
         backend = resolve_attention_backend(needs_mask=False)
         reference_out = None
@@ -269,6 +323,8 @@ class JointAttention(nn.Module):
             streams = {**streams, REFERENCE: (None, reference.key, reference.value)}
         ordered = [streams[name] for name in order]
         queries = [q for q, _, _ in ordered if q is not None]
+        if text_blocks is not None:  # the text's rows attend to its own keys alone, below
+            queries = [streams[IMAGE][0]]
         query = torch.cat(queries, dim=1)
         # A stream's filler (shard_with_auto_pad's valid_len) is cut from keys and values: exact, dense.
         # Only a tensor of the stream's recorded length carries it (FLUX.2's fused single-stream
@@ -281,6 +337,8 @@ class JointAttention(nn.Module):
         key = torch.cat([k[:, :n] for (_, k, _), n in zip(ordered, kept)], dim=1)
         value = torch.cat([v[:, :n] for (_, _, v), n in zip(ordered, kept)], dim=1)
         out = backend(query, key, value)
+        if text_blocks is not None:  # block-causal over the text alone (its filler: the causal tail)
+            return [attend_text_blocks(*streams[TEXT], text_blocks), out]
         outs = list(out.split([q.shape[1] for q in queries], dim=1))
         return outs if reference_out is None else [reference_out, *outs]
 
@@ -290,6 +348,7 @@ class JointAttention(nn.Module):
         order: list[str],
         streams: dict[str, tuple],
         reference: ReferenceKV | None = None,
+        text_blocks: TextBlocks | None = None,
     ) -> list[torch.Tensor]:
         query = next(streams[name][0] for name in order if streams[name][0] is not None)
         if query.shape[2] % ctx.world_size:
@@ -303,7 +362,7 @@ class JointAttention(nn.Module):
         layout = ctx.joint_layout(order, query.device, query.dtype, kv_only, kept)
         recv = all_to_all(pack_streams(layout, streams), ctx.group)
         backend = resolve_attention_backend(needs_mask=layout.key_mask is not None)
-        back = all_to_all(attend_joint(recv, layout, backend, reference), ctx.group)
+        back = all_to_all(attend_joint(recv, layout, backend, reference, text_blocks), ctx.group)
         return unpack_streams(layout, back)
 
 

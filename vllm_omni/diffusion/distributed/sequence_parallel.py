@@ -363,11 +363,16 @@ def gather_sequence(x: torch.Tensor, dim: int, stream: str = IMAGE) -> torch.Ten
 
 
 def real_rows(x: torch.Tensor, dim: int, stream: str = IMAGE) -> torch.Tensor:
-    """This rank's rows of a sharded `stream` without its SP padding (a statistic over the real tokens)."""
+    """This rank's rows of a sharded `stream` without its SP padding (a statistic over the real tokens).
+
+    `x` may hold the stream's rows first and other rows after them (Qwen-Image 2.1's [target, prefix]):
+    only the stream's are returned, with one rank too."""
     ctx = get_sp_context()
-    if ctx is None or not ctx.enabled:
+    if ctx is None or (not ctx.enabled and stream not in ctx.streams):
         return x
     shard = ctx.streams[stream]
+    if not ctx.enabled:
+        return x.narrow(dim, 0, min(x.shape[dim], shard.original_seq_len))
     start = ctx.rank * shard.local_seq_len
     return x.narrow(dim, 0, max(0, min(shard.local_seq_len, shard.original_seq_len - start)))
 

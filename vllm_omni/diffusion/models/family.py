@@ -132,7 +132,7 @@ class SequenceParallelTransformer:
         return self.forward_sharded(**kwargs) if wrapper is None else wrapper(**kwargs)
 
 
-def declare_cache_block(block_class: type, hidden_states_index: int, encoder_hidden_states_index: int) -> None:
+def declare_cache_block(block_class: type, hidden_states_index: int, encoder_hidden_states_index: int | None) -> None:
     """Tell diffusers' cache hooks (the step cache, worker/step_cache.py) which of a block's outputs are its
     hidden states and its encoder hidden states, for a block diffusers registers none for."""
     # diffusers keeps its block registry in a private module (hooks/_helpers.py); this is its one use here.

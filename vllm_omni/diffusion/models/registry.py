@@ -329,6 +329,33 @@ FAMILIES: tuple[Family, ...] = (
         },
     ),
     Family(
+        "qwen_image21",
+        # Text-to-image. Its pipeline also takes condition images, but not with precomputed prompt
+        # embeddings (no image_pad_mask argument), so those could not be encoded once per SP group.
+        (
+            PipelineSpec(
+                "QwenImage21Pipeline",
+                "qwen_image21",
+                "generate",
+                COMMON_FIELDS | {"negative_prompt", "true_cfg_scale"},
+                # 16x VAE, unpatched latents: 16-pixel tokens; the pipeline rounds sides down to 32.
+                size_multiple=32,
+                token_pixels=16,
+                default_steps=40,
+                # The pipeline's default: meant to be sampled without guidance; true CFG with a scale above 1.
+                default_true_cfg_scale=1.0,
+                default_size=(1024, 1024),  # output_resolution's default
+                cfg_parallel_refusal="runs true CFG as two forwards, but its transformer gives a row per prompt "
+                "token too, so the branches' outputs differ in length and CFG parallel's exchange (equal shapes) "
+                "cannot carry them; it is sampled without guidance by default (true_cfg_scale 1)",
+                # The prompts of a list are padded to the longest, and the padding moves the image's rotary
+                # positions: a request's image would depend on its company.
+                batchable=False,
+            ),
+        ),
+        {"tiny/qwen-image-2.1": "QwenImage21Pipeline"},
+    ),
+    Family(
         "flux2",
         (
             # FLUX.2-dev is guidance-distilled: guidance_scale is embedded, one forward per step.
@@ -426,8 +453,18 @@ TINY_MODELS: dict[str, PipelineSpec] = {
 }
 
 
+# Pipelines of a served family that are refused at start, and why (the engine's error names them).
+REFUSED: dict[str, str] = {
+    "QwenImageLayeredPipeline": "returns several RGBA layers per image (a list of layers per prompt), while the "
+    "engine returns images per request; serving it needs a per-family output hook and a `layers` request field, "
+    "and diffusers 0.42.1's pipeline splits the layers of a batch of more than one image at the wrong offsets",
+}
+
+
 def spec_for(diffusers_class: str, model_index: dict | None = None) -> PipelineSpec:
     """The spec of a checkpoint of `diffusers_class` whose model_index.json holds `model_index`."""
+    if diffusers_class in REFUSED:
+        raise ValueError(f"pipeline {diffusers_class!r} is not served: it {REFUSED[diffusers_class]}")
     if diffusers_class not in REGISTRY:
         raise ValueError(f"pipeline {diffusers_class!r} is not supported; supported pipelines: {', '.join(REGISTRY)}")
     for spec in SPECS:

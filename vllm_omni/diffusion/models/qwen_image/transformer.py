@@ -34,7 +34,7 @@ from vllm_omni.diffusion.models.family import SequenceParallelTransformer
 from vllm_omni.diffusion.models.text_compaction import compact_text_mask
 
 
-def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+def qk_rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     """diffusers' QK RMSNorm, bit for bit, in fewer ops: at Ulysses 2+ a layer is bound by launch time."""
     return F.rms_norm(x.float(), (x.shape[-1],), eps=norm.eps).to(norm.weight.dtype) * norm.weight
 
@@ -57,11 +57,11 @@ class QwenImageSPAttnProcessor:
         if encoder_hidden_states_mask is not None or attention_mask is not None:
             raise ValueError("masks are resolved in QwenImageTransformer2DModel.forward (text compaction)")
         head_dim = attn.inner_dim // attn.heads
-        img_q = _rms_norm(attn.to_q(hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_q)
-        img_k = _rms_norm(attn.to_k(hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_k)
+        img_q = qk_rms_norm(attn.to_q(hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_q)
+        img_k = qk_rms_norm(attn.to_k(hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_k)
         img_v = attn.to_v(hidden_states).unflatten(-1, (-1, head_dim))
-        txt_q = _rms_norm(attn.add_q_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_added_q)
-        txt_k = _rms_norm(attn.add_k_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_added_k)
+        txt_q = qk_rms_norm(attn.add_q_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_added_q)
+        txt_k = qk_rms_norm(attn.add_k_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_added_k)
         txt_v = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
         if image_rotary_emb is not None:
             img_freqs, txt_freqs = image_rotary_emb
