@@ -131,6 +131,32 @@ class SequenceParallelTransformer:
         wrapper = self.sharded_wrapper
         return self.forward_sharded(**kwargs) if wrapper is None else wrapper(**kwargs)
 
+    def forward_reference(self, unsupported: str, **kwargs: Any) -> Any:
+        """Diffusers' own forward (the class after this mixin), for inputs that `forward_sharded` does not take
+        (`unsupported` names them): they run at one rank only, and are refused under SP."""
+        from vllm_omni.diffusion.distributed.sequence_parallel import sequence_parallel_context
+
+        with sequence_parallel_context() as ctx:
+            if ctx.enabled:
+                raise NotImplementedError(
+                    f"{unsupported} is not supported under sequence parallelism (degree {ctx.world_size}); "
+                    "it runs with sequence parallelism off"
+                )
+        return super().forward(**kwargs)  # type: ignore[misc]
+
+    def check_sequence_parallel_processors(self, blocks: Mapping[str, str], processors: tuple[type, ...]) -> None:
+        """Under SP, every attention (`blocks`: block list -> attention attribute) must run one of `processors`:
+        another attends only to this rank's tokens."""
+        for name, attention in blocks.items():
+            for index, block in enumerate(getattr(self, name)):
+                processor = getattr(block, attention).processor
+                if not isinstance(processor, processors):
+                    raise RuntimeError(
+                        f"{name}.{index}.{attention} has processor {type(processor).__name__}, which attends only to "
+                        f"this rank's tokens; under sequence parallelism use "
+                        f"{' / '.join(p.__name__ for p in processors)} (or a subclass)"
+                    )
+
 
 def declare_cache_block(block_class: type, hidden_states_index: int, encoder_hidden_states_index: int | None) -> None:
     """Tell diffusers' cache hooks (the step cache, worker/step_cache.py) which of a block's outputs are its

@@ -251,7 +251,9 @@ class Flux2Transformer2DModel(SequenceParallelTransformer, reference.Flux2Transf
             reference_kv = dict(kv_cache=kv_cache, kv_cache_mode="cached")
         with sequence_parallel_context() as ctx:
             if ctx.enabled:
-                self._check_processors_are_sequence_parallel()
+                self.check_sequence_parallel_processors(
+                    {"transformer_blocks": "attn", "single_transformer_blocks": "attn"}, _SP_PROCESSORS
+                )
             output = self.run_sharded(
                 hidden_states=hidden_states,
                 encoder_hidden_states=encoder_hidden_states,
@@ -267,17 +269,6 @@ class Flux2Transformer2DModel(SequenceParallelTransformer, reference.Flux2Transf
                 Flux2Transformer2DModelOutput(sample=output, kv_cache=kv_cache) if return_dict else (output, kv_cache)
             )
         return Flux2Transformer2DModelOutput(sample=output) if return_dict else (output,)
-
-    def _check_processors_are_sequence_parallel(self) -> None:
-        for name in ("transformer_blocks", "single_transformer_blocks"):
-            blocks = getattr(self, name)
-            for index, block in enumerate(blocks):
-                if not isinstance(block.attn.processor, _SP_PROCESSORS):
-                    raise RuntimeError(
-                        f"{name}.{index}.attn has processor {type(block.attn.processor).__name__}, which attends "
-                        "only to this rank's tokens; under sequence parallelism use Flux2SPAttnProcessor / "
-                        "Flux2SPParallelSelfAttnProcessor (or subclasses)"
-                    )
 
     def forward_sharded(
         self,

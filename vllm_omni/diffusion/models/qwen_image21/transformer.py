@@ -147,8 +147,16 @@ class QwenImage21Transformer2DModel(SequenceParallelTransformer, reference.QwenI
         )
         cached = kv_cache is not None or kv_cache_mode is not None
         ours = all(isinstance(block.attn.processor, QwenImage21SPAttnProcessor) for block in self.transformer_blocks)
-        if cached or not ours:
-            return self._forward_reference(cached, kwargs)
+        if cached:
+            return self.forward_reference(
+                "the prefix KV cache (kv_cache / kv_cache_mode; the pipeline's use_kv_cache=False turns it off)",
+                **kwargs,
+            )
+        if not ours:
+            return self.forward_reference(
+                "attention processors other than QwenImage21SPAttnProcessor (they attend to one rank's tokens)",
+                **kwargs,
+            )
 
         mask = encoder_hidden_states_mask
         rows = [slice(None)] if mask is None or (mask.bool() == mask[:1].bool()).all() else range(mask.shape[0])
@@ -172,21 +180,6 @@ class QwenImage21Transformer2DModel(SequenceParallelTransformer, reference.QwenI
             outputs.append(self._joint_output(output, plan))
         output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
-
-    def _forward_reference(self, kv_cache: bool, kwargs: dict[str, Any]) -> Any:
-        """Diffusers' own forward: its prefix KV cache, or processors other than ours; one rank only."""
-        with sequence_parallel_context() as ctx:
-            if ctx.enabled:
-                what = (
-                    "the prefix KV cache (kv_cache / kv_cache_mode; the pipeline's use_kv_cache=False turns it off)"
-                    if kv_cache
-                    else "attention processors other than QwenImage21SPAttnProcessor (they attend to one rank's tokens)"
-                )
-                raise NotImplementedError(
-                    f"{what} is not supported under sequence parallelism (degree {ctx.world_size}); "
-                    "it runs with sequence parallelism off"
-                )
-        return super().forward(**kwargs)
 
     def _plan(
         self, img_shapes: list, img_mask: torch.Tensor, text_mask: torch.Tensor | None, row: int, device: torch.device

@@ -123,7 +123,8 @@ class ZImageTransformer2DModel(SequenceParallelTransformer, reference.ZImageTran
     ) -> Transformer2DModelOutput | tuple[list[torch.Tensor]]:
         """Same arguments and outputs as the diffusers reference (its Omni inputs at one rank only)."""
         if isinstance(x[0], list):
-            return self._forward_omni(
+            return self.forward_reference(
+                "Z-Image Omni inputs (nested image lists, siglip_feats)",
                 x=x,
                 t=t,
                 cap_feats=cap_feats,
@@ -153,7 +154,9 @@ class ZImageTransformer2DModel(SequenceParallelTransformer, reference.ZImageTran
             first = rows[0]
             with sequence_parallel_context() as ctx:
                 if ctx.enabled:
-                    self._check_processors_are_sequence_parallel()
+                    self.check_sequence_parallel_processors(
+                        dict.fromkeys(BLOCK_STREAMS, "attention"), (ZImageSPAttnProcessor,)
+                    )
                 sample = self.run_sharded(
                     hidden_states=torch.stack([images[i] for i in rows]),
                     encoder_hidden_states=torch.stack([captions[i] for i in rows]),
@@ -172,26 +175,6 @@ class ZImageTransformer2DModel(SequenceParallelTransformer, reference.ZImageTran
             for i, out in zip(rows, unpatched):
                 outputs[i] = out
         return Transformer2DModelOutput(sample=outputs) if return_dict else (outputs,)
-
-    def _forward_omni(self, **kwargs: Any) -> Any:
-        """The reference's forward for the Omni variant's inputs (several images per row, SigLIP features)."""
-        with sequence_parallel_context() as ctx:
-            if ctx.enabled:
-                raise NotImplementedError(
-                    "Z-Image Omni inputs (nested image lists, siglip_feats) are not supported under sequence "
-                    f"parallelism (degree {ctx.world_size}); they run with sequence parallelism off"
-                )
-        return super().forward(**kwargs)
-
-    def _check_processors_are_sequence_parallel(self) -> None:
-        for name in BLOCK_STREAMS:
-            for index, block in enumerate(getattr(self, name)):
-                if not isinstance(block.attention.processor, ZImageSPAttnProcessor):
-                    raise RuntimeError(
-                        f"{name}.{index}.attention has processor {type(block.attention.processor).__name__}, which "
-                        "attends only to this rank's tokens; under sequence parallelism use ZImageSPAttnProcessor "
-                        "(or a subclass)"
-                    )
 
     def forward_sharded(
         self,
