@@ -128,22 +128,34 @@ def build_shared_models(
 
 class CompiledBlocks:
     """A model's repeated blocks compiled once, switched on only inside `with`: compiled and eager
-    variants share one set of weights. `ours=True` compiles as the engine does (attention eager);
-    otherwise diffusers' own `compile_repeated_blocks(fullgraph=True)`."""
+    variants share one set of weights. `ours=True` compiles as the engine does (attention eager; each
+    block's `forward` replaced by its compiled function); otherwise diffusers' own
+    `compile_repeated_blocks(fullgraph=True)` (the module's compiled call)."""
 
     def __init__(self, model: torch.nn.Module, ours: bool) -> None:
+        self.forwards: dict[torch.nn.Module, Any] = {}
+        self.impls: dict[torch.nn.Module, Any] = {}
         if ours:
+            before = {m for m in model.modules() if "forward" in m.__dict__}
             compile_repeated_blocks(model)
+            self.forwards = {m: m.__dict__["forward"] for m in model.modules() if "forward" in m.__dict__}
+            self.forwards = {m: f for m, f in self.forwards.items() if m not in before}
         else:
             model.compile_repeated_blocks(fullgraph=True)
-        self.impls = {m: m._compiled_call_impl for m in model.modules() if m._compiled_call_impl is not None}
+            self.impls = {m: m._compiled_call_impl for m in model.modules() if m._compiled_call_impl is not None}
+        if not (self.forwards or self.impls):
+            raise RuntimeError(f"no block of {type(model).__name__} was compiled: the compiled variant would be eager")
         self.__exit__()
 
     def __enter__(self) -> None:
+        for module, forward in self.forwards.items():
+            module.forward = forward
         for module, impl in self.impls.items():
             module._compiled_call_impl = impl
 
     def __exit__(self, *exc: Any) -> None:
+        for module in self.forwards:
+            del module.forward  # the class's eager forward again
         for module in self.impls:
             module._compiled_call_impl = None
 
