@@ -238,8 +238,8 @@ VARIANTS = [
 GPU_GIB = "gpu_memory_gib"
 ONE_1328 = {"max_tokens_per_step": 6889, "max_n": 1}
 VARIANTS += [
-    # FP8 with offload is refused (EngineArgs.validate: torchao 0.18's float8 weights cannot move onto a GPU under
-    # torch 2.11), so bf16 model offload is shown where it fits: the 38 GiB transformer within 48 GiB.
+    # FP8 with offload is refused (EngineArgs.validate: the FP8 conversion runs on the GPU, offloaded weights load on
+    # the CPU), so bf16 model offload is shown where it fits: the 38 GiB transformer within 48 GiB.
     Variant(
         "ours-model-48g",
         "offload",

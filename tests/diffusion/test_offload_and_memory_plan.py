@@ -51,9 +51,12 @@ def reference(path):
     return runner, runner.run(_request(), lambda step: None)
 
 
-@pytest.mark.parametrize("mode", ["model", "layerwise"])
-def test_offload_places_diffusers_hooks_on_every_component_and_keeps_the_image(path, reference, mode):
-    runner = PipelineRunner(path, read_pipeline_spec(path), torch.device("cpu"), torch.float32, 0, cpu_offload=mode)
+@pytest.mark.parametrize(("mode", "resident"), [("model", 0), ("layerwise", 0), ("layerwise", 1)])
+def test_offload_places_diffusers_hooks_on_every_component_and_keeps_the_image(path, reference, mode, resident):
+    runner = PipelineRunner(
+        path, read_pipeline_spec(path), torch.device("cpu"), torch.float32, 0, cpu_offload=mode,
+        resident_blocks={"transformer": resident},
+    )  # fmt: skip
     modules = {name: c for name, c in runner.pipe.components.items() if isinstance(c, torch.nn.Module)}
     assert set(modules) >= {"transformer", "text_encoder", "vae"}
     for name, module in modules.items():
@@ -62,7 +65,10 @@ def test_offload_places_diffusers_hooks_on_every_component_and_keeps_the_image(p
         else:  # diffusers' group offloading: a denoiser's blocks each a group, every layer of the others
             blocks = runner.denoisers[name].transformer_blocks if name in runner.denoisers else None
             groups = list(blocks) if blocks is not None else [m for m in module.modules() if isinstance(m, LAYERS)]
-            assert groups and all(_group_offloaded(m) for m in groups), name
+            # The plan's resident blocks (the last of the two here: spread over the forward) join no group.
+            offloaded = [_group_offloaded(m) for m in groups]
+            expected = [True, not resident] if blocks is not None else [True] * len(groups)
+            assert groups and offloaded == expected, (name, offloaded)
     image = runner.run(_request(), lambda step: None)
     # Not bit-identical on CPU: the hooks re-create the weights inside inference mode, for which the CPU GEMM
     # takes another path (its sums round differently, ~1e-6 in float32; the offload moves no value).
@@ -89,7 +95,7 @@ def test_the_plans_weights_are_what_the_runner_loads(path, reference):
 
 
 def test_fp8_with_offload_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="float8 weights cannot be moved onto a GPU"):
+    with pytest.raises(ValueError, match="FP8 conversion runs on the GPU while offloaded weights load onto the CPU"):
         EngineArgs(MODEL, quantization="fp8", cpu_offload="model").validate()
 
 
@@ -104,9 +110,14 @@ def test_offload_modes_hold_one_component_or_two_of_its_blocks():
     assert plan("none").need == 16 + 40 + 1 + 5
     assert plan("model").need == 40 + 5  # the denoiser and its step; the text encoder has left by then
     # The denoiser: its non-block weights, two of its four blocks and the step; the text encoder: two layers.
-    assert plan("layerwise").need == 40 - 36 + 2 * 9 + 5
+    # (Within 30, no room for more: no block stays resident.)
+    assert plan("layerwise", free=30).need == 40 - 36 + 2 * 9 + 5
     assert plan("none").budget == 50 and plan("none", free=30).budget == 30
     assert not plan("none").fits and plan("model").fits
+    # Layerwise within 50: the streamed plan needs 27, so two more blocks (all but the two streamed) stay.
+    assert plan("layerwise").resident_blocks() == {"transformer": 2} and plan("layerwise").need == 27 + 18
+    assert plan("layerwise", free=40).resident_blocks() == {"transformer": 1}  # 13 spare: one block of 9
+    assert plan("layerwise", free=30).resident_blocks() == {"transformer": 0} and plan("model").resident_blocks() == {}
 
 
 def test_a_deploy_too_large_for_the_device_is_refused_at_start_naming_the_numbers(monkeypatch):
@@ -125,20 +136,26 @@ def test_a_deploy_too_large_for_the_device_is_refused_at_start_naming_the_number
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["model", "layerwise"])
-def test_on_a_gpu_offloaded_weights_wait_on_the_cpu_and_compiled_blocks_give_the_image(path, mode):
+@pytest.mark.parametrize(("mode", "resident"), [("model", 0), ("layerwise", 0), ("layerwise", 1)])
+def test_on_a_gpu_offloaded_weights_wait_on_the_cpu_and_compiled_blocks_give_the_image(path, mode, resident):
     device = torch.device("cuda", 0)
     spec = read_pipeline_spec(path)
     eager = PipelineRunner(path, spec, device, torch.float32, 0, enforce_eager=True)
     want = eager.run(_request(), lambda step: None)
     del eager
     torch.cuda.empty_cache()
-    runner = PipelineRunner(path, spec, device, torch.float32, 0, cpu_offload=mode)  # compiled blocks, no graphs
+    runner = PipelineRunner(
+        path, spec, device, torch.float32, 0, cpu_offload=mode, resident_blocks={"transformer": resident}
+    )  # compiled blocks, no graphs
     assert runner.graph_captures == 0
     got = runner.run(_request(), lambda step: None)
-    # Between requests every weight is back on the CPU (a denoiser's blocks too, under layerwise).
+    # Between requests every weight is back on the CPU (a denoiser's blocks too, under layerwise), but for
+    # the blocks the plan keeps resident (the last of the two).
+    blocks = runner.denoisers["transformer"].transformer_blocks
+    kept = {id(p) for p in blocks[1].parameters()} if resident else set()
     devices = {p.device.type for c in runner.pipe.components.values() if isinstance(c, torch.nn.Module)
-               for p in c.parameters()}  # fmt: skip
+               for p in c.parameters() if id(p) not in kept}  # fmt: skip
     assert devices == {"cpu"}, devices
+    assert {p.device.type for p in blocks[1].parameters()} == ({"cuda"} if resident else {"cpu"})
     assert PipelineRunner.compiles() > 0
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)  # inductor's fused norms round as in test_runner_cuda

@@ -428,9 +428,9 @@ class EngineArgs:
             )
         if self.quantization is not None and self.cpu_offload != "none":
             raise ValueError(
-                f"--quantization {self.quantization} with --cpu-offload {self.cpu_offload}: offload moves the weights "
-                "onto the GPU at every phase, and torchao 0.18's float8 weights cannot be moved onto a GPU under "
-                "torch 2.11 (measured on an H200: the move fails in torchao's aliasing of aten.to); use one of them"
+                f"--quantization {self.quantization} with --cpu-offload {self.cpu_offload}: the FP8 conversion runs on "
+                "the GPU while offloaded weights load onto the CPU (a conversion block by block on the GPU is not "
+                "built); use one of them"
             )
         if self.cache is not None and self.batching.max_batch_size > 1:
             raise ValueError(

@@ -10,7 +10,9 @@ them under Ulysses). What is on the GPU at once depends on `--cpu-offload`:
 - none: every component, plus a step;
 - model: one component at a time (diffusers' model offload moves the last one out first);
 - layerwise: a denoiser's non-block weights and two of its blocks (the one running and the one
-  prefetched; diffusers' group offloading), plus a step; another component, two of its layers.
+  prefetched; diffusers' group offloading), plus a step; another component, two of its layers. What
+  the budget leaves beyond that keeps as many of the denoisers' blocks resident (`resident_blocks`):
+  each one kept is one fewer streamed over PCIe at every forward.
 
 The budget is `gpu_memory_utilization` of the device, and no more than is free when the rank
 starts. A plan that does not fit refuses the deploy, saying by how much and which settings fit.
@@ -78,13 +80,35 @@ class MemoryPlan:
     @property
     def weights(self) -> int:
         """Weights on the GPU at the busiest moment."""
-        return self.need - self.step_bytes if self.offload == "none" else self._peak()[1]
+        if self.offload == "none":
+            return self.need - self.step_bytes
+        return self._peak()[1] + self._resident_bytes()
 
     @property
     def need(self) -> int:
         if self.offload == "none":
             return sum(c.total for c in self.components) + self.step_bytes
-        return self._peak()[0]
+        return self._peak()[0] + self._resident_bytes()
+
+    def resident_blocks(self) -> dict[str, int]:
+        """Under layerwise: how many of each denoiser's blocks stay on the GPU, within what the streamed plan
+        leaves of the budget (the first denoiser first; Wan2.2's second expert gets what remains)."""
+        if self.offload != "layerwise":
+            return {}
+        spare = self.budget - self._peak()[0]
+        kept = {}
+        for component in self.components:
+            if component.name not in self.denoisers or len(component.blocks) <= 2:
+                continue
+            # Two blocks are planned on the GPU already (running, prefetched): the rest may stay.
+            count = min(len(component.blocks) - 2, max(spare, 0) // max(component.blocks))
+            kept[component.name] = count
+            spare -= count * max(component.blocks)
+        return kept
+
+    def _resident_bytes(self) -> int:
+        sizes = {c.name: max(c.blocks, default=0) for c in self.components}
+        return sum(count * sizes[name] for name, count in self.resident_blocks().items())
 
     def _peak(self) -> tuple[int, int]:
         """(need, weights) in the busiest phase, when one component at a time is on the GPU."""
@@ -106,8 +130,10 @@ class MemoryPlan:
     def line(self) -> str:
         """The start line's account: weights by component, the step, the total against the budget."""
         held = ", ".join(f"{c.name} {size(c.total)}" for c in self.components)
+        resident = ", ".join(f"{count} {name} blocks" for name, count in self.resident_blocks().items())
+        kept = f", {resident} resident" if resident else ""
         return (
-            f"memory plan: weights {held} (offload {self.offload}: {size(self.weights)} on the GPU at once), one "
+            f"memory plan: weights {held} (offload {self.offload}: {size(self.weights)} on the GPU at once{kept}), one "
             f"step at the largest request {size(self.step_bytes)}: needs {size(self.need)} of {size(self.budget)} "
             f"({self.utilization:g} of {size(self.device_total)}, {size(self.device_free)} free)"
         )

@@ -18,7 +18,7 @@ import inspect
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,7 @@ class PipelineRunner:
         quantization: str | None = None,
         cache: StepCacheConfig | None = None,
         cpu_offload: str = "none",
+        resident_blocks: Mapping[str, int] | None = None,
     ) -> None:
         self.spec = spec
         self.device = device
@@ -161,7 +162,8 @@ class PipelineRunner:
             vae_parallel,
             on_tile=lambda tile: self._on_decode_tile is not None and self._on_decode_tile(tile),
         )
-        apply_offload(self.pipe, cpu_offload, device, self.denoisers)  # last: its hooks go outside every wrapper
+        # Last: its hooks go outside every wrapper. `resident_blocks`: the memory plan's (layerwise).
+        apply_offload(self.pipe, cpu_offload, device, self.denoisers, resident_blocks)
 
     @property
     def weight_bytes(self) -> int:

@@ -164,6 +164,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
         quantization=config.quantization,
         cache=config.cache,
         cpu_offload=config.cpu_offload,
+        resident_blocks=plan.resident_blocks() if plan is not None else None,
     )
     for name, heads in runner.attention_heads.items():  # the engine checked the configs; these are the models
         if heads % parallel.ulysses_degree:
