@@ -426,6 +426,12 @@ class EngineArgs:
                 "--cache-threshold needs a cache: give --cache first_block (or stages[0].cache, or Omni's "
                 'cache="first_block")'
             )
+        if self.quantization is not None and self.cpu_offload != "none":
+            raise ValueError(
+                f"--quantization {self.quantization} with --cpu-offload {self.cpu_offload}: the FP8 conversion runs on "
+                "the GPU while offloaded weights load onto the CPU (a conversion block by block on the GPU is not "
+                "built); use one of them"
+            )
         if self.cache is not None and self.batching.max_batch_size > 1:
             raise ValueError(
                 f"--cache with --max-batch-size {self.batching.max_batch_size}: a batch's rows would share one step "

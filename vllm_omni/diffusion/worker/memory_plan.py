@@ -294,10 +294,11 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
     if chosen.fits:
         return chosen
     alternatives: dict[str, MemoryPlan] = {}
-    if config.quantization is None and dtype_bytes == 2:
+    # FP8 and offload do not combine (EngineArgs.validate): each is suggested only where the other is off.
+    if config.quantization is None and dtype_bytes == 2 and config.cpu_offload == "none":
         alternatives["--quantization fp8"] = plan(fp8=True)
     for mode in ("model", "layerwise"):
-        if mode != config.cpu_offload:
+        if mode != config.cpu_offload and config.quantization is None:
             alternatives[f"--cpu-offload {mode}"] = plan(offload=mode)
     heads = [attention_heads(_config(path / name)) for name in denoisers]
     degree = parallel.ulysses_degree * 2

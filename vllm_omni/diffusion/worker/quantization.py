@@ -103,15 +103,12 @@ def check_quantization(method: str | None, device: str | None, dtype: str | None
         raise ImportError(f"quantization={method!r} needs torchao: pip install 'vllm_omni[fp8]' ({TORCHAO_PIN})")
 
 
-def quantize_denoisers(
-    denoisers: Mapping[str, torch.nn.Module], method: str | None, device: torch.device | None = None
-) -> None:
-    """Convert every denoiser with `method` (None: nothing changes); the runner calls it once, after loading.
-    `device`: the GPU that converts them, where they were loaded elsewhere (onto the CPU, under offload)."""
+def quantize_denoisers(denoisers: Mapping[str, torch.nn.Module], method: str | None) -> None:
+    """Convert every denoiser with `method` (None: nothing changes); the runner calls it once, after loading."""
     if method is None:
         return
     for name, model in denoisers.items():
-        converted = set(quantize_denoiser(model, method, device))
+        converted = set(quantize_denoiser(model, method))
         if not converted:  # a run that claims FP8 and has none
             raise ValueError(
                 f"quantization={method!r}: no linear layer of {name} is large enough for FP8 (the rule keeps layers "
@@ -131,34 +128,22 @@ def quantize_denoisers(
         )
 
 
-def quantize_denoiser(model: torch.nn.Module, method: str, device: torch.device | None = None) -> list[str]:
-    """Convert `model` in place with `method` by `FP8_RULE`, on its device (or on `device`, a layer at a time,
-    each going back to where it was: the CPU, under offload); returns the converted layers.
+def quantize_denoiser(model: torch.nn.Module, method: str) -> list[str]:
+    """Convert `model` in place with `method` by `FP8_RULE`, on its device; returns the converted layers.
 
     Raises ValueError on a device or dtype that cannot run it, ImportError without torchao.
     """
     param = next(model.parameters())
-    device = device or param.device
     dtype = str(param.dtype).removeprefix("torch.")
-    check_quantization(method, device.type, dtype)
-    capability = torch.cuda.get_device_capability(device)
+    check_quantization(method, param.device.type, dtype)
+    capability = torch.cuda.get_device_capability(param.device)
     if capability < MIN_CAPABILITY:
         raise ValueError(
             f"quantization={method!r} needs compute capability {'.'.join(map(str, MIN_CAPABILITY))} or newer "
-            f"(FP8 tensor cores: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} "
-            f"({device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
+            f"(FP8 tensor cores: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(param.device)} "
+            f"({param.device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
         )
-    layers = FP8_RULE.fp8_layers(model)
-    if param.device == device:
-        return fp8_quantize(model, layers)
-    # torchao converts on the GPU; the weights wait elsewhere, so each layer visits the GPU to be converted.
-    for name in layers:
-        linear = model.get_submodule(name)
-        home = linear.weight.device
-        linear.to(device)
-        fp8_quantize(model, [name])
-        linear.to(home)
-    return layers
+    return fp8_quantize(model, FP8_RULE.fp8_layers(model))
 
 
 def fp8_quantize(model: torch.nn.Module, layers: Iterable[str]) -> list[str]:

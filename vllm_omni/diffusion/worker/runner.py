@@ -102,8 +102,7 @@ class PipelineRunner:
             name: self.family.denoisers[name].from_pretrained(path, subfolder=name, dtype=dtype, device_map=str(home))
             for name in present_components(path, self.family.denoisers)
         }
-        # Before compile and graphs: they see the FP8 layers. Converted on the GPU, offloaded ones too.
-        quantize_denoisers(self.denoisers, quantization, device)
+        quantize_denoisers(self.denoisers, quantization)  # before compile and graphs: they see the FP8 layers
         # Text encoded once per SP group: its rank 0 encodes and broadcasts the embeddings; its peers
         # load the pipeline without the text encoder(s).
         state = get_parallel_state()
