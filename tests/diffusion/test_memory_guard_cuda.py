@@ -36,8 +36,12 @@ def _free_port() -> int:
 def test_a_real_cuda_out_of_memory_fails_the_request_frees_its_memory_and_the_rank_serves_on():
     path = resolve_model_path(MODEL)
     preprocess = RequestPreprocessor(read_pipeline_spec(path), EngineLimits(), path, None)
-    config = OmniDiffusionConfig(MODEL, DiffusionParallelConfig(), device="cuda", dtype="bfloat16", enforce_eager=True)
-    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / torch.cuda.get_device_properties(0).total_memory, 0)
+    # The rank caps its own allocator at gpu_memory_utilization (worker.py), as a deploy on a 1 GiB card would.
+    cap = CAP_BYTES / torch.cuda.get_device_properties(0).total_memory
+    config = OmniDiffusionConfig(
+        MODEL, DiffusionParallelConfig(), device="cuda", dtype="bfloat16", enforce_eager=True,
+        gpu_memory_utilization=cap,
+    )  # fmt: skip
     requests: queue.Queue = queue.Queue()
     reports: queue.Queue = queue.Queue()
     args = (0, config, str(path), f"tcp://127.0.0.1:{_free_port()}", requests, reports, SimpleNamespace(value=0), 0)
