@@ -7,7 +7,8 @@
   weights move in for its forward and out after. The other components are offloaded layer by layer (leaf
   level): the pipelines call their methods (`vae.decode`, not `forward`), which a block-level group's hook
   on the top module would never see. The memory plan's spare room keeps some of a denoiser's blocks on
-  the GPU for good (`resident`, spread evenly: each streamed block's transfer overlaps the blocks before it).
+  the GPU for good (`resident`, spread evenly: each streamed block's transfer overlaps the blocks before it):
+  their group hooks are removed (diffusers has no option to leave blocks out of its groups).
 
 Both move weights between phases, so the runner captures no CUDA graphs under them; compiled blocks
 stay (the hooks run outside the compiled block's forward). Under SP every rank offloads its own replica.
@@ -15,8 +16,7 @@ stay (the hooks run outside the compiled block's forward). Under SP every rank o
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
+GROUP_OFFLOADING = "group_offloading"  # the name diffusers registers a block's group offloading hook under
 
 
 def apply_offload(
@@ -40,7 +41,7 @@ def apply_offload(
     if mode == "model":
         pipe.enable_model_cpu_offload(device=device)
     elif mode == "layerwise":
-        from diffusers.hooks import apply_group_offloading
+        from diffusers.hooks import HookRegistry, apply_group_offloading
 
         for name, component in pipe.components.items():
             if not isinstance(component, torch.nn.Module):
@@ -49,12 +50,14 @@ def apply_offload(
                 level = {"offload_type": "block_level", "num_blocks_per_group": 1}
             else:
                 level = {"offload_type": "leaf_level"}
-            kept = _resident_blocks(component, (resident or {}).get(name, 0)) if name in denoisers else []
             # use_stream: prefetch the next group on a side stream while this one runs (pinned CPU memory).
             stream = device.type == "cuda"
-            with _hidden(component, kept):
-                apply_group_offloading(component, device, torch.device("cpu"), use_stream=stream, **level)
+            apply_group_offloading(component, device, torch.device("cpu"), use_stream=stream, **level)
+            kept = _resident_blocks(component, (resident or {}).get(name, 0)) if name in denoisers else []
             for block in kept:
+                # Its group's hook removed before any forward, the prefetch order (traced at the first forward)
+                # never includes it: it stays where it is moved, and no other group waits for it.
+                HookRegistry.check_if_exists_or_initialize(block).remove_hook(GROUP_OFFLOADING, recurse=False)
                 block.to(device)
             if kept:
                 logger.info("CPU offload layerwise: %d of %s's blocks stay on %s", len(kept), name, device)
@@ -69,19 +72,3 @@ def _resident_blocks(model: torch.nn.Module, count: int) -> list[torch.nn.Module
     blocks = [b for child in model.children() if isinstance(child, torch.nn.ModuleList) for b in child]
     total, count = len(blocks), min(count, len(blocks))
     return [block for i, block in enumerate(blocks) if (i + 1) * count // total > i * count // total]
-
-
-@contextlib.contextmanager
-def _hidden(model: torch.nn.Module, kept: list[torch.nn.Module]) -> Iterator[None]:
-    """While diffusers places its groups: `model`'s block lists without the `kept` blocks, so none of their
-    weights joins a group (diffusers has no option to leave blocks out). The lists are restored after."""
-    lists = {name: child for name, child in model.named_children() if isinstance(child, torch.nn.ModuleList)}
-    keep = {id(block) for block in kept}
-    try:
-        for name, blocks in lists.items():
-            if keep:
-                setattr(model, name, torch.nn.ModuleList([b for b in blocks if id(b) not in keep]))
-        yield
-    finally:
-        for name, blocks in lists.items():
-            setattr(model, name, blocks)
