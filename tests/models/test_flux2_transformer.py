@@ -6,14 +6,11 @@ Token counts are chosen so that 2 and 3 ranks pad both streams.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-
 import pytest
 import torch
 from diffusers import Flux2Transformer2DModel as ReferenceTransformer
 from diffusers.models.transformers import transformer_flux2 as reference
-from sp_padding import random_sp_padding
+from sp_cases import sp_mode, worker_model
 
 from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.comm import SimulatedGroup
@@ -256,42 +253,13 @@ def test_klein_kv_arguments_with_diffusers_default_processors_match_the_referenc
 
 # ---- under SP (gloo workers) ----------------------------------------------------------------
 
-_MODES = {
-    "mask": DiffusionParallelConfig(mask_sp_padding=True),
-    "trim": DiffusionParallelConfig(),
-    "none": DiffusionParallelConfig(trim_sp_padding=False),
-}
-_worker_models: dict = {}
-
-
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
 
 def sp_forward(folder: str, case: str, mode: str, batch: int, random_padding: bool = False):
     """Worker side: our forward under the worker's SP group in one padding mode; (output, warnings logged)."""
-    if folder not in _worker_models:
-        _worker_models[folder] = Flux2Transformer2DModel.from_pretrained(folder).eval()
-    state = get_parallel_state()
-    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
-    warnings = _Warnings()
-    logging.getLogger("vllm_omni").addHandler(warnings)
-    try:
-        with random_sp_padding(random_padding), use_parallel_state(dataclasses.replace(state, config=config)):
-            with torch.no_grad():
-                output = _worker_models[folder](**make_inputs(case, batch))[0]
-    finally:
-        logging.getLogger("vllm_omni").removeHandler(warnings)
-    return output, warnings.messages
-
-
-def reset_warnings() -> None:
-    reset_warning_once()
+    model = worker_model(Flux2Transformer2DModel.from_pretrained, folder)
+    with sp_mode(mode, random_padding) as warnings, torch.no_grad():
+        output = model(**make_inputs(case, batch))[0]
+    return output, warnings
 
 
 @pytest.mark.parametrize("case", ["generate", "reference_image"])
@@ -326,7 +294,7 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, c
     _, ours = models
     with torch.no_grad():
         expected = ours(**make_inputs("generate", 1))[0]
-    sp_pool.run(reset_warnings)
+    sp_pool.run(reset_warning_once)
     results = sp_pool.run(sp_forward, checkpoint, "generate", "none", 1)
     for out, warnings in results:
         diff = (out - expected).abs().max().item()
@@ -344,18 +312,10 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, c
 
 def sp_kv_forward(folder: str, mode: str, batch: int, random_padding: bool = False):
     """Worker side: klein KV's first and later step under the worker's SP group; (first, later, warnings)."""
-    if folder not in _worker_models:
-        _worker_models[folder] = Flux2Transformer2DModel.from_pretrained(folder).eval()
-    state = get_parallel_state()
-    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
-    warnings = _Warnings()
-    logging.getLogger("vllm_omni").addHandler(warnings)
-    try:
-        with random_sp_padding(random_padding), use_parallel_state(dataclasses.replace(state, config=config)):
-            first, later, _ = kv_steps(_worker_models[folder], *klein_kv_inputs(batch))
-    finally:
-        logging.getLogger("vllm_omni").removeHandler(warnings)
-    return first, later, warnings.messages
+    model = worker_model(Flux2Transformer2DModel.from_pretrained, folder)
+    with sp_mode(mode, random_padding) as warnings:
+        first, later, _ = kv_steps(model, *klein_kv_inputs(batch))
+    return first, later, warnings
 
 
 def test_sp_klein_kv_exact_modes_match_single_process(sp_pool, models, checkpoint):
@@ -386,9 +346,7 @@ def test_sp_klein_kv_cache_from_another_layout_is_refused(sp_pool, checkpoint):
 
 
 def sp_kv_with_single_process_cache(folder: str) -> str:
-    if folder not in _worker_models:
-        _worker_models[folder] = Flux2Transformer2DModel.from_pretrained(folder).eval()
-    model = _worker_models[folder]
+    model = worker_model(Flux2Transformer2DModel.from_pretrained, folder)
     first, later, ref_len = klein_kv_inputs(1)
     state = get_parallel_state()
     with use_parallel_state(None), torch.no_grad():

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 
 import pytest
 import torch
 from diffusers import GlmImageTransformer2DModel as ReferenceTransformer
 from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
-from sp_padding import random_sp_padding
+from sp_cases import sp_mode, worker_model
 
-from vllm_omni.diffusion.config import DiffusionParallelConfig
-from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.glm_image import GlmImageTransformer2DModel
-from vllm_omni.logger import reset_warning_once
 
 TEXT_DIM, CODEBOOK, LATENT_CHANNELS = 32, 128, 16
 CONFIG = dict(
@@ -194,50 +190,22 @@ def test_image_to_image_matches_diffusers_reference(models, batch):
 
 # ---- under SP (gloo workers) ----------------------------------------------------------------
 
-_MODES = {
-    "mask": DiffusionParallelConfig(mask_sp_padding=True),
-    "trim": DiffusionParallelConfig(),
-    "none": DiffusionParallelConfig(trim_sp_padding=False),
-}
-_worker_models: dict = {}
-
-
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
 
 def sp_forward(folder: str, case: Case, mode: str, random_padding: bool = False) -> tuple[torch.Tensor, list[str]]:
     """Worker side: our forward under the worker's SP group in `mode`; the output and the warnings logged.
 
     With `random_padding`, every padded row is random: image tokens, rotary rows, prior token ids
     and drop flags, glyph text."""
-    if folder not in _worker_models:
-        _worker_models[folder] = GlmImageTransformer2DModel.from_pretrained(folder).eval()
-    state = get_parallel_state()
-    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
-    warnings, root = _Warnings(), logging.getLogger("vllm_omni")
-    reset_warning_once()
-    root.addHandler(warnings)
-    try:
-        with use_parallel_state(dataclasses.replace(state, config=config)), random_sp_padding(random_padding):
-            return run(_worker_models[folder], make_inputs(case)), warnings.messages
-    finally:
-        root.removeHandler(warnings)
+    model = worker_model(GlmImageTransformer2DModel.from_pretrained, folder)
+    with sp_mode(mode, random_padding, reset_warnings=True) as warnings:
+        return run(model, make_inputs(case)), warnings
 
 
 def sp_image_to_image(folder: str, mode: str, random_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Worker side: `run_with_conditions` under the worker's SP group in `mode` (random padding in every pass)."""
-    if folder not in _worker_models:
-        _worker_models[folder] = GlmImageTransformer2DModel.from_pretrained(folder).eval()
-    state = get_parallel_state()
-    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
-    with use_parallel_state(dataclasses.replace(state, config=config)), random_sp_padding(random_padding):
-        return run_with_conditions(_worker_models[folder])
+    model = worker_model(GlmImageTransformer2DModel.from_pretrained, folder)
+    with sp_mode(mode, random_padding):
+        return run_with_conditions(model)
 
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 
 import pytest
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel as ReferenceTransformer
+from sp_cases import sp_mode, worker_model
 
-from vllm_omni.diffusion.config import DiffusionParallelConfig
-from vllm_omni.diffusion.distributed import sequence_parallel
-from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel
-from vllm_omni.logger import reset_warning_once
 
 LATENT = 4
 CONFIG = dict(
@@ -204,13 +200,6 @@ def test_text_plan_is_computed_once_per_mask_tensor(models, monkeypatch):
 
 # ---- under SP (gloo workers) ----------------------------------------------------------------
 
-_MODES = {
-    "mask": DiffusionParallelConfig(mask_sp_padding=True),
-    "trim": DiffusionParallelConfig(),
-    "none": DiffusionParallelConfig(trim_sp_padding=False),
-}
-_worker_models: dict = {}
-
 SP_CASES = {
     # 175 video tokens; 7 + 6 = 13 valid text tokens (pads at 2 and 3 unbucketed; bucket 64 is filler)
     "t2v_glyph": Case(prompt_valid=(7,), glyph_valid=(6,)),
@@ -221,42 +210,14 @@ SP_CASES = {
 }
 
 
-def _random_pad_tail(x: torch.Tensor, dim: int, pad_size: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] = pad_size
-    return torch.cat([x, (torch.randn(shape) * 5).to(x.dtype)], dim=dim)
-
-
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def sp_forward(
     folder: str, case: Case, mode: str, bucket_multiple: int | None = None, random_padding: bool = False
 ) -> tuple[torch.Tensor, list[str]]:
     """Worker side: our forward under the worker's SP group in `mode`; the output and the warnings logged."""
-    if folder not in _worker_models:
-        _worker_models[folder] = HunyuanVideo15Transformer3DModel.from_pretrained(folder).eval()
-    model = _worker_models[folder]
+    model = worker_model(HunyuanVideo15Transformer3DModel.from_pretrained, folder)
     inputs = make_inputs(case, pad_noise=5.0 if random_padding else 0.0)
-    state = get_parallel_state()
-    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
-    original_pad, warnings, root = sequence_parallel._pad_tail, _Warnings(), logging.getLogger("vllm_omni")
-    if random_padding:
-        sequence_parallel._pad_tail = _random_pad_tail
-    reset_warning_once()
-    root.addHandler(warnings)
-    try:
-        with use_parallel_state(dataclasses.replace(state, config=config)):
-            return run(model, inputs, bucket_multiple), warnings.messages
-    finally:
-        root.removeHandler(warnings)
-        sequence_parallel._pad_tail = original_pad
+    with sp_mode(mode, random_padding, reset_warnings=True) as warnings:
+        return run(model, inputs, bucket_multiple), warnings
 
 
 @pytest.mark.parametrize("case", list(SP_CASES))

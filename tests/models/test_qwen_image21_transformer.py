@@ -6,17 +6,12 @@ image's 20 tokens pad at U3, the 7 text tokens at U2 and U3 (the cases with cond
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-
 import pytest
 import torch
 from diffusers import QwenImage21Transformer2DModel as ReferenceTransformer
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-from sp_padding import random_sp_padding
+from sp_cases import sp_mode, worker_model
 
-from vllm_omni.diffusion.config import DiffusionParallelConfig
-from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.qwen_image21.transformer import QwenImage21Transformer2DModel
 from vllm_omni.logger import reset_warning_once
 
@@ -126,45 +121,16 @@ def test_the_prefix_kv_cache_runs_diffusers_forward(models):
 
 # ---- under SP (gloo workers) ----------------------------------------------------------------
 
-_MODES = {
-    "mask": DiffusionParallelConfig(mask_sp_padding=True),
-    "trim": DiffusionParallelConfig(),
-    "none": DiffusionParallelConfig(trim_sp_padding=False),
-}
-_worker_models: dict = {}
-
-
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
 
 def sp_forward(folder: str, case: str, mode: str, batch: int, masked: bool = False, random_padding: bool = False):
     """Worker side: our forward under the worker's SP group in one padding mode; (output, warnings logged)."""
-    if folder not in _worker_models:
-        _worker_models[folder] = QwenImage21Transformer2DModel.from_pretrained(folder).eval()
+    model = worker_model(QwenImage21Transformer2DModel.from_pretrained, folder)
     inputs = make_inputs(case, batch)
     if masked:
         inputs["encoder_hidden_states_mask"] = short_last_prompt(inputs)
-    state = get_parallel_state()
-    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
-    warnings = _Warnings()
-    logging.getLogger("vllm_omni").addHandler(warnings)
-    try:
-        with random_sp_padding(random_padding), use_parallel_state(dataclasses.replace(state, config=config)):
-            with torch.no_grad():
-                output = _worker_models[folder](**inputs)[0]
-    finally:
-        logging.getLogger("vllm_omni").removeHandler(warnings)
-    return output, warnings.messages
-
-
-def reset_warnings() -> None:
-    reset_warning_once()
+    with sp_mode(mode, random_padding) as warnings, torch.no_grad():
+        output = model(**inputs)[0]
+    return output, warnings
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +167,7 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns_once(sp_pool, mode
     _, ours = models[True]
     with torch.no_grad():
         expected = ours(**make_inputs("generate", 1))[0]
-    sp_pool.run(reset_warnings)
+    sp_pool.run(reset_warning_once)
     for out, warnings in sp_pool.run(sp_forward, checkpoint, "generate", "none", 1):
         target = slice(-20, None)  # the target's rows: they see the padding (the text's never do)
         diff = (out[:, target] - expected[:, target]).abs().max().item()

@@ -5,15 +5,11 @@ Same random weights (a checkpoint saved by the diffusers class and loaded by our
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel as ReferenceTransformer
-from sp_padding import random_sp_padding
+from sp_cases import sp_mode, worker_model
 
-from vllm_omni.diffusion.config import DiffusionParallelConfig
-from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
 from vllm_omni.logger import reset_warning_once
 
@@ -98,31 +94,15 @@ def test_text_mask_with_padding_matches_reference(models, zero_cond_t):
 
 # ---- under SP (gloo workers) ----------------------------------------------------------------
 
-_MODES = {
-    "mask": DiffusionParallelConfig(mask_sp_padding=True),
-    "trim": DiffusionParallelConfig(),
-    "none": DiffusionParallelConfig(trim_sp_padding=False),
-}
-_worker_models: dict = {}
-
 
 def sp_forward(folder: str, case: str, mode: str, batch: int, text_len: int, mask_rows=None, random_padding=False):
     """Worker side: our transformer's forward under the worker's SP group in the given padding mode."""
-    if folder not in _worker_models:
-        _worker_models[folder] = QwenImageTransformer2DModel.from_pretrained(folder).eval()
-    model = _worker_models[folder]
+    model = worker_model(QwenImageTransformer2DModel.from_pretrained, folder)
     inputs = make_inputs(CASES[case][0], batch, text_len)
     if mask_rows is not None:
         inputs["encoder_hidden_states_mask"] = torch.tensor(mask_rows)
-    state = get_parallel_state()
-    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
-    with random_sp_padding(random_padding), use_parallel_state(dataclasses.replace(state, config=config)):
-        with torch.no_grad():
-            return model(**inputs)[0]
-
-
-def reset_warnings():
-    reset_warning_once()
+    with sp_mode(mode, random_padding), torch.no_grad():
+        return model(**inputs)[0]
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +153,7 @@ def test_sp_unmasked_padding_is_close_but_not_equal(sp_pool, models, checkpoints
     inputs = make_inputs(CASES["generate"][0], 1, 11)
     with torch.no_grad():
         expected = ours(**inputs)[0]
-    sp_pool.run(reset_warnings)
+    sp_pool.run(reset_warning_once)
     for out in sp_pool.run(sp_forward, checkpoints[False], "generate", "none", 1, 11):
         diff = (out - expected).abs().max().item()
         assert 0 < diff < 0.5 * expected.abs().max().item()

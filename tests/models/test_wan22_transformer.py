@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 
 import pytest
 import torch
 from diffusers import WanTransformer3DModel as ReferenceTransformer
-from sp_padding import random_sp_padding
+from sp_cases import sp_mode, worker_model
 
-from vllm_omni.diffusion.config import DiffusionParallelConfig
-from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel
-from vllm_omni.logger import reset_warning_once
 
 TEXT_DIM, TEXT_LEN = 32, 512
 BASE = dict(
@@ -160,13 +156,6 @@ def test_wan21_image_conditioning_is_refused():
 
 # ---- under SP (gloo workers) ----------------------------------------------------------------
 
-_MODES = {
-    "mask": DiffusionParallelConfig(mask_sp_padding=True),
-    "trim": DiffusionParallelConfig(),
-    "none": DiffusionParallelConfig(trim_sp_padding=False),
-}
-_worker_models: dict = {}
-
 SP_CASES = {
     "a14b": Case(),  # 175 tokens: pads at 2 and 3
     "a14b_i2v_batch2": Case("a14b_i2v", GRIDS["pad2"], batch=2),  # 105: pads at 2
@@ -174,33 +163,14 @@ SP_CASES = {
 }
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def sp_forward(
     folder: str, case: Case, mode: str, random_padding: bool = False, fused: bool = False
 ) -> tuple[torch.Tensor, list[str]]:
     """Worker side: our forward under the worker's SP group in `mode` (`fused`: projections fused); the output
     and the warnings logged."""
-    if (folder, fused) not in _worker_models:
-        load = fused_model if fused else WanTransformer3DModel.from_pretrained
-        _worker_models[folder, fused] = load(folder).eval()
-    state = get_parallel_state()
-    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
-    warnings, root = _Warnings(), logging.getLogger("vllm_omni")
-    reset_warning_once()
-    root.addHandler(warnings)
-    try:
-        with use_parallel_state(dataclasses.replace(state, config=config)), random_sp_padding(random_padding):
-            return run(_worker_models[folder, fused], make_inputs(case)), warnings.messages
-    finally:
-        root.removeHandler(warnings)
+    model = worker_model(fused_model if fused else WanTransformer3DModel.from_pretrained, folder)
+    with sp_mode(mode, random_padding, reset_warnings=True) as warnings:
+        return run(model, make_inputs(case)), warnings
 
 
 @pytest.mark.parametrize("case", list(SP_CASES))

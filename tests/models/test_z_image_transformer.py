@@ -7,18 +7,15 @@ tokens -> 32), so 2 ranks never pad; 3 ranks pad both streams (64 -> 66, 32 -> 3
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-
 import pytest
 import torch
 from diffusers import ZImageTransformer2DModel as ReferenceTransformer
 from diffusers.models.transformers import transformer_z_image as reference
-from sp_padding import random_sp_padding
+from sp_cases import sp_mode, worker_model
 
 from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.comm import SimulatedGroup
-from vllm_omni.diffusion.distributed.parallel_state import ParallelState, get_parallel_state, use_parallel_state
+from vllm_omni.diffusion.distributed.parallel_state import ParallelState, use_parallel_state
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.logger import reset_warning_once
 
@@ -148,42 +145,13 @@ def test_processors_set_later_take_effect(checkpoint):
 
 # ---- under SP (gloo workers) ----------------------------------------------------------------
 
-_MODES = {
-    "mask": DiffusionParallelConfig(mask_sp_padding=True),
-    "trim": DiffusionParallelConfig(),
-    "none": DiffusionParallelConfig(trim_sp_padding=False),
-}
-_worker_models: dict = {}
-
-
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
 
 def sp_forward(folder: str, case: str, mode: str, random_padding: bool = False, controlnet: bool = False):
     """Worker side: our forward under the worker's SP group in one padding mode; (outputs, warnings logged)."""
-    if folder not in _worker_models:
-        _worker_models[folder] = ZImageTransformer2DModel.from_pretrained(folder).eval()
-    state = get_parallel_state()
-    config = _MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
-    warnings = _Warnings()
-    logging.getLogger("vllm_omni").addHandler(warnings)
-    try:
-        with random_sp_padding(random_padding), use_parallel_state(dataclasses.replace(state, config=config)):
-            with torch.no_grad():
-                output = _worker_models[folder](**make_inputs(case, controlnet=controlnet))[0]
-    finally:
-        logging.getLogger("vllm_omni").removeHandler(warnings)
-    return output, warnings.messages
-
-
-def reset_warnings() -> None:
-    reset_warning_once()
+    model = worker_model(ZImageTransformer2DModel.from_pretrained, folder)
+    with sp_mode(mode, random_padding) as warnings, torch.no_grad():
+        output = model(**make_inputs(case, controlnet=controlnet))[0]
+    return output, warnings
 
 
 @pytest.mark.parametrize("case", ["one", "cfg"])
@@ -209,7 +177,7 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns_once(sp_pool, mode
     _, ours = models
     with torch.no_grad():
         expected = ours(**make_inputs("one"))[0][0]
-    sp_pool.run(reset_warnings)
+    sp_pool.run(reset_warning_once)
     results = sp_pool.run(sp_forward, checkpoint, "one", "none")
     if sp_pool.world_size == 2:  # both streams are multiples of 32: nothing pads, none mode is exact
         for out, warnings in results:
