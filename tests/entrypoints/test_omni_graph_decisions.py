@@ -44,10 +44,21 @@ def _generate_all(omni: Omni) -> list[np.ndarray]:
     return [np.stack(omni.generate(prompt, negative_prompt=negative, **args)) for prompt, negative in REQUESTS]
 
 
+def _short(omni: Omni) -> np.ndarray:
+    return omni.generate(SHORT, height=32, width=32, num_inference_steps=2, seed=3, output_type="np")[0]
+
+
 @pytest.fixture(scope="module")
-def reference(simulated_graphs):
-    with Omni("tiny/qwen-image", enforce_eager=True) as omni:  # one group, no graphs
-        return _generate_all(omni)
+def eager_results(simulated_graphs):
+    """One group with no graphs (what the graph environment says does not matter to it): the REQUESTS'
+    images, then the short request's."""
+    with Omni("tiny/qwen-image", enforce_eager=True) as omni:
+        return _generate_all(omni), _short(omni)
+
+
+@pytest.fixture(scope="module")
+def reference(eager_results):
+    return eager_results[0]
 
 
 @pytest.mark.parametrize("degree", [1, 2])
@@ -71,24 +82,23 @@ def test_cfg_groups_missing_their_graphs_at_different_requests_agree_and_match_o
     assert reported == captures
 
 
-def test_a_failed_capture_is_reported_and_retried_by_the_restarted_group_after_its_warm_up(capfd):
+def test_a_failed_capture_is_reported_and_retried_by_the_restarted_group_after_its_warm_up(eager_results, capfd):
     """The first capture on rank 1 of each group fails (simulate:fail-rank=1): counted, that SP group
     runs eagerly (still exact), and the group a restart brings up warms up and captures again."""
+    expected = eager_results[1]
     previous = os.environ.get("VLLM_OMNI_TEST_CUDA_GRAPHS")
     os.environ["VLLM_OMNI_TEST_CUDA_GRAPHS"] = "simulate:fail-rank=1"
     try:
-        with Omni("tiny/qwen-image", enforce_eager=True) as omni:
-            expected = omni.generate(SHORT, height=32, width=32, num_inference_steps=2, seed=3, output_type="np")[0]
         with Omni("tiny/qwen-image", ulysses_degree=2, warmup=True, warmup_size=(32, 32), stall_timeout_s=60) as omni:
             engine = omni.engine
             assert engine.graph_capture_failures == 1 and "rank 1" in engine.last_graph_capture_failure
             assert engine.health_status()[0] == "ok"
-            actual = omni.generate(SHORT, height=32, width=32, num_inference_steps=2, seed=3, output_type="np")[0]
+            actual = _short(omni)
             np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
             first = capfd.readouterr().err
             engine.executor._procs[1].kill()
             engine.executor._procs[1].join()
-            actual = omni.generate(SHORT, height=32, width=32, num_inference_steps=2, seed=3, output_type="np")[0]
+            actual = _short(omni)
             np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
             assert engine.restarts == 1 and engine.graph_capture_failures == 2
         second = capfd.readouterr().err

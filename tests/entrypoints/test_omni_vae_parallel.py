@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -19,9 +20,7 @@ import pytest
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
-from vllm_omni.diffusion.config import DiffusionParallelConfig, OmniDiffusionConfig
-from vllm_omni.diffusion.engine.core import DiffusionEngine  # noqa: E402
-from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestFailed
+from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestFailed  # noqa: E402
 
 PROMPT = "a lighthouse on a cliff at dusk"
 ARGS = dict(height=208, width=272, num_inference_steps=2, seed=4, output_type="np", negative_prompt="blurry")
@@ -30,17 +29,26 @@ PAUSE_PROMPT, RAISE_PROMPT = "rank 0 pauses in the decode", "rank 1 fails in the
 
 @pytest.fixture(scope="module")
 def engines():
+    """Engines by configuration, kept for the module. All start with the faults below (they fire only for
+    their own prompts), so the faulty tests share the Ulysses 2 split-decode engine."""
+    faults = [
+        {"kind": "pause", "rank": 0, "step": 2, "phase": "decode", "prompt": PAUSE_PROMPT},
+        {"kind": "raise", "rank": 1, "step": 1, "phase": "decode", "prompt": RAISE_PROMPT},
+    ]
     started: dict[tuple, Omni] = {}
 
     def get(model: str, **kwargs) -> Omni:
         key = (model, tuple(sorted(kwargs.items())))
         if key not in started:
-            started[key] = Omni(model, **kwargs)
+            started[key] = Omni(model, stall_timeout_s=60, **kwargs)
         return started[key]
 
-    yield get
-    for omni in started.values():
-        omni.close()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_OMNI_TEST_FAULT", json.dumps(faults))  # inherited by every worker, restarted ones too
+        yield get
+    # Each close waits for its workers to leave; together they wait once.
+    with ThreadPoolExecutor(max_workers=max(len(started), 1)) as pool:
+        list(pool.map(lambda omni: omni.close(), started.values()))
 
 
 @pytest.mark.parametrize(
@@ -63,20 +71,8 @@ def test_split_decode_equals_one_ranks_tiled_decode(engines, model, extra, paral
 
 
 @pytest.fixture(scope="module")
-def faulty_engine():
-    faults = [
-        {"kind": "pause", "rank": 0, "step": 2, "phase": "decode", "prompt": PAUSE_PROMPT},
-        {"kind": "raise", "rank": 1, "step": 1, "phase": "decode", "prompt": RAISE_PROMPT},
-    ]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_OMNI_TEST_FAULT", json.dumps(faults))  # inherited by every worker, restarted ones too
-        parallel = DiffusionParallelConfig(ulysses_degree=2, vae_parallel=True)
-        engine = DiffusionEngine(OmniDiffusionConfig("tiny/qwen-image", parallel, device="cpu", stall_timeout_s=60))
-        try:
-            engine.wait_until_ready()
-            yield engine
-        finally:
-            engine.close()
+def faulty_engine(engines):
+    return engines("tiny/qwen-image", vae_parallel=True, ulysses_degree=2).engine
 
 
 def _params(prompt: str) -> GenerationParams:
