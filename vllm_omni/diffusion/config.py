@@ -172,6 +172,14 @@ class StepCacheConfig:
             raise ValueError(f"cache_threshold must be a number > 0, got {value!r}")
 
 
+def parse_lora_module(item: str) -> tuple[str, str]:
+    """'name=path' (vLLM's --lora-modules form) -> (name, path)."""
+    name, sep, path = item.partition("=") if isinstance(item, str) else ("", "", "")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"a LoRA module is NAME=PATH (a folder or .safetensors file), got {item!r}")
+    return name.strip(), path.strip()
+
+
 @dataclass
 class OmniDiffusionConfig:
     """Everything a worker needs to load a model: where from, on what, how split."""
@@ -209,6 +217,14 @@ class OmniDiffusionConfig:
     # (tokens per step, rows) of the largest request the limits admit: what the memory plan sizes one
     # step for (worker/memory_plan.py). Set by the engine from its limits; None: the model's default, 1 row.
     largest_request: tuple[int, int] | None = None
+    # LoRA adapters (engine/adapters.py, worker/lora.py): name -> folder or .safetensors file, served from the start;
+    # how many keep their factors on each GPU and on the CPU; the largest rank accepted; whether
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter may change them while serving.
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 4
+    max_cpu_loras: int | None = None  # None: max_loras
+    max_lora_rank: int = 128
+    allow_runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -230,6 +246,17 @@ class OmniDiffusionConfig:
         value = self.gpu_memory_utilization
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {value!r}")
+        for name in ("max_loras", "max_lora_rank") + (("max_cpu_loras",) if self.max_cpu_loras is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.lora_modules is not None:
+            if isinstance(self.lora_modules, (list, tuple)):  # the flag's and a YAML list's name=path items
+                self.lora_modules = dict(parse_lora_module(item) for item in self.lora_modules)
+            if not isinstance(self.lora_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()
+            ):
+                raise ValueError(f"lora_modules must map adapter names to paths, got {self.lora_modules!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype is not None:

@@ -10,6 +10,16 @@ from typing import Any, Literal
 OutputType = Literal["pil", "np", "uint8"]
 
 
+@dataclass(frozen=True)
+class LoraRequest:
+    """The LoRA adapter a request runs with, as the engine resolved it (engine/adapters.py): its name, its file or
+    folder, and the scale its update is multiplied by."""
+
+    name: str
+    path: str
+    scale: float = 1.0
+
+
 @dataclass
 class GenerationParams:
     """A request as the user gave it; `DiffusionEngine.preprocess` validates it into a `DiffusionRequest`.
@@ -31,6 +41,9 @@ class GenerationParams:
     cache_threshold: float | None = None
     num_frames: int | None = None
     fps: int | None = None
+    # A LoRA adapter: a served one's name, or {"name": ..., "scale": ...} (scale default 1.0); offline also
+    # {"name", "path", "scale"} for an adapter not served yet. None: the base model.
+    lora: str | dict[str, Any] | None = None
     # pil: PIL images (a video: a list of PIL frames); np: float32 arrays in [0, 1]; uint8: uint8 arrays
     output_type: OutputType = "pil"
     request_id: str | None = None
@@ -58,6 +71,7 @@ class DiffusionRequest:
     cache_threshold: float | None = None  # the step cache's, on a server with one (else None)
     num_frames: int | None = None  # video only; None: the pipeline's default
     fps: int | None = None  # video only
+    lora: LoraRequest | None = None  # merged into the denoisers for this request (worker/lora.py); None: base
     cancel_token: int = 0  # the executor's number for this request; cancelling flags it
     output_type: OutputType = "pil"
     preprocess_ms: float = 0.0  # time validation took (the server validates before queueing)

@@ -171,6 +171,20 @@ def every_rank(flag: bool) -> bool:
     return _agree(flag, dist.ReduceOp.MIN, get_control_group())
 
 
+def same_on_every_rank(value: int) -> bool:
+    """True on every rank when every rank gave the same `value` (e.g. a fingerprint of what it is about to run).
+
+    One collective over the control group (a MIN of value and -value): every rank of the world must call it at the
+    same point.
+    """
+    group = get_control_group()
+    if group is None:
+        return True
+    values = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
+    return int(values[0]) == value and -int(values[1]) == value
+
+
 def every_sp_rank(flag: bool) -> bool:
     """True on every rank of this rank's SP group only when `flag` is True on all of them.
 

@@ -81,6 +81,7 @@ PARALLEL = "parallelism (world size = cfg_parallel_size * ulysses_degree * ring_
 ENGINE = "engine"
 LIMITS = "limits (requests beyond them are refused with 400 naming the field)"
 QUEUE = "queue and batching"
+LORA = "LoRA adapters"
 
 _UNSET = object()
 
@@ -259,6 +260,44 @@ class EngineArgs:
         metavar="FRACTION",
         default_text="0.9",
     )
+    lora_modules: tuple[str, ...] | None = option(
+        "engine",
+        "LoRA adapters to serve, as NAME=PATH (a folder or a .safetensors file, in a format diffusers reads); a "
+        'request selects one with `model: NAME` or `lora: {"name": NAME, "scale": 1.0}` (vLLM\'s flag); YAML '
+        "stages[0].lora_modules, a mapping or a list",
+        LORA,
+        nargs="+",
+        metavar="NAME=PATH",
+    )
+    max_loras: int = option(
+        "engine",
+        "adapters whose factors stay on each GPU; more wait on the CPU (vLLM's flag)",
+        LORA,
+        type=positive_int,
+        metavar="N",
+        default_text="4",
+    )
+    max_cpu_loras: int | None = option(
+        "engine",
+        "adapters whose factors stay in CPU memory, least recently used dropped first (default: --max-loras)",
+        LORA,
+        type=positive_int,
+        metavar="N",
+    )
+    max_lora_rank: int = option(
+        "engine",
+        "the largest adapter rank accepted; a higher one is refused when it is loaded (vLLM's flag)",
+        LORA,
+        type=positive_int,
+        metavar="RANK",
+        default_text="128",
+    )
+    allow_runtime_lora: bool = option(
+        "engine",
+        "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter while serving",
+        LORA,
+        action="store_true",
+    )
     attention_backend: str | None = option(
         "engine",
         "attention kernel: sdpa (dense) or sdpa_masked (default: sdpa_masked when the padding is "
@@ -353,6 +392,10 @@ class EngineArgs:
             object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype))
         if isinstance(self.warmup_size, list):  # YAML's [width, height]
             object.__setattr__(self, "warmup_size", tuple(self.warmup_size))
+        if isinstance(self.lora_modules, dict):  # YAML's mapping; hashable like the flag's list
+            object.__setattr__(self, "lora_modules", tuple(f"{k}={v}" for k, v in self.lora_modules.items()))
+        elif isinstance(self.lora_modules, list):
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
 
     # ---- the options ---------------------------------------------------------------------------
 
@@ -432,6 +475,22 @@ class EngineArgs:
                 "the GPU while offloaded weights load onto the CPU (a conversion block by block on the GPU is not "
                 "built); use one of them"
             )
+        if self.lora_modules or self.allow_runtime_lora:
+            for other, value, off in (
+                ("--quantization", self.quantization, None),
+                ("--cpu-offload", self.cpu_offload, "none"),
+            ):
+                if value != off:
+                    raise ValueError(
+                        f"LoRA adapters with {other} {value}: adapters are merged into the denoisers' weights, which "
+                        + (
+                            "FP8 holds in 8 bits (merging would quantize the update away and could not be undone "
+                            "exactly)"
+                            if other == "--quantization"
+                            else "offload moves between devices (the merge and its exact undo are not built for that)"
+                        )
+                        + "; use one of them"
+                    )
         if self.cache is not None and self.batching.max_batch_size > 1:
             raise ValueError(
                 f"--cache with --max-batch-size {self.batching.max_batch_size}: a batch's rows would share one step "

@@ -21,6 +21,7 @@ import numpy as np
 
 from vllm_omni.diffusion.attention.backends import check_attention_backend
 from vllm_omni.diffusion.config import EngineLimits, OmniDiffusionConfig
+from vllm_omni.diffusion.engine.adapters import LoraRegistry
 from vllm_omni.diffusion.engine.batching import batch_key
 from vllm_omni.diffusion.engine.health import HealthState
 from vllm_omni.diffusion.engine.preprocess import RequestPreprocessor
@@ -140,7 +141,16 @@ class DiffusionEngine:
         self._id_lock = threading.Lock()
         self._cancel_tokens: dict[str, int] = {}  # running request id -> the executor's cancel token
         self._cancelled_early: dict[str, None] = {}  # ids cancelled before they ran (insertion-ordered)
-        self._preprocessor = RequestPreprocessor(self.spec, self.limits, self.model_path, config.cache)
+        # The served LoRA adapters, each checked here before a worker starts (adapters.py).
+        denoisers = [name for name in self.spec.family_pipeline().denoisers if (self.model_path / name).is_dir()]
+        self.adapters = LoraRegistry(
+            self.spec.diffusers_class, self.model_path, denoisers, config.max_lora_rank, config.lora_modules
+        )
+        if config.lora_modules and not self.adapters.supported:
+            raise ValueError(f"--lora-modules: {self.spec.diffusers_class} has no diffusers LoRA loader")
+        self._preprocessor = RequestPreprocessor(
+            self.spec, self.limits, self.model_path, config.cache, self.adapters.resolve
+        )
         self._stopping = False
         logger.info(
             "Starting %d worker(s) for %s (%s) on %s, %s, quantization=%s, cache=%s, cpu_offload=%s, "
@@ -283,6 +293,18 @@ class DiffusionEngine:
             self._prefetch.stop()
 
     # ---- requests ---------------------------------------------------------------------------
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name` from now on (checked first: RequestError naming the field).
+        The workers read it when a request first names it."""
+        self.adapters.load(name, path)
+        logger.info("LoRA adapter %r loaded from %s", name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving `name` (LoraNotFound if it is not served). Requests already accepted with it still run
+        with it: each carries its adapter's file."""
+        self.adapters.unload(name)
+        logger.info("LoRA adapter %r unloaded; requests already accepted with it still run with it", name)
 
     def new_request_id(self) -> str:
         return f"req-{uuid.uuid4().hex[:12]}"

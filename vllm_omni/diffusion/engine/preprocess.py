@@ -19,6 +19,7 @@ import json
 import math
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from vllm_omni.diffusion.config import EngineLimits, StepCacheConfig
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.diffusion.images import inspect_image
 from vllm_omni.diffusion.models.registry import PipelineSpec
-from vllm_omni.diffusion.request import DiffusionRequest, GenerationParams, RequestError
+from vllm_omni.diffusion.request import DiffusionRequest, GenerationParams, LoraRequest, RequestError
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -105,9 +106,15 @@ def bucket_target_size(model_path: Path) -> int:
 
 class RequestPreprocessor:
     def __init__(
-        self, spec: PipelineSpec, limits: EngineLimits, model_path: Path, cache: StepCacheConfig | None = None
+        self,
+        spec: PipelineSpec,
+        limits: EngineLimits,
+        model_path: Path,
+        cache: StepCacheConfig | None = None,
+        resolve_lora: Callable[[Any], LoraRequest | None] | None = None,
     ) -> None:
         self.spec = spec
+        self.resolve_lora = resolve_lora  # LoraRegistry.resolve (adapters.py); None: no adapters
         self.cache = cache  # the server's step cache (its default threshold), None for none
         self.limits = limits.for_model(spec)
         self.tokens = PromptTokenCounter(model_path)
@@ -162,6 +169,11 @@ class RequestPreprocessor:
             logger.info("No seed given: drew seed %d", seed)
         seed = check_int("seed", seed, 0, MAX_SEED)
         cache_threshold = self._check_cache_threshold(params.cache_threshold)
+        lora = None
+        if params.lora is not None:
+            if self.resolve_lora is None:
+                raise RequestError("this engine serves no LoRA adapters", "lora")
+            lora = self.resolve_lora(params.lora)
         images, source_sizes = self._check_images(params.image)
         if height is None or width is None:
             width, height = self._derived_size(width, height, source_sizes)
@@ -185,6 +197,7 @@ class RequestPreprocessor:
             cache_threshold=cache_threshold,
             num_frames=num_frames,
             fps=fps,
+            lora=lora,
             cancel_token=cancel_token,
             output_type=params.output_type,
         )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class RequestField:
     name: str  # the GenerationParams / Omni.generate / YAML / JSON name
-    type: type  # str, int or float
+    type: type  # str, int, float, or dict (lora: an object in JSON, its name on the CLI)
     help: str
     cli_flag: str  # the `vllm-omni generate` flag (width and height share --size WxH)
     in_size: bool = False  # HTTP and CLI carry it inside `size` ("WIDTHxHEIGHT")
@@ -61,6 +61,13 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
         "the step cache's threshold for this request, on a server started with a cache (--cache): higher skips "
         "more steps (default: the server's)",
         "--cache-threshold",  # `vllm-omni generate`: the same flag sets the engine's
+    ),
+    RequestField(
+        "lora",
+        dict,
+        'a served LoRA adapter: {"name": NAME, "scale": 1.0} (scale optional; or the adapter\'s name as `model`); '
+        "the CLI takes its name",
+        "--lora",
     ),
     RequestField(
         "num_frames",

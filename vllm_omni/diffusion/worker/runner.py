@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import json
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -28,12 +29,12 @@ import torch
 
 from vllm_omni.diffusion.config import StepCacheConfig
 from vllm_omni.diffusion.distributed.comm import SourceFailed, broadcast_tensors
-from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
+from vllm_omni.diffusion.distributed.parallel_state import every_rank, get_parallel_state, same_on_every_rank
 from vllm_omni.diffusion.executor.protocol import RunPhase
 from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, attention_heads, undeclared_denoisers
 from vllm_omni.diffusion.models.registry import PipelineSpec
-from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.diffusion.request import DiffusionRequest, LoraRequest, RequestError
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, swap_prompts
 from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks, simulated_graphs_from_env
 from vllm_omni.diffusion.worker.forward_chain import (
@@ -44,6 +45,7 @@ from vllm_omni.diffusion.worker.forward_chain import (
     reset_step_cache,
     sharded_graphs,
 )
+from vllm_omni.diffusion.worker.lora import LoraAdapters
 from vllm_omni.diffusion.worker.memory_guard import GroupOutOfMemory, is_out_of_memory
 from vllm_omni.diffusion.worker.offload import apply_offload
 from vllm_omni.diffusion.worker.quantization import quantize_denoisers, stored_bytes
@@ -89,6 +91,7 @@ class PipelineRunner:
         cache: StepCacheConfig | None = None,
         cpu_offload: str = "none",
         resident_blocks: Mapping[str, int] | None = None,
+        loras: tuple[int, int] | None = None,
     ) -> None:
         self.spec = spec
         self.device = device
@@ -162,6 +165,8 @@ class PipelineRunner:
             vae_parallel,
             on_tile=lambda tile: self._on_decode_tile is not None and self._on_decode_tile(tile),
         )
+        # LoRA adapters merged into the denoisers per request (lora.py); `loras`: (max_loras, max_cpu_loras).
+        self.adapters = LoraAdapters(self.pipe, self.denoisers, device, *loras) if loras is not None else None
         # Last: its hooks go outside every wrapper. `resident_blocks`: the memory plan's (layerwise).
         apply_offload(self.pipe, cpu_offload, device, self.denoisers, resident_blocks)
 
@@ -213,6 +218,7 @@ class PipelineRunner:
             request = dataclasses.replace(
                 request, images=[decode_image(image, name) for image, name in zip(request.images, names)]
             )
+        self._activate_adapter(request.lora)
         kwargs = self._call_kwargs(request)
         # CPU generators on every rank: identical latents everywhere, on any device. A batch has one per
         # row, so a request's latents (and image) do not depend on what it was batched with.
@@ -270,6 +276,34 @@ class PipelineRunner:
             return array
         # Pictures and files need only uint8: a 121-frame video crosses the worker pipe at a quarter the size.
         return (array.clip(0, 1) * 255).round().astype(np.uint8)
+
+    def _activate_adapter(self, lora: LoraRequest | None) -> None:
+        """Merge the request's adapter (None: none) on this rank, then agree with every other rank that each one
+        runs this request with the same adapter at the same scale: a rank that could not read it, or merged
+        another, fails the request on every rank here, before any step (the whole group, SP and CFG ranks alike,
+        reaches this point for every request)."""
+        if self.adapters is None:
+            if lora is not None:
+                raise RequestError("this engine serves no LoRA adapters", "lora")
+            return
+        error: Exception | None = None
+        try:
+            self.adapters.activate(lora)
+        except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+            error = exc
+            logger.warning("LoRA adapter %r failed on this rank: %s: %s", lora and lora.name, type(exc).__name__, exc)
+        state = get_parallel_state()
+        if state is None or state.world_size == 1:
+            if error is not None:
+                raise RequestError(f"adapter {lora.name!r}: {error}", "lora") from error
+            return
+        merged = self.adapters.merged
+        fingerprint = zlib.crc32(repr(None if merged is None else (merged.name, merged.path, merged.scale)).encode())
+        if not every_rank(error is None) or not same_on_every_rank(fingerprint):
+            reason = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
+            raise RequestError(
+                f"adapter {lora.name if lora else None!r} is not the same on every rank: {reason}", "lora"
+            )
 
     def _call_kwargs(self, request: DiffusionRequest) -> dict[str, Any]:
         """The family's call arguments; for a batch, each row's prompts as lists (the rest is shared:

@@ -165,6 +165,9 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
         cache=config.cache,
         cpu_offload=config.cpu_offload,
         resident_blocks=plan.resident_blocks() if plan is not None else None,
+        loras=(config.max_loras, config.max_cpu_loras or config.max_loras)
+        if config.lora_modules or config.allow_runtime_lora
+        else None,
     )
     for name, heads in runner.attention_heads.items():  # the engine checked the configs; these are the models
         if heads % parallel.ulysses_degree:

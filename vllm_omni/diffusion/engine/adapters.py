@@ -1,0 +1,172 @@
+"""The served LoRA adapters: name -> file, each checked when it is loaded, and a request's `lora` resolved.
+
+An adapter is checked once, in the engine's process, before any request uses it (at start for
+`--lora-modules`, at `load_lora_adapter` for one added at run time): read with the family
+pipeline's own diffusers loader (`lora_state_dict`: diffusers' formats and its kohya / ComfyUI key
+converters), every key must adapt a linear weight of a denoiser this checkpoint has (read from the
+checkpoint's safetensors headers: no weight is loaded), with A and B of that linear's shape, at a
+rank of at most `max_lora_rank`. diffusers only warns about keys that match nothing; here the
+adapter is refused naming the first one (a silent no-op adapter is the worst outcome). The workers
+read the same file when a request first needs it (worker/lora.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vllm_omni.diffusion.request import LoraRequest, RequestError
+from vllm_omni.diffusion.worker.memory_plan import header_tensors
+
+
+class LoraNotFound(RequestError):
+    """A request named an adapter that is not served (HTTP: 404, as vLLM answers an unknown model)."""
+
+
+class LoraRegistry:
+    def __init__(
+        self,
+        diffusers_class: str,
+        model_path: Path,
+        denoisers: list[str],
+        max_lora_rank: int,
+        modules: Mapping[str, str] | None = None,
+    ) -> None:
+        import diffusers
+
+        self.pipeline_class = getattr(diffusers, diffusers_class)
+        self.diffusers_class = diffusers_class
+        self.model_path = Path(model_path)
+        self.denoisers = denoisers
+        self.max_lora_rank = max_lora_rank
+        self.adapters: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._weights: dict[str, tuple[int, ...]] | None = None
+        for name, path in (modules or {}).items():
+            try:
+                self.load(name, path)
+            except RequestError as exc:
+                raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
+
+    @property
+    def supported(self) -> bool:
+        return hasattr(self.pipeline_class, "lora_state_dict")
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self.adapters)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """'<module path>.weight' -> shape, of the denoiser's 2-D weights (the first denoiser's: Wan2.2's experts
+        have the same layers)."""
+        if self._weights is None:
+            shapes = {}
+            for file in sorted((self.model_path / self.denoisers[0]).glob("*.safetensors")):
+                shapes |= {name: shape for name, (_, shape) in header_tensors(file).items() if len(shape) == 2}
+            self._weights = shapes
+        return self._weights
+
+    def check(self, name: str, path: str) -> None:
+        """Refuse an adapter that cannot serve here (RequestError naming `lora_path`), before any worker reads it."""
+        if not self.supported:
+            raise RequestError(
+                f"{self.diffusers_class} has no diffusers LoRA loader: adapters cannot be served", "lora"
+            )
+        if not Path(path).exists():
+            raise RequestError(f"adapter {name!r}: {path} does not exist", "lora_path")
+        try:
+            state = self.pipeline_class.lora_state_dict(path)
+        except Exception as exc:  # noqa: BLE001 - a file diffusers cannot read, whatever it raised
+            raise RequestError(
+                f"adapter {name!r}: {path} is not a LoRA diffusers can read: {exc}", "lora_path"
+            ) from None
+        if isinstance(state, tuple):
+            state = state[0]
+        if not state:
+            raise RequestError(f"adapter {name!r}: {path} holds no LoRA weights", "lora_path")
+        shapes = self.weight_shapes()
+        for key, tensor in sorted(state.items()):
+            prefix, _, rest = key.partition(".")
+            module, kind, _ = rest.partition(".lora_")
+            if prefix != "transformer" or kind == "" or f"{module}.weight" not in shapes:
+                raise RequestError(
+                    f"adapter {name!r} ({path}) does not fit {self.diffusers_class}: its key {key!r} matches no "
+                    "linear layer of the denoiser (an adapter for another model?)",
+                    "lora_path",
+                )
+            out_features, in_features = shapes[f"{module}.weight"]
+            if key.endswith("lora_A.weight"):
+                rank, width = tensor.shape[0], tensor.shape[-1]
+                if width != in_features:
+                    raise RequestError(
+                        f"adapter {name!r}: {key} takes {width} inputs, the layer {in_features} (another model size?)",
+                        "lora_path",
+                    )
+                if rank > self.max_lora_rank:
+                    raise RequestError(
+                        f"adapter {name!r}: rank {rank} at {key} is above --max-lora-rank {self.max_lora_rank}",
+                        "lora_path",
+                    )
+            elif key.endswith("lora_B.weight") and tensor.shape[0] != out_features:
+                raise RequestError(
+                    f"adapter {name!r}: {key} gives {tensor.shape[0]} outputs, the layer {out_features} (another "
+                    "model size?)",
+                    "lora_path",
+                )
+
+    def load(self, name: str, path: str) -> None:
+        """Serve `path` as `name` (checked first); a name already served is refused."""
+        if not isinstance(name, str) or not name.strip():
+            raise RequestError("lora_name must be a non-empty string", "lora_name")
+        if not isinstance(path, str) or not path.strip():
+            raise RequestError("lora_path must be a path to a LoRA folder or .safetensors file", "lora_path")
+        with self._lock:
+            if name in self.adapters:
+                raise RequestError(f"adapter {name!r} is already loaded (from {self.adapters[name]})", "lora_name")
+        self.check(name, path)
+        with self._lock:
+            self.adapters[name] = str(Path(path).resolve())
+
+    def unload(self, name: str) -> None:
+        """Stop serving `name`: a request naming it from now on gets LoraNotFound; requests already accepted
+        with it still run with it (they carry its file)."""
+        with self._lock:
+            if self.adapters.pop(name, None) is None:
+                raise LoraNotFound(f"adapter {name!r} is not loaded", "lora_name")
+
+    def resolve(self, lora: Any) -> LoraRequest | None:
+        """A request's `lora` (a served adapter's name, or {"name", "scale"}; offline also {"name", "path",
+        "scale"}) as a LoraRequest; RequestError naming `lora` otherwise, LoraNotFound for an unknown name."""
+        if lora is None:
+            return None
+        if not self.supported:
+            raise RequestError(f"{self.diffusers_class} has no diffusers LoRA loader: it serves no adapters", "lora")
+        if isinstance(lora, LoraRequest):
+            return lora
+        if isinstance(lora, str):
+            lora = {"name": lora}
+        if not isinstance(lora, dict):
+            raise RequestError(f'lora must be an adapter name or {{"name": ..., "scale": ...}}, got {lora!r}', "lora")
+        unknown = sorted(set(lora) - {"name", "scale", "path"})
+        if unknown:
+            raise RequestError(f"lora takes name, scale (and offline path), not {', '.join(unknown)}", "lora")
+        name, scale, path = lora.get("name"), lora.get("scale", 1.0), lora.get("path")
+        if not isinstance(name, str) or not name:
+            raise RequestError("lora.name must be the name of a served adapter", "lora")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -100 <= scale <= 100:
+            raise RequestError(f"lora.scale must be a number in [-100, 100], got {scale!r}", "lora")
+        if path is not None:  # offline: an adapter not served yet, checked like one loaded at run time
+            with self._lock:
+                known = self.adapters.get(name)
+            if known is None:
+                self.load(name, path)
+            elif known != str(Path(path).resolve()):
+                raise RequestError(f"adapter {name!r} is served from {known}, not {path}", "lora")
+        with self._lock:
+            served = self.adapters.get(name)
+        if served is None:
+            names = ", ".join(sorted(self.adapters)) or "none"
+            raise LoraNotFound(f"adapter {name!r} is not served here (adapters: {names})", "lora")
+        return LoraRequest(name, served, float(scale))
