@@ -2,7 +2,7 @@
 leaks at one step (`InjectedFault`).
 
 Off unless the env var VLLM_OMNI_TEST_FAULT is set; the worker (worker._serve) reads it once per
-rank and calls `trigger` at each denoising step, decode tile, encode token and prompt encoding.
+rank and calls `trigger` at each denoising step, decode tile, encode token, prompt encoding and adapter merge.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ logger = init_logger(__name__)
 
 TEST_FAULT_ENV = "VLLM_OMNI_TEST_FAULT"
 KINDS = ("hang", "raise", "pause", "oom", "leak")
-PHASES = ("step", "decode", "encode", "text")
+PHASES = ("step", "decode", "encode", "text", "lora")
 LEAK_BYTES = 64 * 1024
 _LEAKED: list = []  # what "leak" faults keep, for the process's life
 
@@ -38,7 +38,8 @@ class InjectedFault:
     process's life and goes on. With "phase": "decode", "step" is a tile of the split VAE decode;
     with "encode", a token of a family's encode stage (GLM-Image's AR), on the rank that runs it;
     with "text" (step 0), the start of the prompt encoding on the rank that encodes it once for its
-    SP group (the runner's text-once path). A JSON list sets several faults. The deadline and memory
+    SP group (the runner's text-once path); with "lora" (step 0), as the rank merges the request's adapter.
+    A JSON list sets several faults. The deadline and memory
     tests (tests/diffusion/test_worker_deadlines.py, tests/entrypoints/test_serve_lifetime.py,
     tests/entrypoints/test_omni_memory.py) use it.
     """
@@ -47,7 +48,7 @@ class InjectedFault:
     rank: int
     step: int
     prompt: str | None = None
-    phase: str = "step"  # "decode": a tile of a split VAE decode; "encode": a token of an encode stage; "text"
+    phase: str = "step"  # "decode": a tile of a split VAE decode; "encode": a token of an encode stage; "text", "lora"
 
     @classmethod
     def from_env(cls) -> list[InjectedFault]:

@@ -201,14 +201,16 @@ class PipelineRunner:
         on_decode_tile: Callable[[int], None] | None = None,
         on_encode_progress: Callable[[int, int], None] | None = None,
         on_text_encode: Callable[[], None] | None = None,
+        on_adapter: Callable[[], None] | None = None,
     ) -> np.ndarray:
         """Run one request; `on_step_end(step)` is called after every denoising step and may raise to stop.
 
         `on_decode_tile(tile)`, likewise, at every tile of a split VAE decode, on every rank;
         `on_encode_progress(done, total)` as a family's long encode stage advances (GLM-Image's AR
         tokens), on the rank that runs it (the SP group's rank 0), and may raise to stop it;
-        `on_text_encode()` as that rank starts encoding the prompts once for its group (the worker's
-        test faults; what it raises reaches the group as an encoding failure).
+        `on_text_encode()` as that rank starts encoding the prompts once for its group, and `on_adapter()` as a
+        rank merges the request's LoRA adapter (the worker's test faults; what they raise reaches the group as
+        an encoding failure, or a failed adapter).
 
         Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np".
         """
@@ -218,7 +220,7 @@ class PipelineRunner:
             request = dataclasses.replace(
                 request, images=[decode_image(image, name) for image, name in zip(request.images, names)]
             )
-        self._activate_adapter(request.lora)
+        self._activate_adapter(request.lora, on_adapter)
         kwargs = self._call_kwargs(request)
         # CPU generators on every rank: identical latents everywhere, on any device. A batch has one per
         # row, so a request's latents (and image) do not depend on what it was batched with.
@@ -277,7 +279,7 @@ class PipelineRunner:
         # Pictures and files need only uint8: a 121-frame video crosses the worker pipe at a quarter the size.
         return (array.clip(0, 1) * 255).round().astype(np.uint8)
 
-    def _activate_adapter(self, lora: LoraRequest | None) -> None:
+    def _activate_adapter(self, lora: LoraRequest | None, on_start: Callable[[], None] | None = None) -> None:
         """Merge the request's adapter (None: none) on this rank, then agree with every other rank that each one
         runs this request with the same adapter at the same scale: a rank that could not read it, or merged
         another, fails the request on every rank here, before any step (the whole group, SP and CFG ranks alike,
@@ -288,6 +290,8 @@ class PipelineRunner:
             return
         error: Exception | None = None
         try:
+            if on_start is not None and lora is not None:
+                on_start()
             self.adapters.activate(lora)
         except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
             error = exc
@@ -295,15 +299,14 @@ class PipelineRunner:
         state = get_parallel_state()
         if state is None or state.world_size == 1:
             if error is not None:
-                raise RequestError(f"adapter {lora.name!r}: {error}", "lora") from error
+                raise RuntimeError(f"adapter {lora.name!r} could not be merged: {error}") from error
             return
         merged = self.adapters.merged
         fingerprint = zlib.crc32(repr(None if merged is None else (merged.name, merged.path, merged.scale)).encode())
         if not every_rank(error is None) or not same_on_every_rank(fingerprint):
             reason = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
-            raise RequestError(
-                f"adapter {lora.name if lora else None!r} is not the same on every rank: {reason}", "lora"
-            )
+            name = lora.name if lora is not None else None
+            raise RuntimeError(f"adapter {name!r} is not the same on every rank: {reason}")
 
     def _call_kwargs(self, request: DiffusionRequest) -> dict[str, Any]:
         """The family's call arguments; for a batch, each row's prompts as lists (the rest is shared:

@@ -253,11 +253,15 @@ def _serve_request(
         for fault in faults:
             fault.trigger(rank, 0, request, "text", cancelled)
 
+    def on_adapter() -> None:
+        for fault in faults:
+            fault.trigger(rank, 0, request, "lora", cancelled)
+
     start = time.perf_counter()
     failure: Failed | None = None
     try:
         try:
-            images = runner.run(request, on_step_end, on_decode_tile, on_encode_progress, on_text_encode)
+            images = runner.run(request, on_step_end, on_decode_tile, on_encode_progress, on_text_encode, on_adapter)
         finally:
             # Before the request's last report: the executor stops reading once every rank answered.
             while runner.graph_capture_failures:
