@@ -104,8 +104,8 @@ def test_offload_modes_hold_one_component_or_two_of_its_blocks():
     denoiser = ComponentWeights("transformer", 40, (9, 9, 9, 9), largest_layer=2)
     vae = ComponentWeights("vae", 1, largest_layer=1)
 
-    def plan(offload: str, free: int = 100) -> MemoryPlan:
-        return MemoryPlan((text, denoiser, vae), frozenset({"transformer"}), 5, offload, 100, free, 0.5)
+    def plan(offload: str, free: int = 100, decode: int = 0) -> MemoryPlan:
+        return MemoryPlan((text, denoiser, vae), frozenset({"transformer"}), 5, offload, 100, free, 0.5, decode)
 
     assert plan("none").need == 16 + 40 + 1 + 5
     assert plan("model").need == 40 + 5  # the denoiser and its step; the text encoder has left by then
@@ -119,6 +119,9 @@ def test_offload_modes_hold_one_component_or_two_of_its_blocks():
     assert plan("layerwise").resident_blocks() == {"transformer": 2} and plan("layerwise").need == 27 + 18
     assert plan("layerwise", free=42).resident_blocks() == {"transformer": 1}  # 37 - 27 = 10 spare: one block of 9
     assert plan("layerwise", free=30).resident_blocks() == {"transformer": 0} and plan("model").resident_blocks() == {}
+    # The resident blocks stay through the VAE decode: an untiled decode of 35 (more than the streamed step's 27)
+    # leaves 45 - 35 = 10, one block.
+    assert plan("layerwise", decode=35).resident_blocks() == {"transformer": 1}
 
 
 def test_a_deploy_too_large_for_the_device_is_refused_at_start_naming_the_numbers(monkeypatch):

@@ -16,7 +16,8 @@ them under Ulysses). What is on the GPU at once depends on `--cpu-offload`:
 
 The budget is `gpu_memory_utilization` of the device, and no more than is free when the rank
 starts. A plan that does not fit refuses the deploy, saying by how much and which settings fit.
-The VAE decode is not planned (a tiled decode's peak is set by its tiles; docs/serving.md).
+The VAE decode is planned only where its untiled peak was measured (Qwen-Image's VAE), and only for what
+layerwise offload keeps resident through it (a tiled decode's peak is set by its tiles; docs/serving.md).
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ from typing import Any
 # Bytes of activations per token, per unit of model width and per byte of dtype, that one block of a
 # denoiser keeps alive at its peak: q, k, v and the attention output (and their all-to-all copies), the
 # MLP's 4x-wide hidden before and after its activation, the residual stream and its modulated copy.
-# Measured on an H200 (benchmarks/offload.py prints the plan beside the measured peak).
+# Measured on an H200.
 STEP_BYTES_PER_TOKEN_WIDTH = 20
 # The share of the budget that resident blocks leave free under layerwise offload, for what the plan does not
 # count: the VAE decode, a third block still in flight on the prefetch stream, the allocator's fragmentation.
 # Measured on an H200 with Qwen-Image within 24 GiB: 34 resident blocks left 0.3 GiB, and the decode ran out.
 RESIDENT_HEADROOM = 0.1
+# An untiled VAE decode's peak activations per output pixel, in bfloat16, by the VAE's class (vae/config.json):
+# Qwen-Image's at 1024x1024 and 1328x1328, benchmarks/results/vae_decode.json (4.14 and 6.96 GiB). Resident
+# blocks stay on the GPU through the decode, so under layerwise offload they leave room for it. Others unmeasured.
+UNTILED_DECODE_BYTES_PER_PIXEL = {"AutoencoderKLQwenImage": 4240}
 DEFAULT_TEXT_TOKENS = 512
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2}
@@ -76,6 +81,7 @@ class MemoryPlan:
     device_total: int
     device_free: int
     utilization: float
+    decode_bytes: int = 0  # the untiled VAE decode's activations at the largest admitted image (0: not measured)
 
     @property
     def budget(self) -> int:
@@ -99,7 +105,8 @@ class MemoryPlan:
         leaves of the budget (the first denoiser first; Wan2.2's second expert gets what remains)."""
         if self.offload != "layerwise":
             return {}
-        spare = int(self.budget * (1 - RESIDENT_HEADROOM)) - self._peak()[0]
+        # The decode runs with the resident blocks still on the GPU: they leave room for it too.
+        spare = int(self.budget * (1 - RESIDENT_HEADROOM)) - max(self._peak()[0], self.decode_bytes)
         kept = {}
         for component in self.components:
             if component.name not in self.denoisers or len(component.blocks) <= 2:
@@ -206,6 +213,7 @@ def plan_for_checkpoint(
     device_total: int,
     device_free: int,
     utilization: float,
+    pixels: int = 0,
 ) -> MemoryPlan:
     """The plan of a rank that loads `components` of the checkpoint at `path` (see the module doc)."""
     denoisers = frozenset(denoisers)
@@ -219,7 +227,10 @@ def plan_for_checkpoint(
         for name in components
         if name in denoisers
     ]
-    return MemoryPlan(weights, denoisers, max(steps, default=0), offload, device_total, device_free, utilization)
+    vae = _config(path / "vae").get("_class_name", "") if "vae" in components else ""
+    decode = int(pixels * UNTILED_DECODE_BYTES_PER_PIXEL.get(vae, 0) * dtype_bytes / 2)
+    steps_peak = max(steps, default=0)
+    return MemoryPlan(weights, denoisers, steps_peak, offload, device_total, device_free, utilization, decode)
 
 
 def _config(folder: Path) -> dict[str, Any]:
@@ -292,6 +303,7 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
             device_total=memory[0],
             device_free=memory[1],
             utilization=config.gpu_memory_utilization,
+            pixels=tokens * spec.token_side**2 if spec.modality == "image" else 0,
         )
 
     chosen = plan()
