@@ -135,6 +135,8 @@ class LoraAdapters:
         """Merge `lora` (None: the base model) into the denoisers, undoing the adapter merged before."""
         if lora == self.merged:
             return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the last request's kernels are not the switch's time
         start = time.perf_counter()
         factors = self.factors(lora) if lora is not None else {}
         previous, self.merged = self.merged, None  # if this fails half-way, the originals are restored below
