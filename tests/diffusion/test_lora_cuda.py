@@ -19,7 +19,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _run(runner: PipelineRunner, lora: LoraRequest | None) -> np.ndarray:
     request = DiffusionRequest(
-        "r", "a paper boat", height=64, width=96, num_inference_steps=2, seed=4, lora=lora, output_type="np"
+        "r",
+        "a paper boat",
+        height=64,
+        width=96,
+        num_inference_steps=2,
+        seed=4,
+        lora=lora,
+        output_type="np",
+        true_cfg_scale=1.0,
     )
     return runner.run(request, lambda step: None)
 

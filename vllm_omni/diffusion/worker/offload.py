@@ -25,6 +25,9 @@ from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 GROUP_OFFLOADING = "group_offloading"  # the name diffusers registers a block's group offloading hook under
+# With streams, diffusers also puts a tracker on every offloaded group (its lazy prefetch learns the order from
+# them at the first forward, then links each group's hook to the next): a resident block loses both.
+LAYER_EXECUTION_TRACKER = "layer_execution_tracker"
 
 
 def apply_offload(
@@ -57,7 +60,10 @@ def apply_offload(
             for block in kept:
                 # Its group's hook removed before any forward, the prefetch order (traced at the first forward)
                 # never includes it: it stays where it is moved, and no other group waits for it.
-                HookRegistry.check_if_exists_or_initialize(block).remove_hook(GROUP_OFFLOADING, recurse=False)
+                registry = HookRegistry.check_if_exists_or_initialize(block)
+                for hook in (GROUP_OFFLOADING, LAYER_EXECUTION_TRACKER):
+                    if registry.get_hook(hook) is not None:
+                        registry.remove_hook(hook, recurse=False)
                 block.to(device)
             if kept:
                 logger.info("CPU offload layerwise: %d of %s's blocks stay on %s", len(kept), name, device)
