@@ -58,6 +58,11 @@ class LoraRegistry:
         with self._lock:
             return sorted(self.adapters)
 
+    def served(self) -> dict[str, str]:
+        """Name -> resolved path of each served adapter, by name (GET /v1/models lists them)."""
+        with self._lock:
+            return dict(sorted(self.adapters.items()))
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """'<module path>.weight' -> shape, of the denoiser's 2-D weights (the first denoiser's: Wan2.2's experts
         have the same layers)."""

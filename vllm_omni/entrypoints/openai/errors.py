@@ -3,10 +3,10 @@
 `ApiError` is what the routes raise (routes/bodies.py for bodies that are late, cut short, too
 large or unparsable); `install_error_handlers` makes the app answer everything else in the same
 shape too: the scheduler's refusals (503, 429 with Retry-After), bad input found by the engine
-(`RequestError`, 400 with its `param`), pydantic's validation errors, Starlette's own 404 / 405,
-a client gone mid-body (one log line), and unexpected exceptions (500, one line; the traceback
-goes to the log). `job_error` maps a failed or cancelled job to its answer (a request that ran out
-of device memory: 507, code "out_of_memory").
+(`RequestError`, 400 with its `param`; an adapter not served, `LoraNotFound`, 404), pydantic's
+validation errors, Starlette's own 404 / 405, a client gone mid-body (one log line), and
+unexpected exceptions (500, one line; the traceback goes to the log). `job_error` maps a failed or
+cancelled job to its answer (a request that ran out of device memory: 507, code "out_of_memory").
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from vllm_omni.diffusion.engine.adapters import LoraNotFound
 from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME
 from vllm_omni.diffusion.engine.scheduler import InternalError, JobError, QueueFull, Unavailable, one_line
 from vllm_omni.diffusion.request import RequestError
@@ -62,8 +63,11 @@ class ApiError(Exception):
 
 
 def request_error(exc: RequestError, size: str | None = None) -> ApiError:
-    """The engine's RequestError as a 400; height and width travel in `size` over HTTP."""
+    """The engine's RequestError as a 400; height and width travel in `size` over HTTP. An adapter that is not
+    served is a 404 with code "model_not_found" (vLLM's answer for a model it does not serve)."""
     param, message = exc.param, str(exc)
+    if isinstance(exc, LoraNotFound):
+        return ApiError(404, message, param=param, code="model_not_found")
     if param in FIELDS_BY_NAME and FIELDS_BY_NAME[param].in_size:
         param = "size"
         if size is not None:

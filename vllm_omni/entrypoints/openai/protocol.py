@@ -6,12 +6,13 @@ The image generation body is JSON; the edit body is the same fields as multipart
 sampling fields come from the one declaration in diffusion/engine/request_fields.py. Responses follow
 OpenAI's schemas (images: `created`, `data[].b64_json`; chat: `choices[].message.content`, here
 a list of image parts; videos: the `video` job object, its list and its deletion) and add the
-seed used and the real output size. Used by the routes, the error handlers (errors.py) and the
-one-shot CLI (cli/generate.py, for `parse_size`).
+seed used and the real output size; also the model list and the LoRA load/unload bodies (vLLM's).
+Used by the routes, the error handlers (errors.py) and the one-shot CLI (cli/generate.py, for `parse_size`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -26,6 +27,8 @@ _SIZE = re.compile(r"^\s*(-?[0-9]+)\s*[xX]\s*(-?[0-9]+)\s*$")
 _NUMERIC_FIELDS = frozenset(
     {f.name for f in SAMPLING_FIELDS if f.type in (int, float)} | {"output_compression", "seconds"}
 )
+# Object fields (`lora`): a form (edits, multipart videos) carries them as JSON text.
+_OBJECT_FIELDS = frozenset(f.name for f in SAMPLING_FIELDS if f.type is dict)
 
 
 def parse_size(size: str, max_side: int) -> tuple[int, int]:
@@ -52,6 +55,11 @@ class _StrictBody(BaseModel):
     def _booleans_are_not_numbers(cls, value: Any, info: Any) -> Any:
         if isinstance(value, bool) and info.field_name in _NUMERIC_FIELDS:
             raise ValueError(f"expected a number, got {str(value).lower()}")
+        if isinstance(value, str) and info.field_name in _OBJECT_FIELDS and value.lstrip().startswith("{"):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError("expected a JSON object") from None
         return value
 
 
@@ -335,6 +343,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "vllm-omni"
     root: str  # the model as given on the command line
+    parent: str | None = None  # a base model has none (vLLM's field; an adapter's card names its base)
     task: str | None = None  # "generate" or "edit", once the model folder is resolved
     ready: bool
     parallel_config: dict[str, Any]  # the effective one: deploy YAML with the flags applied
@@ -345,6 +354,33 @@ class ModelCard(BaseModel):
     cache: dict[str, Any] | None = None  # StepCacheConfig: policy, threshold; None: no step cache
 
 
+class AdapterCard(BaseModel):
+    """A served LoRA adapter, listed as a model of its own (vLLM's shape): requests name it as `model`."""
+
+    id: str  # the adapter's name
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "vllm-omni"
+    root: str  # the adapter's file or folder
+    parent: str  # the base model's id
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[ModelCard]
+    data: list[ModelCard | AdapterCard]
+
+
+class LoadLoraAdapterRequest(_StrictBody):
+    """POST /v1/load_lora_adapter (vLLM's body): serve the adapter at `lora_path` (on the server's machine) as
+    `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_StrictBody):
+    """POST /v1/unload_lora_adapter (vLLM's body): stop serving `lora_name`."""
+
+    lora_name: str
+    lora_path: str | None = None  # accepted and ignored (clients send the load body back)
+    lora_int_id: int | None = None  # vLLM's; accepted and ignored

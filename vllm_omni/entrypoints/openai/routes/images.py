@@ -43,7 +43,7 @@ from vllm_omni.entrypoints.openai.routes.bodies import (
     read_json_object,
     unread,
 )
-from vllm_omni.entrypoints.openai.routes.models import check_model
+from vllm_omni.entrypoints.openai.routes.models import adapter_error, check_model
 
 router = APIRouter()
 
@@ -111,10 +111,12 @@ async def _answer(http: Request, body: ImageGenerationRequest | ImageEditRequest
 
 def image_params(http: Request, body: Any, prompt: str, images: list[bytes] | None) -> GenerationParams:
     """The request's GenerationParams: the declared sampling fields `body` has (width and height in its `size`,
-    or apart where the body declares them: chat), the deploy's defaults filled in; a 400 naming `model` or `size`."""
+    or apart where the body declares them: chat; the adapter in `lora` or named by `model`), the deploy's defaults
+    filled in; a 400 naming `model`, `lora` or `size`."""
     settings = http.app.state.settings
-    check_model(http, body.model, "image")
+    lora = check_model(http, body.model, "image", body.lora)
     given = {f.name: getattr(body, f.name, None) for f in SAMPLING_FIELDS if not f.video_only}
+    given["lora"] = lora
     size = body.size
     auto = size is not None and size.strip().lower() == "auto"
     if size is not None:
@@ -138,7 +140,7 @@ async def submit_image_job(http: Request, params: GenerationParams, bad_input: B
     try:
         return await http.app.state.scheduler.submit(params, id_prefix="img")
     except RequestError as exc:
-        raise bad_input(exc) from None
+        raise bad_input(adapter_error(exc, params)) from None
     except (Unavailable, QueueFull, InternalError) as exc:
         raise scheduler_error(exc) from None
 

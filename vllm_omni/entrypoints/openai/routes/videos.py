@@ -50,7 +50,7 @@ from vllm_omni.entrypoints.openai.routes.bodies import (
     read_json_object,
     unread,
 )
-from vllm_omni.entrypoints.openai.routes.models import check_model
+from vllm_omni.entrypoints.openai.routes.models import adapter_error, check_model
 from vllm_omni.entrypoints.openai.video_store import VideoRecord, VideoStore
 
 router = APIRouter()
@@ -69,12 +69,12 @@ async def create(http: Request) -> JSONResponse:
     # request takes a queue place in `submit`, so a silent upload holds none.
     fields, reference = await _read_create_body(http)
     body = parse_fields(VideoCreateRequest, fields)
-    check_model(http, body.model, "video")
-    params, seconds = _params(http, body, reference)
+    lora = check_model(http, body.model, "video", body.lora)
+    params, seconds = _params(http, body, reference, lora)
     try:
         job = await scheduler.submit(params, id_prefix="video")
     except RequestError as exc:
-        raise _request_error(exc, body.size, seconds) from None
+        raise _request_error(adapter_error(exc, params), body.size, seconds) from None
     except (Unavailable, QueueFull, InternalError) as exc:
         raise scheduler_error(exc) from None
     settings = http.app.state.settings
@@ -274,9 +274,11 @@ def _frames_for(seconds: float, fps: int, multiple: int, max_frames: int) -> int
     return min(k, (max_frames - 1) // multiple) * multiple + 1
 
 
-def _params(http: Request, body: VideoCreateRequest, reference: bytes | None) -> tuple[GenerationParams, float | None]:
-    """The request's GenerationParams (the deploy's defaults filled in), and its length in seconds where
-    that decided the frame count (None: num_frames did)."""
+def _params(
+    http: Request, body: VideoCreateRequest, reference: bytes | None, lora: str | dict | None
+) -> tuple[GenerationParams, float | None]:
+    """The request's GenerationParams (the deploy's defaults filled in; `lora` as `check_model` read it), and its
+    length in seconds where that decided the frame count (None: num_frames did)."""
     settings = http.app.state.settings
     limits = settings.engine.limits
     spec = http.app.state.scheduler.engine.spec
@@ -313,7 +315,7 @@ def _params(http: Request, body: VideoCreateRequest, reference: bytes | None) ->
         num_frames = _frames_for(seconds, fps, spec.frame_multiple, limits.max_frames)
     given: dict[str, Any] = {f.name: getattr(body, f.name, None) for f in SAMPLING_FIELDS if not f.in_size}
     given.pop("n")
-    given.update(height=height, width=width, num_frames=num_frames, fps=fps)
+    given.update(height=height, width=width, num_frames=num_frames, fps=fps, lora=lora)
     values = apply_sampling_defaults(given, defaults)
     params = GenerationParams(prompt=body.prompt, image=reference, output_type="uint8", **values)
     return params, seconds
