@@ -18,7 +18,7 @@ import pytest
 
 from vllm_omni import Omni
 from vllm_omni.diffusion.engine.batching import batch_key
-from vllm_omni.diffusion.request import GenerationParams
+from vllm_omni.diffusion.request import GenerationParams, LoraRequest
 
 PROMPTS = ["a cat", "a red bicycle leaning against a blue wall in the rain, photographed at dusk", "two dogs"]
 NEGATIVES = ["blurry", "low quality, watermark, oversaturated colours", "blurry"]
@@ -84,6 +84,13 @@ def test_requests_that_cannot_share_a_forward_have_different_or_no_batch_keys(en
     ):
         assert batch_key(engine.preprocess(GenerationParams("a", **{**base, **change})), engine.spec) != key
     assert batch_key(engine.preprocess(GenerationParams("a", n=2, **base)), engine.spec) is None
+    # LoRA: only requests with the same adapter at the same scale share a forward (its weights are merged per call).
+    request = engine.preprocess(GenerationParams("a", **base))
+    loras = [LoraRequest("a", "/adapters/a"), LoraRequest("a", "/adapters/a", 0.5), LoraRequest("b", "/adapters/b")]
+    keys = [batch_key(dataclasses.replace(request, lora=lora), engine.spec) for lora in [None, *loras]]
+    assert len(set(keys)) == 4
+    other = engine.preprocess(GenerationParams("other prompt", seed=9, **base))
+    assert batch_key(dataclasses.replace(other, lora=LoraRequest("a", "/adapters/a")), engine.spec) == keys[1]
     with pytest.raises(ValueError, match="cannot share"):
         engine.step_batch(
             [

@@ -251,6 +251,8 @@ class OmniDiffusionConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.lora_modules is not None:
+            if isinstance(self.lora_modules, str):  # one NAME=PATH
+                self.lora_modules = [self.lora_modules]
             if isinstance(self.lora_modules, (list, tuple)):  # the flag's and a YAML list's name=path items
                 self.lora_modules = dict(parse_lora_module(item) for item in self.lora_modules)
             if not isinstance(self.lora_modules, dict) or not all(

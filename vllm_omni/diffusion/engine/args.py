@@ -394,8 +394,9 @@ class EngineArgs:
             object.__setattr__(self, "warmup_size", tuple(self.warmup_size))
         if isinstance(self.lora_modules, dict):  # YAML's mapping; hashable like the flag's list
             object.__setattr__(self, "lora_modules", tuple(f"{k}={v}" for k, v in self.lora_modules.items()))
-        elif isinstance(self.lora_modules, list):
-            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        elif isinstance(self.lora_modules, (list, str)):
+            items = [self.lora_modules] if isinstance(self.lora_modules, str) else self.lora_modules
+            object.__setattr__(self, "lora_modules", tuple(items))
 
     # ---- the options ---------------------------------------------------------------------------
 
