@@ -9,6 +9,8 @@ against what the runner really loads, and a deploy too large for a (simulated) d
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -92,6 +94,10 @@ def test_the_plans_weights_are_what_the_runner_loads(path, reference):
     assert abs(plan.weights - runner.weight_bytes) <= 1e-4 * runner.weight_bytes, (plan.weights, runner.weight_bytes)
     by_name = {c.name: c for c in plan.components}
     assert len(by_name["transformer"].blocks) == runner.denoisers["transformer"].config.num_layers
+    # Serving LoRA adapters: the copy of every block matrix an adapter may touch (worker/lora.py) is planned too.
+    matrices = [p for n, p in runner.denoisers["transformer"].named_parameters() if "blocks." in n and p.dim() == 2]
+    lora = dataclasses.replace(plan, lora=True)
+    assert lora.lora_copy == sum(p.numel() * 4 for p in matrices) and lora.need == plan.need + lora.lora_copy
 
 
 def test_fp8_with_offload_is_refused_with_the_reason():

@@ -14,6 +14,9 @@ them under Ulysses). What is on the GPU at once depends on `--cpu-offload`:
   the budget leaves beyond that (less a tenth, `RESIDENT_HEADROOM`) keeps as many of the denoisers'
   blocks resident (`resident_blocks`): each one kept is one fewer streamed over PCIe at every forward.
 
+With LoRA adapters served, a copy of every 2-D weight of the denoisers' blocks is planned too (the originals the
+merge restores from, worker/lora.py).
+
 The budget is `gpu_memory_utilization` of the device, and no more than is free when the rank
 starts. A plan that does not fit refuses the deploy, saying by how much and which settings fit.
 The VAE decode is planned only where its untiled peak was measured (Qwen-Image's VAE), and only for what
@@ -59,6 +62,7 @@ class ComponentWeights:
     total: int
     blocks: tuple[int, ...] = ()  # bytes of each direct child block (`transformer_blocks.7`), for layerwise
     largest_layer: int = 0  # bytes of its largest module's own tensors (a leaf-level group)
+    block_matrices: int = 0  # bytes of the 2-D weights inside its blocks: what LoRA adapters may adapt
 
     def layerwise(self, block_level: bool) -> int:
         """On the GPU at once under group offloading: at block level the non-block weights and two blocks, at
@@ -82,6 +86,13 @@ class MemoryPlan:
     device_free: int
     utilization: float
     decode_bytes: int = 0  # the untiled VAE decode's activations at the largest admitted image (0: not measured)
+    # LoRA adapters served: the rank keeps a copy of every weight an adapter touched (worker/lora.py), planned as
+    # every 2-D weight of the denoisers' blocks.
+    lora: bool = False
+
+    @property
+    def lora_copy(self) -> int:
+        return sum(c.block_matrices for c in self.components if c.name in self.denoisers) if self.lora else 0
 
     @property
     def budget(self) -> int:
@@ -92,13 +103,13 @@ class MemoryPlan:
         """Weights on the GPU at the busiest moment."""
         if self.offload == "none":
             return self.need - self.step_bytes
-        return self._peak()[1] + self._resident_bytes()
+        return self._peak()[1] + self._resident_bytes() + self.lora_copy
 
     @property
     def need(self) -> int:
         if self.offload == "none":
-            return sum(c.total for c in self.components) + self.step_bytes
-        return self._peak()[0] + self._resident_bytes()
+            return sum(c.total for c in self.components) + self.step_bytes + self.lora_copy
+        return self._peak()[0] + self._resident_bytes() + self.lora_copy
 
     def resident_blocks(self) -> dict[str, int]:
         """Under layerwise: how many of each denoiser's blocks stay on the GPU, within what the streamed plan
@@ -143,6 +154,7 @@ class MemoryPlan:
         held = ", ".join(f"{c.name} {size(c.total)}" for c in self.components)
         resident = ", ".join(f"{count} {name} blocks" for name, count in self.resident_blocks().items())
         kept = f", {resident} resident" if resident else ""
+        kept += f", {size(self.lora_copy)} of LoRA originals" if self.lora else ""
         return (
             f"memory plan: weights {held} (offload {self.offload}: {size(self.weights)} on the GPU at once{kept}), one "
             f"step at the largest request {size(self.step_bytes)}: needs {size(self.need)} of {size(self.budget)} "
@@ -171,6 +183,7 @@ def component_weights(folder: Path, name: str, dtype_bytes: int, fp8_reason: Any
     total = 0
     blocks: dict[str, int] = {}
     layers: dict[str, int] = {}
+    matrices = 0
     for file in sorted(folder.glob("*.safetensors")):
         for tensor, (dtype, shape) in header_tensors(file).items():
             count = math.prod(shape)
@@ -185,7 +198,9 @@ def component_weights(folder: Path, name: str, dtype_bytes: int, fp8_reason: Any
             if len(parts) > 2 and parts[1].isdigit():  # a block of a ModuleList child: group offloading's unit
                 key = f"{parts[0]}.{parts[1]}"
                 blocks[key] = blocks.get(key, 0) + size
-    return ComponentWeights(name, total, tuple(blocks.values()), max(layers.values(), default=0))
+                if kind == "weight" and len(shape) == 2 and dtype in _FLOAT:
+                    matrices += size
+    return ComponentWeights(name, total, tuple(blocks.values()), max(layers.values(), default=0), matrices)
 
 
 def step_bytes(config: Mapping[str, Any], tokens: int, text_tokens: int, rows: int, sp: int, dtype_bytes: int) -> int:
@@ -214,6 +229,7 @@ def plan_for_checkpoint(
     device_free: int,
     utilization: float,
     pixels: int = 0,
+    lora: bool = False,
 ) -> MemoryPlan:
     """The plan of a rank that loads `components` of the checkpoint at `path` (see the module doc)."""
     denoisers = frozenset(denoisers)
@@ -230,7 +246,7 @@ def plan_for_checkpoint(
     vae = _config(path / "vae").get("_class_name", "") if "vae" in components else ""
     decode = int(pixels * UNTILED_DECODE_BYTES_PER_PIXEL.get(vae, 0) * dtype_bytes / 2)
     steps_peak = max(steps, default=0)
-    return MemoryPlan(weights, denoisers, steps_peak, offload, device_total, device_free, utilization, decode)
+    return MemoryPlan(weights, denoisers, steps_peak, offload, device_total, device_free, utilization, decode, lora)
 
 
 def _config(folder: Path) -> dict[str, Any]:
@@ -304,6 +320,7 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
             device_free=memory[1],
             utilization=config.gpu_memory_utilization,
             pixels=tokens * spec.token_side**2 if spec.modality == "image" else 0,
+            lora=bool(config.lora_modules or config.allow_runtime_lora),
         )
 
     chosen = plan()
