@@ -20,10 +20,11 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 from tests.lora_files import kohya_twin, make_adapter, pipeline_class  # noqa: E402
 from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.config import EngineLimits  # noqa: E402
+from vllm_omni.diffusion.engine.adapters import LoraRegistry  # noqa: E402
 from vllm_omni.diffusion.engine.preprocess import RequestPreprocessor  # noqa: E402
 from vllm_omni.diffusion.images import decode_image  # noqa: E402
 from vllm_omni.diffusion.models.registry import TINY_MODELS  # noqa: E402
-from vllm_omni.diffusion.request import GenerationParams  # noqa: E402
+from vllm_omni.diffusion.request import GenerationParams, RequestError  # noqa: E402
 from vllm_omni.diffusion.worker.loader import resolve_model_path  # noqa: E402
 
 ATOL = 2e-4  # merged against unmerged float32: ~1e-6; the adapters change pixels by 1e-2 and more
@@ -172,3 +173,18 @@ def test_ulysses_3_at_a_padded_size_equals_one_process(adapters, single_padded):
     with Omni(QWEN, ulysses_degree=3, lora_modules={"a": adapters["a"]}) as omni:
         plain = omni.generate("a cat", lora="a", **PADDED)[0]
     np.testing.assert_allclose(plain, single_padded["plain"], atol=ATOL)
+
+
+def test_a_reload_under_the_same_name_and_path_is_read_anew(adapters):
+    """The workers key an adapter's factors by name, path and load: a file replaced and loaded again is not served
+    from what they kept of the old one."""
+    registry = LoraRegistry("QwenImagePipeline", resolve_model_path(QWEN), ["transformer"], 128, {"a": adapters["a"]})
+    first = registry.resolve({"name": "a", "scale": 0.5})
+    with pytest.raises(RequestError, match="already loaded") as raised:
+        registry.load("a", adapters["a"])
+    assert raised.value.param == "lora_name"
+    registry.unload("a")
+    registry.load("a", adapters["a"])
+    second = registry.resolve({"name": "a", "scale": 0.5})
+    assert (second.name, second.path, second.scale) == (first.name, first.path, first.scale)
+    assert second.version > first.version

@@ -18,6 +18,7 @@ class LoraRequest:
     name: str
     path: str
     scale: float = 1.0
+    version: int = 0  # the registry's load count for this name: a reload under the same name and path is read anew
 
 
 @dataclass

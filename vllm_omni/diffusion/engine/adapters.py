@@ -12,6 +12,7 @@ read the same file when a request first needs it (worker/lora.py).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,6 +43,8 @@ class LoraRegistry:
         self.denoisers = denoisers
         self.max_lora_rank = max_lora_rank
         self.adapters: dict[str, str] = {}
+        self.versions: dict[str, int] = {}  # name -> the load that served it (LoraRequest.version)
+        self._loads = itertools.count(1)
         self._lock = threading.Lock()
         self._weights: dict[str, tuple[int, ...]] | None = None
         for name, path in (modules or {}).items():
@@ -53,10 +56,6 @@ class LoraRegistry:
     @property
     def supported(self) -> bool:
         return hasattr(self.pipeline_class, "lora_state_dict")
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return sorted(self.adapters)
 
     def served(self) -> dict[str, str]:
         """Name -> resolved path of each served adapter, by name (GET /v1/models lists them)."""
@@ -132,7 +131,10 @@ class LoraRegistry:
                 raise RequestError(f"adapter {name!r} is already loaded (from {self.adapters[name]})", "lora_name")
         self.check(name, path)
         with self._lock:
+            if name in self.adapters:  # loaded by another caller while this one was checked
+                raise RequestError(f"adapter {name!r} is already loaded (from {self.adapters[name]})", "lora_name")
             self.adapters[name] = str(Path(path).resolve())
+            self.versions[name] = next(self._loads)
 
     def unload(self, name: str) -> None:
         """Stop serving `name`: a request naming it from now on gets LoraNotFound; requests already accepted
@@ -140,6 +142,7 @@ class LoraRegistry:
         with self._lock:
             if self.adapters.pop(name, None) is None:
                 raise LoraNotFound(f"adapter {name!r} is not loaded", "lora_name")
+            self.versions.pop(name, None)
 
     def resolve(self, lora: Any) -> LoraRequest | None:
         """A request's `lora` (a served adapter's name, or {"name", "scale"}; offline also {"name", "path",
@@ -170,8 +173,8 @@ class LoraRegistry:
             elif known != str(Path(path).resolve()):
                 raise RequestError(f"adapter {name!r} is served from {known}, not {path}", "lora")
         with self._lock:
-            served = self.adapters.get(name)
+            served, version = self.adapters.get(name), self.versions.get(name, 0)
         if served is None:
             names = ", ".join(sorted(self.adapters)) or "none"
             raise LoraNotFound(f"adapter {name!r} is not served here (adapters: {names})", "lora")
-        return LoraRequest(name, served, float(scale))
+        return LoraRequest(name, served, float(scale), version)

@@ -93,7 +93,8 @@ class LoraAdapters:
         self.device = device
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        self.kept: OrderedDict[tuple[str, str], Factors] = OrderedDict()  # (name, path) -> factors, oldest first
+        # (name, path, version) -> factors, least recently used first
+        self.kept: OrderedDict[tuple[str, str, int], Factors] = OrderedDict()
         self.merged: LoraRequest | None = None
         self.originals: dict[tuple[str, str], torch.Tensor] = {}  # W0 of every linear an adapter touched
         self.switch_seconds = 0.0  # the last switch's (merge and restore), for the log and the benchmark
@@ -103,7 +104,7 @@ class LoraAdapters:
 
     def factors(self, lora: LoraRequest) -> Factors:
         """The adapter's factors on the device: kept ones (most recently used last), else read from its file."""
-        key = (lora.name, lora.path)
+        key = (lora.name, lora.path, lora.version)
         factors = self.kept.pop(key, None)
         if factors is None:
             start = time.perf_counter()
@@ -124,11 +125,6 @@ class LoraAdapters:
             elif index >= self.max_loras:
                 self.kept[old] = {k: LinearFactors(f.a.cpu(), f.b.cpu(), f.scaling) for k, f in self.kept[old].items()}
         return factors
-
-    def forget(self, name: str) -> None:
-        """Drop an unloaded adapter's factors (it stays merged only until the next request switches)."""
-        for key in [key for key in self.kept if key[0] == name]:
-            del self.kept[key]
 
     @torch.no_grad()
     def activate(self, lora: LoraRequest | None) -> None:

@@ -302,7 +302,7 @@ class PipelineRunner:
                 raise RuntimeError(f"adapter {lora.name!r} could not be merged: {error}") from error
             return
         merged = self.adapters.merged
-        fingerprint = zlib.crc32(repr(None if merged is None else (merged.name, merged.path, merged.scale)).encode())
+        fingerprint = zlib.crc32(repr(merged).encode())  # name, path, scale and version
         if not every_rank(error is None) or not same_on_every_rank(fingerprint):
             reason = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
             name = lora.name if lora is not None else None
