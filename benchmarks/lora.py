@@ -178,7 +178,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, scratch
 
 def write_docs(rows: list[dict[str, Any]], path: Path) -> None:
     lines = [
-        "### LoRA adapters: one forward without and with an adapter, the switch, the load",
+        "## LoRA adapters: one forward without and with an adapter, the switch, the load",
         "",
         "`python benchmarks/lora.py` on one H200: real-size transformers with random bf16 weights, a random rank-64 "
         "adapter on every attention and MLP linear of the blocks, merged into the weights (worker/lora.py); one "
