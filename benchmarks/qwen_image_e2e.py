@@ -267,8 +267,22 @@ OFFLOAD_TARGETS = (
     ("ours-layerwise-24g", "ours-default", "<= 2"),
     ("ours-layerwise-48g", "ours-default", "<= 1.3"),
 )
+# LoRA (issue 29): a random rank-64 adapter on every attention and MLP linear of the blocks (benchmarks/lora.py's),
+# served with --lora-modules; the same engine runs a 50-step request with the adapter (true CFG, as the others) and
+# an 8-step one with true CFG off, as a few-step (Lightning-style) adapter is run. Random weights: the images mean
+# nothing, the times are the point.
+LORA_NAME = "rank64"
+LORA = {"lora_modules": LORA_NAME}  # run_ours puts the adapter's folder (LORA_FOLDER in the checkpoint folder) here
+LORA_FOLDER = "lora-rank64"
+VARIANTS += [
+    Variant("ours-lora-50", "lora", 1, "Omni(folder, lora_modules=...), request lora, 50 steps", LORA,
+            {"lora": LORA_NAME}),
+    Variant("ours-lora-8", "lora", 1, "the same engine, request lora, 8 steps, true CFG off", LORA,
+            {"lora": LORA_NAME, "num_inference_steps": 8, "true_cfg_scale": 1.0, "negative_prompt": None}),
+]  # fmt: skip
+LORA_TARGETS = (("ours-lora-50", "ours-default", "<= 1.10"), ("ours-lora-8", "ours-lora-50", ""))
 BY_NAME = {variant.name: variant for variant in VARIANTS}
-PHASES = ["build", "diffusers", "ours", "ours2", "levers", "offload", "docs"]
+PHASES = ["build", "diffusers", "ours", "ours2", "levers", "offload", "lora", "docs"]
 # The first timed run's image of each variant run in this process: agreement with ours-default's.
 IMAGES: dict[str, np.ndarray] = {}  # docs: rewrite the docs section from the JSON
 
@@ -729,7 +743,7 @@ def summarize(variant: Variant, settings: Settings, runs: list[dict], peaks: lis
         "what": variant.what,
         "scale": settings.scale.name,
         "size": f"{settings.scale.width}x{settings.scale.height}",
-        "steps": settings.scale.steps,
+        "steps": (variant.fields or {}).get("num_inference_steps", settings.scale.steps),
         "warmup_steps": settings.warmup_steps,
         "host": socket.gethostname(),
         "torch": torch.__version__,
@@ -833,6 +847,8 @@ def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold
         with DeviceMemorySampler(scale.device == "cuda") as sampler:
             start = time.perf_counter()
             options = dict(variants[0].omni)
+            if options.get("lora_modules") == LORA_NAME:
+                options["lora_modules"] = {LORA_NAME: str(write_lora(settings.folder))}
             if GPU_GIB in options:  # the card's size, as a share of this one
                 total = torch.cuda.mem_get_info()[1] if scale.device == "cuda" else 2**40
                 options["gpu_memory_utilization"] = min(1.0, options.pop(GPU_GIB) * 2**30 / total)
@@ -851,7 +867,8 @@ def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold
                     runs, peaks, worker, ranks_reporting, cache = [], [], {}, 0, None
                     for label, prompt, seed, steps in settings.requests():
                         start = time.perf_counter()
-                        images = omni.generate(prompt, seed=seed, **settings.call_kwargs(steps), **fields)
+                        # The variant's fields over the common ones (an 8-step row replaces the steps and CFG).
+                        images = omni.generate(prompt, seed=seed, **{**settings.call_kwargs(steps), **fields})
                         e2e_s = time.perf_counter() - start
                         records = probe_records(probe_dir, omni.last_output.request_id)
                         if 0 not in records:
@@ -900,6 +917,22 @@ def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold
         "nvsmi_peak_gib": sampler.peaks_gib(variants[0].gpus),
     }
     return [summarize(variant, settings, runs, peaks, {**engine, **extra}) for variant, runs, peaks, extra in rows]
+
+
+def write_lora(folder: Path) -> Path:
+    """The LoRA variants' adapter, written once into the checkpoint folder (benchmarks/lora.py's random rank-64
+    adapter, from the transformer's config on the meta device)."""
+    import diffusers
+
+    from benchmarks.lora import write_adapter
+
+    adapter = folder / LORA_FOLDER
+    if not (adapter / "pytorch_lora_weights.safetensors").is_file():
+        config = diffusers.QwenImageTransformer2DModel.load_config(folder / "transformer")
+        with torch.device("meta"):
+            model = diffusers.QwenImageTransformer2DModel.from_config(config)
+        print(f"LoRA adapter: {write_adapter(model, adapter, seed=29)} linears adapted", flush=True)
+    return adapter
 
 
 def engine_groups(variants: list[Variant]) -> list[list[Variant]]:
@@ -1017,7 +1050,7 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float | None, str]]:
         *((f"{name} / ours-default", ratio(e2e(name), e2e("ours-default")), "") for name in LEVERS),
         *(
             (f"{name} / {reference}", ratio(e2e(name), e2e(reference)), target)
-            for name, reference, target in OFFLOAD_TARGETS
+            for name, reference, target in (*OFFLOAD_TARGETS, *LORA_TARGETS)
         ),
     ]
     cold = results.get("cold_start")
@@ -1235,7 +1268,7 @@ def main(argv: list[str] | None = None) -> None:
                 save()  # after each variant: a call cut short keeps what it measured
 
             run_diffusers(settings, names, keep)
-        elif phase in ("ours", "ours2", "levers", "offload"):
+        elif phase in ("ours", "ours2", "levers", "offload", "lora"):
             cold_read_s = 0.0
             if phase == "ours" and not args.no_cold_start:
                 results["cold_start"] = measure_reads(folder)
