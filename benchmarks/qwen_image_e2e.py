@@ -272,7 +272,10 @@ OFFLOAD_TARGETS = (
 # an 8-step one with true CFG off, as a few-step (Lightning-style) adapter is run. Random weights: the images mean
 # nothing, the times are the point.
 LORA_NAME = "rank64"
-LORA = {"lora_modules": LORA_NAME}  # run_ours puts the adapter's folder (LORA_FOLDER in the checkpoint folder) here
+# run_ours puts the adapter's folder (LORA_FOLDER in the checkpoint folder) in lora_modules. The limits admit one
+# 1328x1328 image a step: with the originals of every block weight an adapter may touch planned on the GPU, the
+# engine's default limits do not fit one H200 (the memory plan refuses them, saying what would).
+LORA = {"lora_modules": LORA_NAME, **ONE_1328}
 LORA_FOLDER = "lora-rank64"
 VARIANTS += [
     Variant("ours-lora-50", "lora", 1, "Omni(folder, lora_modules=...), request lora, 50 steps", LORA,
