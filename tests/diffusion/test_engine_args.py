@@ -93,14 +93,16 @@ def test_every_option_is_an_omni_keyword_and_an_unknown_one_is_a_type_error_nami
 def test_one_value_given_by_flag_yaml_or_keyword_makes_the_same_engine_args(tmp_path):
     flags = ["--ulysses-degree", "2", "--no-trim-sp-padding", "--dtype", "bf16", "--warmup-size", "64x32"]
     flags += ["--max-steps", "12", "--max-queue", "3", "--cache", "first_block", "--cache-threshold", "0.3"]
+    flags += ["--scheduling-policy", "priority"]
     values = dict(ulysses_degree=2, trim_sp_padding=False, dtype="bfloat16", warmup_size=(64, 32))
-    values |= dict(max_steps=12, max_queue=3, cache="first_block", cache_threshold=0.3)
+    values |= dict(max_steps=12, max_queue=3, cache="first_block", cache_threshold=0.3, scheduling_policy="priority")
     by_flags, _ = engine_args_from_cli(build_parser().parse_args(["serve", MODEL, *flags]))
     path = _write(tmp_path, _stage(dict(values, warmup_size=[64, 32])))
     by_yaml, _ = engine_args_from_cli(build_parser().parse_args(["serve", MODEL, "--deploy-config", str(path)]))
     by_keywords = EngineArgs.from_kwargs(MODEL, **values)
     assert by_flags == by_yaml == by_keywords
     assert by_keywords.step_cache == StepCacheConfig("first_block", 0.3) and by_keywords.limits.max_queue == 3
+    assert by_keywords.engine_config().scheduling_policy == "priority"
 
 
 @pytest.mark.parametrize(

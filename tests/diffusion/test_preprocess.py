@@ -160,6 +160,15 @@ def test_booleans_are_not_numbers(generate):
     assert refused(generate, n=True).param == "n"
     assert refused(generate, guidance_scale=True).param == "guidance_scale"
     assert refused(generate, seed=False).param == "seed"
+    assert refused(generate, priority=True).param == "priority"
+
+
+def test_the_checked_request_carries_its_priority_and_its_work_for_the_fair_policy(generate, edit_plus):
+    request = check(generate, width=272, height=208, num_inference_steps=3, n=2, priority=-5)
+    assert request.priority == -5 and request.work == 3 * (17 * 13) * 2  # steps x tokens per step x images
+    assert check(generate, width=272, height=208).priority == 0
+    # Sources that join the sequence count: a 64x64 output (16 tokens), its source encoded at 1 MP (4096 tokens).
+    assert check(edit_plus, image=png(64, 64), width=64, height=64, num_inference_steps=2).work == 2 * (16 + 4096)
 
 
 def test_decompression_bomb_is_refused_from_its_header(edit_plus):

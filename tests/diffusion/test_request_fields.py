@@ -9,13 +9,22 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import pytest
+import yaml
+from pydantic import ValidationError
+
 from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME, SAMPLING_FIELDS
 from vllm_omni.diffusion.models.registry import FAMILIES, REGISTRY, VIDEO_FIELDS
 from vllm_omni.diffusion.request import GenerationParams
 from vllm_omni.entrypoints.cli.main import build_parser
-from vllm_omni.entrypoints.deploy_config import SAMPLING_PARAM_TYPES
+from vllm_omni.entrypoints.deploy_config import SAMPLING_PARAM_TYPES, load_deploy_config
 from vllm_omni.entrypoints.omni import Omni
-from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest, VideoCreateRequest
+from vllm_omni.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ImageEditRequest,
+    ImageGenerationRequest,
+    VideoCreateRequest,
+)
 
 DECLARED = set(FIELDS_BY_NAME)
 IMAGE_FIELDS = {f.name for f in SAMPLING_FIELDS if not f.video_only}
@@ -83,3 +92,25 @@ def test_every_pipeline_spec_takes_only_declared_fields():
         assert (spec.modality == "video") == bool(spec.fields & VIDEO_FIELDS), spec.diffusers_class
     for family in FAMILIES:
         assert family.tiny_models and set(family.tiny_models.values()) <= set(REGISTRY)
+
+
+def test_priority_reaches_every_surface_as_any_integer(tmp_path):
+    """vLLM's `priority` (lower first, may be negative): each surface carries it as given; the engine checks it."""
+    assert all(spec.takes("priority") for spec in REGISTRY.values())
+    bodies = [
+        ImageGenerationRequest(prompt="p", priority=-3),
+        ImageEditRequest(prompt="p", priority=-3),
+        ChatCompletionRequest(messages=[{"role": "user", "content": "p"}], priority=-3),
+        VideoCreateRequest(prompt="p", priority=-3),
+    ]
+    assert [body.priority for body in bodies] == [-3] * 4
+    with pytest.raises(ValidationError, match="expected a number"):
+        ImageGenerationRequest(prompt="p", priority=True)
+    args = build_parser().parse_args(["generate", "tiny/qwen-image", "--prompt", "p", "--priority", "-2"])
+    assert args.priority == -2
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(yaml.safe_dump({"stages": [{"stage_id": 0, "default_sampling_params": {"priority": -1}}]}))
+    assert load_deploy_config(deploy).default_sampling_params == {"priority": -1}
+    assert GenerationParams("p", priority=-2).priority == -2
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) num_stepz;"):  # priority is a known one
+        Omni.__new__(Omni).generate("a cat", priority=1, num_stepz=4)

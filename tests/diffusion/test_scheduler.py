@@ -3,7 +3,8 @@
 Covers loading and readiness, first-in-first-out order, the queue limit checked before the
 engine's checks (and with Retry-After), jobs that live with nobody waiting (poll, progress,
 times, forget), cancellation queued and running, errors as data (the field at fault; one-line
-messages, tracebacks in the log), shutdown, and the watchdog giving up on lost workers.
+messages, tracebacks in the log), shutdown, the watchdog giving up on lost workers, and the
+scheduling policies (fcfs, priority, fair with its age bound).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_omni.diffusion.config import BatchingConfig, EngineLimits
-from vllm_omni.diffusion.engine.scheduler import InternalError, QueueFull, Scheduler, Unavailable
+from vllm_omni.diffusion.engine.policy import MAX_OVERTAKES, QueuePolicy
+from vllm_omni.diffusion.engine.scheduler import InternalError, Job, QueueFull, Scheduler, Unavailable
 from vllm_omni.diffusion.request import (
     DiffusionOutput,
     DiffusionRequest,
@@ -38,6 +40,8 @@ class FakeEngine:
         self.preprocessed: list[str] = []
         self.preprocess_gate: threading.Event | None = None  # set: preprocess waits for it
         self.started: dict[str, threading.Event] = {}
+        self.run_order: list[str] = []  # request ids, as their steps began
+        self.starts = threading.Semaphore(0)  # released as each step begins
         self.go: dict[str, threading.Event] = {}
         self.cancelled: list[str] = []
         self.closed = False
@@ -65,10 +69,17 @@ class FakeEngine:
             raise RequestError("prompt is bad", "prompt")
         if params.prompt == "boom":
             raise KeyError("unexpected")
-        return DiffusionRequest(request_id=params.request_id, prompt=params.prompt, num_inference_steps=4, seed=1)
+        steps = params.num_inference_steps or 4
+        priority = params.priority or 0
+        # The fair policy's estimate: the engine's is steps x tokens per step x images; here the steps stand for it.
+        return DiffusionRequest(
+            params.request_id, params.prompt, num_inference_steps=steps, seed=1, priority=priority, work=steps
+        )
 
     def step(self, request: DiffusionRequest, on_progress=None) -> DiffusionOutput:
         on_progress(2, 4)
+        self.run_order.append(request.request_id)
+        self.starts.release()
         self._event(self.started, request.request_id).set()
         assert self._event(self.go, request.request_id).wait(WAIT_S)
         if request.request_id in self.cancelled:
@@ -543,6 +554,90 @@ def test_a_request_waits_up_to_batch_wait_ms_for_company():
         assert engine.calls == [[first.id, second.id]]
         engine.finish(first.id)
         await asyncio.gather(first.wait(), second.wait())
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+# ---- scheduling policies --------------------------------------------------------------------------
+
+
+async def run_order(policy: str, requests: list[dict]) -> list[str]:
+    """The prompts ("0", "1", ...) of `requests` (GenerationParams fields), all queued behind a running blocker,
+    in the order they ran under `policy`; each runs only once the one before it has finished."""
+    engine = FakeEngine()
+    scheduler = await started(engine, max_queue=16, scheduling_policy=policy)
+    blocker = await scheduler.submit(params("blocker"))
+    await engine.running(blocker.id)
+    assert engine.starts.acquire(timeout=0)  # the blocker's start
+    jobs = {}
+    for i, fields in enumerate(requests):
+        job = await scheduler.submit(GenerationParams(str(i), **fields))
+        jobs[job.id] = job
+    engine.finish(blocker.id)
+    order = []
+    for _ in requests:
+        assert await asyncio.to_thread(engine.starts.acquire, timeout=WAIT_S)
+        job = jobs[engine.run_order[-1]]
+        order.append(job.request.prompt)
+        engine.finish(job.id)
+        assert (await job.wait()).status == "completed"
+    await scheduler.stop()
+    return order
+
+
+STEPS = [{"num_inference_steps": steps} for steps in (50, 50, 2, 8)]
+
+
+def test_fcfs_runs_in_arrival_order_whatever_the_work():
+    order = asyncio.run(run_order("fcfs", STEPS))
+    assert order == ["0", "1", "2", "3"]
+
+
+def test_priority_runs_the_lowest_value_first_ties_in_arrival_order(capsys):
+    order = asyncio.run(run_order("priority", [{"priority": p} for p in (0, 5, -1, 5, -1)]))
+    assert order == ["2", "4", "0", "1", "3"]
+    log = capsys.readouterr().err
+    assert "(position 1; priority -1)" in log  # "2" queued ahead of the three before it
+    assert "in the queue; priority -1, overtook 2)" in log  # "2" ran before "0" and "1"
+
+
+def test_fair_runs_the_least_work_first_and_a_short_job_overtakes_long_ones(capsys):
+    order = asyncio.run(run_order("fair", STEPS))
+    assert order == ["2", "3", "0", "1"]
+    assert "least work first, overtook 2)" in capsys.readouterr().err
+
+
+def test_fair_runs_a_long_job_once_four_later_jobs_have_overtaken_it():
+    requests = [{"num_inference_steps": 50}] + [{"num_inference_steps": 2}] * (MAX_OVERTAKES + 2)
+    order = asyncio.run(run_order("fair", requests))
+    assert order == ["1", "2", "3", "4", "0", "5", "6"]
+
+
+def test_fair_batches_take_no_job_that_would_overtake_one_past_the_bound():
+    def job(name: str, work: int, overtaken: int = 0) -> Job:
+        return Job(name, DiffusionRequest(name, name, work=work), overtaken=overtaken)
+
+    policy = QueuePolicy("fair")
+    long, a, b = job("long", 100, overtaken=MAX_OVERTAKES - 2), job("a", 1), job("b", 1)
+    assert policy.next_head([long, a, b]) is a and policy.admit([a, b], [long, a, b]) == [a, b]
+    long.overtaken = MAX_OVERTAKES - 1
+    assert policy.next_head([long, a, b]) is a and policy.admit([a, b], [long, a, b]) == [a]
+    assert policy.started([a], [long, a, b]) == 1 and long.overtaken == MAX_OVERTAKES and b.overtaken == 0
+    assert policy.next_head([long, b]) is long  # its bound is reached: it goes next
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_a_priority_on_a_server_not_scheduling_by_priority_is_refused_naming_it(policy):
+    async def scenario():
+        engine = FakeEngine()
+        scheduler = await started(engine, scheduling_policy=policy)
+        with pytest.raises(RequestError, match="--scheduling-policy priority") as refused:
+            await scheduler.submit(GenerationParams("urgent", priority=1))
+        assert refused.value.param == "priority" and "urgent" not in engine.preprocessed
+        job = await scheduler.submit(GenerationParams("default", priority=0))  # 0 is everyone's priority
+        engine.finish(job.id)
+        assert (await job.wait()).status == "completed"
         await scheduler.stop()
 
     asyncio.run(scenario())

@@ -202,6 +202,12 @@ def test_openai_client_sees_the_400_message(client):
         client.images.generate(model=MODEL, prompt=PROMPT, size="abc")
 
 
+def test_a_priority_on_a_server_not_scheduling_by_priority_is_a_400_naming_it(client):
+    with pytest.raises(BadRequestError, match="--scheduling-policy priority") as refused:
+        client.images.generate(model=MODEL, prompt=PROMPT, size="32x32", extra_body={"priority": 1})
+    assert refused.value.body["param"] == "priority"
+
+
 @pytest.mark.parametrize(
     "content,headers,words",
     [

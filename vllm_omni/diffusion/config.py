@@ -150,6 +150,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("fp8",)
 CACHE_POLICIES = ("first_block",)
 CPU_OFFLOAD_MODES = ("none", "model", "layerwise")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # the queue's order (diffusion/engine/policy.py)
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,9 @@ class OmniDiffusionConfig:
     max_cpu_loras: int | None = None  # None: max_loras
     max_lora_rank: int = 128
     allow_runtime_lora: bool = False
+    # Which queued request runs next (diffusion/engine/policy.py): "fcfs" (arrival), "priority" (a request's
+    # `priority`, lower first), "fair" (least estimated work first, with an age bound). Read by the scheduler.
+    scheduling_policy: Literal["fcfs", "priority", "fair"] = "fcfs"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -243,6 +247,10 @@ class OmniDiffusionConfig:
             )
         if self.cpu_offload not in CPU_OFFLOAD_MODES:
             raise ValueError(f"cpu_offload must be one of {', '.join(CPU_OFFLOAD_MODES)}, got {self.cpu_offload!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         value = self.gpu_memory_utilization
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {value!r}")

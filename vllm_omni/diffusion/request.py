@@ -45,6 +45,7 @@ class GenerationParams:
     # A LoRA adapter: a served one's name, or {"name": ..., "scale": ...} (scale default 1.0); offline also
     # {"name", "path", "scale"} for an adapter not served yet. None: the base model.
     lora: str | dict[str, Any] | None = None
+    priority: int | None = None  # the queue's order under --scheduling-policy priority (lower first); None: 0
     # pil: PIL images (a video: a list of PIL frames); np: float32 arrays in [0, 1]; uint8: uint8 arrays
     output_type: OutputType = "pil"
     request_id: str | None = None
@@ -73,6 +74,9 @@ class DiffusionRequest:
     num_frames: int | None = None  # video only; None: the pipeline's default
     fps: int | None = None  # video only
     lora: LoraRequest | None = None  # merged into the denoisers for this request (worker/lora.py); None: base
+    priority: int = 0  # the queue's order under the priority policy (engine/policy.py), lower first
+    # Its estimated work, denoising steps x tokens per step x images (the fair policy's order); 0: not estimated.
+    work: int = 0
     cancel_token: int = 0  # the executor's number for this request; cancelling flags it
     output_type: OutputType = "pil"
     preprocess_ms: float = 0.0  # time validation took (the server validates before queueing)

@@ -206,6 +206,8 @@ def _sampling_value_problem(key: str, value: Any) -> str | None:
             return "must be an integer"
         if key == "seed":
             return None if value >= 0 else "must be >= 0"
+        if key == "priority":
+            return None
         return None if value >= 1 else "must be >= 1"
     return None if value >= 0 else "must be >= 0"
 

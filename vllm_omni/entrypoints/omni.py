@@ -49,6 +49,7 @@ class Omni:
             watchdog_interval_s=None,
             replicas=args.data_parallel_size,
             batching=args.batching,
+            scheduling_policy=args.scheduling_policy,
         )
         self._outputs = threading.local()  # each calling thread's last output
         # The scheduler lives on an event loop of its own, so callers need none.
@@ -90,10 +91,10 @@ class Omni:
         `fields` are the declared request fields (vllm_omni/diffusion/engine/request_fields.py):
         negative_prompt, height, width, num_inference_steps, guidance_scale, guidance_scale_2, true_cfg_scale, n,
         seed, lora (a served adapter's name, or {"name", "scale"}, or {"name", "path", "scale"} to serve one from
-        its file), and for video models num_frames and fps. `image` is a path, bytes or a PIL image, or
-        a list of them. Returns PIL images (a video: a list of PIL frames), float32 arrays in
-        [0, 1] with output_type="np", uint8 arrays with "uint8". The seed used (drawn when not
-        given), the real size, the timings and the batch size are in `self.last_output` (this thread's).
+        its file), priority (with scheduling_policy="priority": lower runs first), and for video models num_frames
+        and fps. `image` is a path, bytes or a PIL image, or a list of them. Returns PIL images (a video: a list of
+        PIL frames), float32 arrays in [0, 1] with output_type="np", uint8 arrays with "uint8". The seed used
+        (drawn when not given), the real size, the timings and the batch size are in `self.last_output` (this thread's).
         Bad input raises a RequestError (a ValueError naming the field); a failed run what the engine raised.
         """
         unknown = sorted(set(fields) - set(FIELDS_BY_NAME))

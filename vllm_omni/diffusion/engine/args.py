@@ -22,6 +22,7 @@ from vllm_omni.diffusion.config import (
     DTYPES,
     EXECUTOR_BACKENDS,
     QUANTIZATION_METHODS,
+    SCHEDULING_POLICIES,
     BatchingConfig,
     DiffusionParallelConfig,
     EngineLimits,
@@ -368,6 +369,16 @@ class EngineArgs:
         QUEUE,
         type=positive_int,
         metavar="N",
+    )
+    scheduling_policy: str = option(
+        "engine",
+        "which waiting request runs next: fcfs (arrival order); priority (the lowest `priority` request field "
+        "first, ties by arrival; vLLM's); fair (the least work first, steps x tokens per step x images, but a "
+        "request that 4 later ones have overtaken goes next). A running request is not preempted; YAML "
+        "stages[0].scheduling_policy",
+        QUEUE,
+        choices=SCHEDULING_POLICIES,
+        default_text="fcfs",
     )
     max_batch_size: int = option(
         "batching",

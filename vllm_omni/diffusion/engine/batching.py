@@ -14,7 +14,7 @@ PER_ROW_FIELDS = frozenset(
 
 
 def batch_key(request: DiffusionRequest, spec: Any) -> tuple | None:
-    """What must be equal for requests to share a forward (model, size, frames, steps, guidance mode),
+    """What must be equal for requests to share a forward (model, size, frames, steps, guidance mode, priority),
     None when this one never shares: source images (each pipeline call encodes its own), several
     images (a batch of its own already), a pipeline that batches no prompts (`PipelineSpec.batchable`)."""
     if not spec.batchable or request.images or request.num_images != 1 or request.batch:

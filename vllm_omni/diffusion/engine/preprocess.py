@@ -7,9 +7,9 @@ otherwise decide by itself, so that it can be checked: the output size (a defaul
 derived from a source image), the frame count and the seed. The work of one denoising step is
 bounded by its tokens (`PipelineSpec.tokens_per_step` against `max_tokens_per_step`), so a
 request no GPU finishes within the stall deadline is refused here instead of restarting the
-workers. Prompts are counted in the model's own tokenizer (loaded here; cheap next to the
-workers' load) and source images are checked from their headers only (images.py). Nothing
-here needs torch.
+workers; the same count estimates the request's work for the fair scheduling policy. Prompts
+are counted in the model's own tokenizer (loaded here; cheap next to the workers' load) and
+source images are checked from their headers only (images.py). Nothing here needs torch.
 """
 
 from __future__ import annotations
@@ -168,6 +168,7 @@ class RequestPreprocessor:
             seed = secrets.randbelow(2**31)
             logger.info("No seed given: drew seed %d", seed)
         seed = check_int("seed", seed, 0, MAX_SEED)
+        priority = check_int("priority", 0 if params.priority is None else params.priority, -MAX_SEED - 1, MAX_SEED)
         cache_threshold = self._check_cache_threshold(params.cache_threshold)
         lora = None
         if params.lora is not None:
@@ -177,7 +178,7 @@ class RequestPreprocessor:
         images, source_sizes = self._check_images(params.image)
         if height is None or width is None:
             width, height = self._derived_size(width, height, source_sizes)
-        self._check_tokens(width, height, num_frames, source_sizes)
+        tokens = self._check_tokens(width, height, num_frames, source_sizes)
         # Image-to-video pipelines size the video from the image themselves (not passed to them); the size
         # derived here is the one they pick, so the request carries it for the job's record from the start.
 
@@ -198,6 +199,9 @@ class RequestPreprocessor:
             num_frames=num_frames,
             fps=fps,
             lora=lora,
+            priority=priority,
+            # Classifier-free guidance (two forwards a step for some requests) is left out: the family decides it.
+            work=steps * tokens * n,
             cancel_token=cancel_token,
             output_type=params.output_type,
         )
@@ -329,18 +333,19 @@ class RequestPreprocessor:
 
     def _check_tokens(
         self, width: int | None, height: int | None, num_frames: int | None, source_sizes: list[tuple[int, int]]
-    ) -> None:
-        """RequestError when one denoising step would process more than max_tokens_per_step tokens.
+    ) -> int:
+        """The tokens one denoising step processes (0: not known here); RequestError when they are more than
+        max_tokens_per_step.
 
         It names what to change: the input images where the output alone fits; else the size where
         it is too large even at the model's default length; else the frame count.
         """
         spec, limit = self.spec, self.limits.max_tokens_per_step
         if width is None or height is None:
-            return  # a size the pipeline picks that is not restated here (none of the served pipelines)
+            return 0  # a size the pipeline picks that is not restated here (none of the served pipelines)
         tokens = spec.tokens_per_step(width, height, num_frames, source_sizes)
         if tokens <= limit:
-            return
+            return tokens
         output = spec.tokens_per_step(width, height, num_frames, [])
         step = spec.token_side
         what, grid = f"{width}x{height}", f"{width // step} x {height // step} tokens"

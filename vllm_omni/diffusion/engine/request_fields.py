@@ -70,6 +70,13 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
         "--lora",
     ),
     RequestField(
+        "priority",
+        int,
+        "the queue's order on a server started with --scheduling-policy priority: lower runs first, ties in "
+        "arrival order (vLLM's field; default 0; elsewhere only 0 is taken)",
+        "--priority",
+    ),
+    RequestField(
         "num_frames",
         int,
         "video frames, rounded down to k * 4 + 1 (default: the model's)",

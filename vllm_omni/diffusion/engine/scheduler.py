@@ -1,6 +1,7 @@
-"""The scheduler below the entrypoints: one FIFO queue of jobs for the replicas' engines (replicas.py),
-request batching (batching.py), cancellation, health and a watchdog. The HTTP routes and `Omni` submit
-to it; docs/serving.md describes the policy, and tests drive it with a fake engine.
+"""The scheduler below the entrypoints: one queue of jobs for the replicas' engines (replicas.py), in a
+scheduling policy's order (policy.py), request batching (batching.py), cancellation, health and a watchdog.
+The HTTP routes and `Omni` submit to it; docs/serving.md describes the policy, and tests drive it with a
+fake engine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Literal, Protocol
 from vllm_omni.diffusion.config import BatchingConfig, EngineLimits
 from vllm_omni.diffusion.engine.batching import batch_key
 from vllm_omni.diffusion.engine.health import HealthState
+from vllm_omni.diffusion.engine.policy import QueuePolicy
 from vllm_omni.diffusion.engine.replicas import Engine, ReplicaEngines
 from vllm_omni.diffusion.request import (
     DiffusionOutput,
@@ -86,6 +88,7 @@ class Job:
     exception: BaseException | None = field(default=None, repr=False)  # what its run raised (`Omni` raises it)
     replica: int | None = None  # the replica that runs it, once it runs
     batch_key: tuple | None = None  # jobs with equal keys may share a forward (None: never batched)
+    overtaken: int = 0  # jobs queued after it that started before it (the fair policy's age bound)
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _cancel_reason: str | None = field(default=None, repr=False)
 
@@ -175,9 +178,11 @@ class Scheduler:
         observer: Observer | None = None,
         replicas: int = 1,
         batching: BatchingConfig | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.limits = limits
         self.batching = batching or BatchingConfig()
+        self.policy = QueuePolicy(scheduling_policy)
         self.observer = observer
         self.replicas = replicas
         self.watchdog_interval_s = watchdog_interval_s
@@ -395,6 +400,12 @@ class Scheduler:
         count prompt tokens), and a place held meanwhile, unless the caller holds one (`hold_place`). A
         queued job carries the checked request, source images still compressed.
         """
+        if params.priority not in (None, 0) and self.policy.name != "priority":
+            raise RequestError(
+                f"priority {params.priority!r} is taken only by a server started with --scheduling-policy priority "
+                f"(this one schedules {self.policy.name}); leave it out or 0",
+                "priority",
+            )
         with contextlib.nullcontext() if place_held else self.hold_place():
             request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
             try:
@@ -415,15 +426,17 @@ class Scheduler:
         self._wakeup.set()
         size = f"{request.width}x{request.height}" if request.width else "auto"
         frames = f", frames={request.num_frames}" if request.num_frames else ""
+        order = "" if self.policy.name == "fcfs" else f"; {self.policy.describe(job)}"
         logger.info(
-            "Request %s queued: size=%s%s, steps=%d, seed=%d, n=%d (position %d)",
+            "Request %s queued: size=%s%s, steps=%d, seed=%d, n=%d (position %d%s)",
             job.id,
             size,
             frames,
             request.num_inference_steps,
             request.seed,
             request.num_images,
-            len(self._waiting),
+            self.policy.position(job, self._waiting),
+            order,
         )
         return job
 
@@ -478,15 +491,21 @@ class Scheduler:
         time, in a step thread (`engine.step` blocks); the first idle replica takes the head of the queue."""
         loop = asyncio.get_running_loop()
         while True:
-            jobs = await self._next_jobs()
+            jobs, overtook = await self._next_jobs()
             self._running[replica] = jobs
             started = time.time()
             for job in jobs:
                 job.status, job.started_at, job.replica = "in_progress", started, replica
             where = f" on replica {replica}" if self.replicas > 1 else ""
             batched = f" with {', '.join(job.id for job in jobs[1:])} (a batch of {len(jobs)})" if len(jobs) > 1 else ""
+            order = f"; {self.policy.describe(jobs[0])}, overtook {overtook}" if overtook else ""
             logger.info(
-                "Request %s running%s%s (%.2f s in the queue)", jobs[0].id, where, batched, started - jobs[0].created_at
+                "Request %s running%s%s (%.2f s in the queue%s)",
+                jobs[0].id,
+                where,
+                batched,
+                started - jobs[0].created_at,
+                order,
             )
             try:
                 outputs = await loop.run_in_executor(self._step_thread, self._step, jobs)
@@ -516,14 +535,14 @@ class Scheduler:
             finally:
                 self._running[replica] = []
 
-    async def _next_jobs(self) -> list[Job]:
-        """Take the job at the head of the queue and the queued jobs that can share its forwards
-        (up to max_batch_size, waiting up to batch_wait_ms for them)."""
+    async def _next_jobs(self) -> tuple[list[Job], int]:
+        """Take the job the policy runs next and the queued jobs that can share its forwards (up to
+        max_batch_size, waiting up to batch_wait_ms for them); also how many queued jobs the head overtook."""
         while True:
             while not self._waiting:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            head = self._waiting[0]
+            head = self.policy.next_head(self._waiting)
             jobs = self._company(head)
             deadline = time.monotonic() + self.batching.batch_wait_ms / 1e3
             while head.batch_key is not None and len(jobs) < self.batching.max_batch_size:
@@ -533,21 +552,23 @@ class Scheduler:
                 self._wakeup.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), remaining)
-                if not self._waiting or self._waiting[0] is not head:
+                if head not in self._waiting:
                     break  # another replica took it, or it was cancelled
                 jobs = self._company(head)
-            if not self._waiting or self._waiting[0] is not head:
+            if head not in self._waiting:
                 continue
+            overtook = self.policy.started(jobs, self._waiting)
             for job in jobs:
                 self._waiting.remove(job)
-            return jobs
+            return jobs, overtook
 
     def _company(self, head: Job) -> list[Job]:
-        """`head` and the queued jobs, in queue order, that may share its forwards (up to max_batch_size)."""
+        """`head` and the queued jobs, in queue order, that may share its forwards (up to max_batch_size, and as
+        the policy admits)."""
         if head.batch_key is None:
             return [head]
         same = [job for job in self._waiting if job.batch_key == head.batch_key]
-        return same[: self.batching.max_batch_size]
+        return self.policy.admit(same[: self.batching.max_batch_size], self._waiting)
 
     def _fail(self, job: Job, exc: Exception) -> None:
         """Finish `job` with what its run raised."""

@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from vllm_omni.diffusion.models.family import FamilyPipeline
 
 # Request fields every pipeline takes (beyond the prompt); see diffusion/engine/request_fields.py.
-COMMON_FIELDS = frozenset({"height", "width", "num_inference_steps", "n", "seed", "cache_threshold", "lora"})
+COMMON_FIELDS = frozenset(
+    {"height", "width", "num_inference_steps", "n", "seed", "cache_threshold", "lora", "priority"}
+)
 VIDEO_FIELDS = frozenset({"num_frames", "fps"})
 
 

@@ -41,7 +41,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
         if f.cli_flag in parser._option_string_actions:  # --cache-threshold: the engine's flag sets both
             continue
         if not f.in_size:
-            kind = positive_int if f.type is int and f.name != "seed" else str if f.type is dict else f.type
+            signed = f.name in ("seed", "priority")  # seed may be 0, priority any integer: the engine checks them
+            kind = positive_int if f.type is int and not signed else str if f.type is dict else f.type
             req.add_argument(f.cli_flag, dest=f.name, type=kind, default=None, help=f.help)
     req.add_argument(
         "--output",

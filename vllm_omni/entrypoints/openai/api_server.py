@@ -102,6 +102,7 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
         watchdog_interval_s=settings.watchdog_interval_s,
         replicas=settings.engine.parallel_config.data_parallel_size,
         batching=settings.engine.batching,
+        scheduling_policy=settings.engine.scheduling_policy,
     )
     server_metrics = ServerMetrics(scheduler)
     scheduler.observer = server_metrics

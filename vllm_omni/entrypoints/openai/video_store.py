@@ -125,7 +125,7 @@ class VideoDirectoryInUse(ValueError):
 
 
 class VideoStore:
-    """A video job is a scheduler job (the same FIFO queue and engine as images) plus a `VideoRecord`
+    """A video job is a scheduler job (the same queue and engine as images) plus a `VideoRecord`
     that outlives it: `add` starts a task that waits for the job whether or not anyone polls, encodes
     the frames to an MP4 (media.encode_mp4, in a thread, while the next job already runs) and keeps
     the file until the video is deleted or evicted.

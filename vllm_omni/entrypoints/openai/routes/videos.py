@@ -1,7 +1,7 @@
 """The videos API, as the `openai` client's `client.videos` calls it: HTTP <-> scheduler jobs and stored videos.
 
 - POST /v1/videos (multipart form, as the client sends it, or JSON): checks the request and
-  queues it on the scheduler (the same FIFO queue as images), answers the job at once.
+  queues it on the scheduler (the same queue as images), answers the job at once.
 - GET /v1/videos/{id}: the job: queued -> in_progress (progress from the denoising steps) ->
   completed or failed (error {code, message, param}).
 - GET /v1/videos/{id}/content: the MP4 (H.264).
