@@ -6,7 +6,7 @@ answer is a job, polled at `GET /v1/videos/{id}` until it ends, then deleted), w
 Poisson arrivals at `--request-rate R` requests/s (exponential gaps), for `--num-requests K`
 and/or `--duration S` (no new request after S seconds). A workload is a JSON list of entries
 `{"width", "height", "num_inference_steps", "weight", ...any other request field}` (or the
-built-in names `mix` and `1328`); each request draws an entry by weight, a prompt (built-in
+built-in names `mix`, `1328` and `previews`); each request draws an entry by weight, a prompt (built-in
 prompts of different lengths, or `--prompts FILE`, one a line) and a seed from one seeded RNG,
 so runs with the same `--seed` send the same requests in the same order.
 
@@ -79,6 +79,12 @@ WORKLOADS: dict[str, list[dict[str, Any]]] = {
         {"width": 1536, "height": 1536, "num_inference_steps": 35, "weight": 15},
     ],
     "1328": [{"width": 1328, "height": 1328, "num_inference_steps": 50, "weight": 1}],
+    # Short previews among long requests (issue 30): what a scheduling policy changes.
+    "previews": [
+        {"width": 512, "height": 512, "num_inference_steps": 8, "weight": 40},
+        {"width": 1024, "height": 1024, "num_inference_steps": 20, "weight": 40},
+        {"width": 1328, "height": 1328, "num_inference_steps": 50, "weight": 20},
+    ],
 }
 
 # Of different lengths (6 to 134 words; under Qwen-Image's 507 tokens even in the tiny models' small
@@ -447,7 +453,8 @@ def docs_section(results: dict[str, Any]) -> str:
         "a workload entry by weight, a prompt (built in: four of 6 to 134 words; 7 to 395 tokens of the tiny "
         "models' tokenizer, which the random-weight checkpoint uses) and a seed from one seeded RNG, so runs with "
         "the same seed send the same requests. `mix` is upstream's (512x512 20 steps 15 %, 768x768 20 steps "
-        "25 %, 1024x1024 25 steps 45 %, 1536x1536 35 steps 15 %); `1328` is 1328x1328, 50 steps. Latency is "
+        "25 %, 1024x1024 25 steps 45 %, 1536x1536 35 steps 15 %); `1328` is 1328x1328, 50 steps; `previews` "
+        "(issue 30) is 512x512 8 steps 40 %, 1024x1024 20 steps 40 %, 1328x1328 50 steps 20 %. Latency is "
         "client-side, from sending a request to its answer (videos: the poll that saw the job completed); queue time "
         "is the server's (its source in the JSON: the `/metrics` queue histogram's mean over the run where the "
         "responses carry no queue figure). Throughput is completed requests (images; a video counts one) over the "
