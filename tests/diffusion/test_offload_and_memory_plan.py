@@ -98,6 +98,15 @@ def test_the_plans_weights_are_what_the_runner_loads(path, reference):
     matrices = [p for n, p in runner.denoisers["transformer"].named_parameters() if "blocks." in n and p.dim() == 2]
     lora = dataclasses.replace(plan, lora=True)
     assert lora.lora_copy == sum(p.numel() * 4 for p in matrices) and lora.need == plan.need + lora.lora_copy
+    # With the served adapters known (no run-time loading), only the weights they adapt.
+    adapted = [n for n, p in runner.denoisers["transformer"].named_parameters() if n.endswith("attn.to_q.weight")]
+    served = plan_for_checkpoint(
+        path, present_components(path), ["transformer"], dtype_bytes=4, fp8_reason=None, tokens=4096,
+        text_tokens=512, rows=1, sp=1, offload="none", device_total=GiB, device_free=GiB, utilization=1.0,
+        lora=True, lora_adapted=adapted,
+    )  # fmt: skip
+    params = dict(runner.denoisers["transformer"].named_parameters())
+    assert len(adapted) == 2 and served.lora_copy == sum(params[n].numel() * 4 for n in adapted) < lora.lora_copy
 
 
 def test_fp8_with_offload_is_refused_with_the_reason():

@@ -17,7 +17,7 @@ import torch
 
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
-from tests.lora_files import kohya_twin, make_adapter, pipeline_class  # noqa: E402
+from tests.lora_files import ATTENTION, kohya_twin, make_adapter, pipeline_class  # noqa: E402
 from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.config import EngineLimits  # noqa: E402
 from vllm_omni.diffusion.engine.adapters import LoraRegistry  # noqa: E402
@@ -188,3 +188,21 @@ def test_a_reload_under_the_same_name_and_path_is_read_anew(adapters):
     second = registry.resolve({"name": "a", "scale": 0.5})
     assert (second.name, second.path, second.scale) == (first.name, first.path, first.scale)
     assert second.version > first.version
+
+
+def test_without_run_time_loading_the_plan_counts_what_the_served_adapters_adapt_and_holds_later_ones_to_it(
+    one_process, adapters, tmp_path
+):
+    """The engine passes the weights its served adapters adapt to the workers' memory plan; an adapter served later
+    by path (offline) that adapts any other is refused naming lora_path, as the plan kept no originals for it."""
+    registry = one_process.scheduler.engine.adapters
+    attention = {f"transformer_blocks.{i}.attn.{name}.weight" for i in range(2) for name in ATTENTION}
+    assert registry.adapted_weights() == attention == registry.planned
+    assert one_process.scheduler.engine.config.lora_adapted == tuple(sorted(attention))
+    mlp = str(make_adapter(resolve_model_path(QWEN), tmp_path / "mlp", seed=5, targets=("img_mlp.net.2",)))
+    with pytest.raises(RequestError, match="memory plan keeps originals") as raised:
+        registry.resolve({"name": "mlp", "path": mlp})
+    assert raised.value.param == "lora_path"
+    runtime = LoraRegistry("QwenImagePipeline", resolve_model_path(QWEN), ["transformer"], 128, {"a": adapters["a"]})
+    runtime.resolve({"name": "mlp", "path": mlp})  # nothing planned (run-time loading): any adapter may come
+    assert runtime.adapted_weights() > attention

@@ -226,6 +226,9 @@ class OmniDiffusionConfig:
     max_cpu_loras: int | None = None  # None: max_loras
     max_lora_rank: int = 128
     allow_runtime_lora: bool = False
+    # The denoiser weights ('<module>.weight') the served adapters adapt, set by the engine when none can be added
+    # at run time: the memory plan counts originals of these only (None: of every 2-D block weight).
+    lora_adapted: tuple[str, ...] | None = None
     # Which queued request runs next (diffusion/engine/policy.py): "fcfs" (arrival), "priority" (a request's
     # `priority`, lower first), "fair" (least estimated work first, with an age bound). Read by the scheduler.
     scheduling_policy: Literal["fcfs", "priority", "fair"] = "fcfs"

@@ -44,6 +44,10 @@ class LoraRegistry:
         self.max_lora_rank = max_lora_rank
         self.adapters: dict[str, str] = {}
         self.versions: dict[str, int] = {}  # name -> the load that served it (LoraRequest.version)
+        self.adapted: dict[str, frozenset[str]] = {}  # name -> the denoiser weights ('<module>.weight') it adapts
+        # The weights the workers' memory plan keeps originals of (None: any): set by the engine at start when no
+        # adapter can be loaded at run time; an adapter added later (offline, by path) must adapt no other.
+        self.planned: frozenset[str] | None = None
         self._loads = itertools.count(1)
         self._lock = threading.Lock()
         self._weights: dict[str, tuple[int, ...]] | None = None
@@ -72,8 +76,14 @@ class LoraRegistry:
             self._weights = shapes
         return self._weights
 
-    def check(self, name: str, path: str) -> None:
-        """Refuse an adapter that cannot serve here (RequestError naming `lora_path`), before any worker reads it."""
+    def adapted_weights(self) -> frozenset[str]:
+        """Every denoiser weight ('<module>.weight') a served adapter adapts: what the workers keep originals of."""
+        with self._lock:
+            return frozenset().union(*self.adapted.values())
+
+    def check(self, name: str, path: str) -> frozenset[str]:
+        """Refuse an adapter that cannot serve here (RequestError naming `lora_path`), before any worker reads it;
+        return the denoiser weights ('<module>.weight') it adapts."""
         if not self.supported:
             raise RequestError(
                 f"{self.diffusers_class} has no diffusers LoRA loader: adapters cannot be served", "lora"
@@ -91,6 +101,7 @@ class LoraRegistry:
         if not state:
             raise RequestError(f"adapter {name!r}: {path} holds no LoRA weights", "lora_path")
         shapes = self.weight_shapes()
+        adapted = set()
         for key, tensor in sorted(state.items()):
             prefix, _, rest = key.partition(".")
             module, kind, _ = rest.partition(".lora_")
@@ -100,6 +111,7 @@ class LoraRegistry:
                     "linear layer of the denoiser (an adapter for another model?)",
                     "lora_path",
                 )
+            adapted.add(f"{module}.weight")
             out_features, in_features = shapes[f"{module}.weight"]
             if key.endswith("lora_A.weight"):
                 rank, width = tensor.shape[0], tensor.shape[-1]
@@ -119,6 +131,7 @@ class LoraRegistry:
                     "model size?)",
                     "lora_path",
                 )
+        return frozenset(adapted)
 
     def load(self, name: str, path: str) -> None:
         """Serve `path` as `name` (checked first); a name already served is refused."""
@@ -129,12 +142,21 @@ class LoraRegistry:
         with self._lock:
             if name in self.adapters:
                 raise RequestError(f"adapter {name!r} is already loaded (from {self.adapters[name]})", "lora_name")
-        self.check(name, path)
+        adapted = self.check(name, path)
+        if self.planned is not None and not adapted <= self.planned:
+            outside = sorted(adapted - self.planned)
+            raise RequestError(
+                f"adapter {name!r} adapts {len(outside)} weight(s) the served adapters do not ({outside[0]} first): "
+                "the memory plan keeps originals of those only; serve it with --lora-modules, or start with "
+                "--allow-runtime-lora (which plans for any)",
+                "lora_path",
+            )
         with self._lock:
             if name in self.adapters:  # loaded by another caller while this one was checked
                 raise RequestError(f"adapter {name!r} is already loaded (from {self.adapters[name]})", "lora_name")
             self.adapters[name] = str(Path(path).resolve())
             self.versions[name] = next(self._loads)
+            self.adapted[name] = adapted
 
     def unload(self, name: str) -> None:
         """Stop serving `name`: a request naming it from now on gets LoraNotFound; requests already accepted
@@ -143,6 +165,7 @@ class LoraRegistry:
             if self.adapters.pop(name, None) is None:
                 raise LoraNotFound(f"adapter {name!r} is not loaded", "lora_name")
             self.versions.pop(name, None)
+            self.adapted.pop(name, None)
 
     def resolve(self, lora: Any) -> LoraRequest | None:
         """A request's `lora` (a served adapter's name, or {"name", "scale"}; offline also {"name", "path",

@@ -148,6 +148,10 @@ class DiffusionEngine:
         )
         if config.lora_modules and not self.adapters.supported:
             raise ValueError(f"--lora-modules: {self.spec.diffusers_class} has no diffusers LoRA loader")
+        if config.lora_modules and not config.allow_runtime_lora:
+            # The workers plan originals of what these adapters adapt; an adapter added later must fit that plan.
+            self.adapters.planned = self.adapters.adapted_weights()
+            config.lora_adapted = tuple(sorted(self.adapters.planned))
         self._preprocessor = RequestPreprocessor(
             self.spec, self.limits, self.model_path, config.cache, self.adapters.resolve
         )

@@ -14,8 +14,9 @@ them under Ulysses). What is on the GPU at once depends on `--cpu-offload`:
   the budget leaves beyond that (less a tenth, `RESIDENT_HEADROOM`) keeps as many of the denoisers'
   blocks resident (`resident_blocks`): each one kept is one fewer streamed over PCIe at every forward.
 
-With LoRA adapters served, a copy of every 2-D weight of the denoisers' blocks is planned too (the originals the
-merge restores from, worker/lora.py).
+With LoRA adapters served, a copy of the weights they adapt is planned too (the originals the merge restores from,
+worker/lora.py): those the served adapters adapt when none can be added at run time (the engine passes them down,
+`lora_adapted`), else every 2-D weight of the denoisers' blocks.
 
 The budget is `gpu_memory_utilization` of the device, and no more than is free when the rank
 starts. A plan that does not fit refuses the deploy, saying by how much and which settings fit.
@@ -62,7 +63,7 @@ class ComponentWeights:
     total: int
     blocks: tuple[int, ...] = ()  # bytes of each direct child block (`transformer_blocks.7`), for layerwise
     largest_layer: int = 0  # bytes of its largest module's own tensors (a leaf-level group)
-    block_matrices: int = 0  # bytes of the 2-D weights inside its blocks: what LoRA adapters may adapt
+    block_matrices: int = 0  # bytes of what LoRA adapters may adapt: its blocks' 2-D weights, or the adapted ones
 
     def layerwise(self, block_level: bool) -> int:
         """On the GPU at once under group offloading: at block level the non-block weights and two blocks, at
@@ -176,10 +177,13 @@ def header_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()}
 
 
-def component_weights(folder: Path, name: str, dtype_bytes: int, fp8_reason: Any | None = None) -> ComponentWeights:
+def component_weights(
+    folder: Path, name: str, dtype_bytes: int, fp8_reason: Any | None = None, adapted: frozenset[str] | None = None
+) -> ComponentWeights:
     """The weights of the component in `folder` (its *.safetensors), floating tensors at `dtype_bytes`
     each. `fp8_reason(layer, in, out)`: FP8Rule.bf16_reason_by_shape for a denoiser served in FP8 (a
-    converted weight is one byte per element and a float32 scale per row)."""
+    converted weight is one byte per element and a float32 scale per row). `adapted`: the tensors LoRA adapters
+    adapt (their `block_matrices`; None: every 2-D weight of the blocks)."""
     total = 0
     blocks: dict[str, int] = {}
     layers: dict[str, int] = {}
@@ -195,11 +199,13 @@ def component_weights(folder: Path, name: str, dtype_bytes: int, fp8_reason: Any
             total += size
             layers[layer] = layers.get(layer, 0) + size
             parts = tensor.split(".")
-            if len(parts) > 2 and parts[1].isdigit():  # a block of a ModuleList child: group offloading's unit
+            in_block = len(parts) > 2 and parts[1].isdigit()  # a block of a ModuleList child: group offloading's unit
+            if in_block:
                 key = f"{parts[0]}.{parts[1]}"
                 blocks[key] = blocks.get(key, 0) + size
-                if kind == "weight" and len(shape) == 2 and dtype in _FLOAT:
-                    matrices += size
+            adaptable = tensor in adapted if adapted is not None else in_block and kind == "weight" and len(shape) == 2
+            if adaptable and dtype in _FLOAT:
+                matrices += size
     return ComponentWeights(name, total, tuple(blocks.values()), max(layers.values(), default=0), matrices)
 
 
@@ -230,11 +236,14 @@ def plan_for_checkpoint(
     utilization: float,
     pixels: int = 0,
     lora: bool = False,
+    lora_adapted: Iterable[str] | None = None,
 ) -> MemoryPlan:
-    """The plan of a rank that loads `components` of the checkpoint at `path` (see the module doc)."""
+    """The plan of a rank that loads `components` of the checkpoint at `path` (see the module doc).
+    `lora_adapted`: the denoiser weights the served adapters adapt (None: any of their blocks' 2-D weights)."""
     denoisers = frozenset(denoisers)
+    adapted = frozenset(lora_adapted) if lora_adapted is not None else None
     held = [
-        component_weights(path / name, name, dtype_bytes, fp8_reason if name in denoisers else None)
+        component_weights(path / name, name, dtype_bytes, *((fp8_reason, adapted) if name in denoisers else ()))
         for name in components
     ]
     weights = tuple(c for c in held if c.total)  # the scheduler and tokenizers hold none
@@ -321,6 +330,7 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
             utilization=config.gpu_memory_utilization,
             pixels=tokens * spec.token_side**2 if spec.modality == "image" else 0,
             lora=bool(config.lora_modules or config.allow_runtime_lora),
+            lora_adapted=config.lora_adapted,
         )
 
     chosen = plan()
