@@ -267,3 +267,15 @@ def test_packaged_klein_deploy_has_the_distilled_defaults():
     deploy = load_deploy_config("flux2_klein")
     assert deploy.options["ulysses_degree"] == 8 and deploy.devices == list(range(8))
     assert deploy.default_sampling_params == {"num_inference_steps": 4}
+
+
+def test_a_default_priority_needs_the_priority_policy(tmp_path):
+    """A deploy whose every request would carry a priority the server refuses (400 naming priority) does not start."""
+    yaml = str(write(tmp_path, GOOD.replace("true_cfg_scale: 2.5", "true_cfg_scale: 2.5, priority: 2")))
+    parse = build_parser().parse_args
+    with pytest.raises(ValueError, match="default_sampling_params.priority 2 needs --scheduling-policy priority"):
+        engine_args_from_cli(parse(["serve", "tiny/qwen-image", "--deploy-config", yaml]))
+    engine, deploy = engine_args_from_cli(
+        parse(["serve", "tiny/qwen-image", "--deploy-config", yaml, "--scheduling-policy", "priority"])
+    )
+    assert engine.scheduling_policy == "priority" and deploy.default_sampling_params["priority"] == 2

@@ -42,6 +42,13 @@ def engine_args_from_cli(args: argparse.Namespace) -> tuple[EngineArgs, DeployCo
 
     deploy = load_deploy_config(args.deploy_config) if args.deploy_config else None
     engine = EngineArgs.from_layers(args.model, deploy.options if deploy else {}, EngineArgs.cli_values(args))
+    priority = deploy.default_sampling_params.get("priority", 0) if deploy else 0
+    if priority != 0 and engine.scheduling_policy != "priority":
+        # Every request would carry it and be refused (a 400 naming priority): the start is refused instead.
+        raise ValueError(
+            f"{args.deploy_config}: default_sampling_params.priority {priority!r} needs --scheduling-policy priority "
+            f"(this server would schedule {engine.scheduling_policy})"
+        )
     return engine, deploy
 
 
