@@ -11,6 +11,7 @@ to FP8 keeps the exact SP properties, which hold because activations are scaled 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -358,13 +359,30 @@ def sp_fp8_forward(mask: bool = False, random_padding: bool = False) -> torch.Te
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
 
 
+def cpu_runs_rowwise_fp8() -> bool:
+    """Whether this torch runs FP8 matmuls with a scale per row on the CPU (torch 2.11's takes only one scale a
+    tensor; the project allows torch >= 2.11)."""
+    a, b = torch.ones(16, 32, dtype=torch.float8_e4m3fn), torch.ones(16, 32, dtype=torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    return True
+
+
+needs_cpu_fp8 = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None or not cpu_runs_rowwise_fp8(),
+    reason=f"needs torchao, and torch {torch.__version__} runs no row-wise FP8 matmul on the CPU",
+)
+
+
 @pytest.fixture(scope="module")
 def single_process_outputs():
     with torch.no_grad():
         return {fp8: tiny_transformer(fp8)(**make_inputs())[0] for fp8 in (False, True)}
 
 
-@needs_torchao
+@needs_cpu_fp8
 def test_sp_trim_under_fp8_equals_single_process_of_the_same_fp8_model(single_process_outputs, sp_pool):
     expected, bf16 = single_process_outputs[True], single_process_outputs[False]
     assert not torch.equal(expected, bf16)  # the layers did run in FP8
@@ -374,7 +392,7 @@ def test_sp_trim_under_fp8_equals_single_process_of_the_same_fp8_model(single_pr
         assert torch.equal(out, expected)
 
 
-@needs_torchao
+@needs_cpu_fp8
 @pytest.mark.parametrize("mask", [False, True], ids=["trim", "mask"])
 def test_sp_padding_content_never_reaches_real_tokens_under_fp8(single_process_outputs, sp_pool, mask):
     clean = sp_pool.run(sp_fp8_forward, mask)
@@ -420,8 +438,12 @@ def test_fp8_on_a_gpu_composes_with_compiled_blocks_and_cuda_graphs():
     with device:
         model = QwenImageTransformer2DModel(**dict(QWEN_IMAGE_REAL, num_layers=2)).to(torch.bfloat16).eval()
     inputs = real_inputs(32, device)  # 1024 image tokens, real widths
+    compiled_bf16 = copy.deepcopy(model)
     with torch.inference_mode():
         bf16 = model(**inputs)[0]
+        compile_repeated_blocks(compiled_bf16)
+        bf16_compiled = compiled_bf16(**inputs)[0]
+    del compiled_bf16
     quantize_denoisers({"transformer": model}, "fp8")  # as the runner does, the capability check included
     converted = {n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), TorchAOBaseTensor)}
     assert {collapse(name) for name in converted} == FP8_LAYERS["qwen_image"]
@@ -432,10 +454,15 @@ def test_fp8_on_a_gpu_composes_with_compiled_blocks_and_cuda_graphs():
         captured, replayed = model(**inputs)[0], model(**inputs)[0]
     assert model.sharded_wrapper.captures == 1 and not model.sharded_wrapper.disabled
     assert torch.equal(captured, replayed)
-    assert 0 < relative_error(eager, bf16) < 0.05  # FP8 changes the numbers, a little
-    # Compiled, the activation quantization fuses into the op before it: the same FP8 math, rounded alike
-    # but for a few elements, far closer to eager FP8 than FP8 is to bf16.
-    assert relative_error(replayed, eager) < relative_error(eager, bf16) / 2
+    fp8_error = relative_error(eager, bf16)
+    assert 0 < fp8_error < 0.05  # FP8 changes the numbers, a little
+    # Compiling moves bf16 and FP8 alike: inductor fuses the elementwise ops and keeps their intermediates in
+    # float32 where eager rounds each to bf16 (measured on an H200: 0.41 % in bf16, 0.42 % in FP8, 0.10 % and
+    # 0.12 % with inductor's emulate_precision_casts; a graph replay alone moves nothing). So FP8 adds no error of
+    # its own under compile and graphs: as far from compiled bf16 as eager FP8 is from eager bf16, and moved by
+    # the compile no more than bf16 is.
+    assert relative_error(replayed, bf16_compiled) < 1.5 * fp8_error
+    assert relative_error(replayed, eager) < 1.5 * relative_error(bf16_compiled, bf16)
 
 
 # ---- the benchmark's plumbing (benchmarks/speed_levers.py --tiny) --------------------------------
