@@ -371,8 +371,7 @@ def cpu_runs_rowwise_fp8() -> bool:
 
 
 needs_cpu_fp8 = pytest.mark.skipif(
-    importlib.util.find_spec("torchao") is None or not cpu_runs_rowwise_fp8(),
-    reason=f"needs torchao, and torch {torch.__version__} runs no row-wise FP8 matmul on the CPU",
+    not cpu_runs_rowwise_fp8(), reason=f"torch {torch.__version__} runs no row-wise FP8 matmul on the CPU"
 )
 
 
@@ -382,6 +381,7 @@ def single_process_outputs():
         return {fp8: tiny_transformer(fp8)(**make_inputs())[0] for fp8 in (False, True)}
 
 
+@needs_torchao
 @needs_cpu_fp8
 def test_sp_trim_under_fp8_equals_single_process_of_the_same_fp8_model(single_process_outputs, sp_pool):
     expected, bf16 = single_process_outputs[True], single_process_outputs[False]
@@ -392,6 +392,7 @@ def test_sp_trim_under_fp8_equals_single_process_of_the_same_fp8_model(single_pr
         assert torch.equal(out, expected)
 
 
+@needs_torchao
 @needs_cpu_fp8
 @pytest.mark.parametrize("mask", [False, True], ids=["trim", "mask"])
 def test_sp_padding_content_never_reaches_real_tokens_under_fp8(single_process_outputs, sp_pool, mask):
