@@ -243,7 +243,9 @@ def plan_for_checkpoint(
     denoisers = frozenset(denoisers)
     adapted = frozenset(lora_adapted) if lora_adapted is not None else None
     held = [
-        component_weights(path / name, name, dtype_bytes, *((fp8_reason, adapted) if name in denoisers else ()))
+        component_weights(path / name, name, dtype_bytes, fp8_reason, adapted)  # FP8 and LoRA touch only these
+        if name in denoisers
+        else component_weights(path / name, name, dtype_bytes)
         for name in components
     ]
     weights = tuple(c for c in held if c.total)  # the scheduler and tokenizers hold none
