@@ -44,7 +44,7 @@ def test_a_real_cuda_out_of_memory_fails_the_request_frees_its_memory_and_the_ra
     )  # fmt: skip
     requests: queue.Queue = queue.Queue()
     reports: queue.Queue = queue.Queue()
-    args = (0, config, str(path), f"tcp://127.0.0.1:{_free_port()}", requests, reports, SimpleNamespace(value=0), 0)
+    args = (0, config, str(path), f"tcp://127.0.0.1:{_free_port()}", requests, reports, [-1], 0)
     rank = threading.Thread(target=run_rank, args=args, daemon=True)
     rank.start()
     assert isinstance(reports.get(timeout=300), Ready)

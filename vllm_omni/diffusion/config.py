@@ -151,6 +151,7 @@ QUANTIZATION_METHODS = ("fp8",)
 CACHE_POLICIES = ("first_block",)
 CPU_OFFLOAD_MODES = ("none", "model", "layerwise")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # the queue's order (diffusion/engine/policy.py)
+MAX_NUM_SEQS = 8  # the most requests in flight on a worker group (executor/protocol.py CANCEL_SLOTS holds their flags)
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,9 @@ class OmniDiffusionConfig:
     # Which queued request runs next (diffusion/engine/policy.py): "fcfs" (arrival), "priority" (a request's
     # `priority`, lower first), "fair" (least estimated work first, with an age bound). Read by the scheduler.
     scheduling_policy: Literal["fcfs", "priority", "fair"] = "fcfs"
+    # Requests in flight on one worker group at once: with fair or priority, a queued request that the policy puts
+    # first runs inside the running one from its next step (engine/scheduler.py, worker._serve_request); 1: never.
+    max_num_seqs: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -254,6 +258,10 @@ class OmniDiffusionConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
             )
+        if isinstance(self.max_num_seqs, bool) or not isinstance(self.max_num_seqs, int):
+            raise ValueError(f"max_num_seqs must be an integer, got {self.max_num_seqs!r}")
+        if not 1 <= self.max_num_seqs <= MAX_NUM_SEQS:
+            raise ValueError(f"max_num_seqs must be between 1 and {MAX_NUM_SEQS}, got {self.max_num_seqs}")
         value = self.gpu_memory_utilization
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {value!r}")

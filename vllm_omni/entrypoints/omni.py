@@ -50,6 +50,7 @@ class Omni:
             replicas=args.data_parallel_size,
             batching=args.batching,
             scheduling_policy=args.scheduling_policy,
+            max_num_seqs=args.max_num_seqs,
         )
         self._outputs = threading.local()  # each calling thread's last output
         # The scheduler lives on an event loop of its own, so callers need none.

@@ -163,6 +163,16 @@ def any_rank(flag: bool) -> bool:
     return _agree(flag, dist.ReduceOp.MAX, get_control_group())
 
 
+def any_rank_each(*flags: bool) -> tuple[bool, ...]:
+    """`any_rank` of several flags in one collective (a step's stop and whether a request waits to run inside it)."""
+    group = get_control_group()
+    if group is None:
+        return tuple(bool(flag) for flag in flags)
+    values = torch.tensor([int(bool(flag)) for flag in flags], dtype=torch.int32)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return tuple(bool(value) for value in values.tolist())
+
+
 def every_rank(flag: bool) -> bool:
     """True on every rank only when `flag` is True on all of them (e.g. "every rank captured its graph").
 

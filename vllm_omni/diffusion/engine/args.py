@@ -21,6 +21,7 @@ from vllm_omni.diffusion.config import (
     CPU_OFFLOAD_MODES,
     DTYPES,
     EXECUTOR_BACKENDS,
+    MAX_NUM_SEQS,
     QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
     BatchingConfig,
@@ -374,11 +375,22 @@ class EngineArgs:
         "engine",
         "which waiting request runs next: fcfs (arrival order); priority (the lowest `priority` request field "
         "first, ties by arrival; vLLM's); fair (the least work first, steps x tokens per step x images, but a "
-        "request that 4 later ones have overtaken goes next). A running request is not preempted; YAML "
-        "stages[0].scheduling_policy",
+        "request that 4 later ones have overtaken goes next). With --max-num-seqs above 1, fair and priority "
+        "also run such a request inside the running one, from its next step; YAML stages[0].scheduling_policy",
         QUEUE,
         choices=SCHEDULING_POLICIES,
         default_text="fcfs",
+    )
+    max_num_seqs: int = option(
+        "engine",
+        "requests in flight on one worker group at once (vLLM's name): under fair or priority a queued request "
+        "that goes before the running one runs inside it, from its next denoising step, and the running one then "
+        f"goes on where it was (its image unchanged); 1: a running request is never preempted (at most "
+        f"{MAX_NUM_SEQS}; YAML stages[0].max_num_seqs)",
+        QUEUE,
+        type=positive_int,
+        metavar="N",
+        default_text=lambda f: str(f.default),
     )
     max_batch_size: int = option(
         "batching",

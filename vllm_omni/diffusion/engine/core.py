@@ -333,16 +333,20 @@ class DiffusionEngine:
         return self._preprocessor(params, params.request_id or self.new_request_id(), token)
 
     def step(
-        self, params: GenerationParams | DiffusionRequest, on_progress: ProgressCallback | None = None
+        self,
+        params: GenerationParams | DiffusionRequest,
+        on_progress: ProgressCallback | None = None,
+        interleave: bool = False,
     ) -> DiffusionOutput:
         """Run one request end to end and log the time of each phase.
 
         A `DiffusionRequest` from `preprocess` (the server validates before queueing) is run as is.
-        `on_progress(done, total, phase)` is called, in this thread, as the request starts (0) and
-        as the workers report finished denoising steps ("denoise") or encode tokens ("encode").
+        `on_progress(done, total, phase)` is called as the request starts (0) and as the workers report
+        finished denoising steps ("denoise") or encode tokens ("encode"). `interleave`: run it inside the
+        request the workers are running, from that one's next step (the scheduler's preemption; executor).
         """
         request = params if isinstance(params, DiffusionRequest) else self.preprocess(params)
-        return self._run(request, on_progress)[0]
+        return self._run(request, on_progress, interleave)[0]
 
     def step_batch(
         self, requests: list[DiffusionRequest], on_progress: ProgressCallback | None = None
@@ -355,7 +359,9 @@ class DiffusionEngine:
             raise ValueError("step_batch: these requests cannot share a forward (batch_key differs)")
         return self._run(dataclasses.replace(requests[0], batch=list(requests[1:])), on_progress)
 
-    def _run(self, request: DiffusionRequest, on_progress: ProgressCallback | None) -> list[DiffusionOutput]:
+    def _run(
+        self, request: DiffusionRequest, on_progress: ProgressCallback | None, interleave: bool = False
+    ) -> list[DiffusionOutput]:
         preprocessed = time.perf_counter()
         ids = [row.request_id for row in request.rows]
         with self._id_lock:
@@ -365,7 +371,7 @@ class DiffusionEngine:
                 raise RequestCancelled(f"request {request.request_id} cancelled before it started")
             self._cancel_tokens.update(dict.fromkeys(ids, request.cancel_token))
         try:
-            images = self.executor.execute(request, on_progress)
+            images = self.executor.execute(request, on_progress, interleave)
         finally:
             for request_id in ids:
                 self._cancel_tokens.pop(request_id, None)
@@ -384,7 +390,7 @@ class DiffusionEngine:
             "total": request.preprocess_ms + (done - preprocessed) * 1e3,
         }
         # Inside the workers (rank 0's): encode (text encoded once per SP group), denoise, decode.
-        rank0 = self.executor.rank_stats.get(0)
+        rank0 = self.executor.request_stats.get(0)
         phases = rank0.phase_seconds if rank0 is not None else {}
         timings.update({name: seconds * 1e3 for name, seconds in phases.items()})
         logger.info(
@@ -396,7 +402,7 @@ class DiffusionEngine:
         )
         cache = None
         if self.config.cache is not None:  # every rank's record: under CFG parallel each group has one branch
-            records = [s.step_cache for s in self.executor.rank_stats.values() if s.step_cache is not None]
+            records = [s.step_cache for s in self.executor.request_stats.values() if s.step_cache is not None]
             cache = step_cache_report(self.config.cache.policy, request.cache_threshold, records)
         for output in outputs:
             output.timings_ms = dict(timings)

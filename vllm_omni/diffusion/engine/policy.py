@@ -1,6 +1,7 @@
 """The scheduling policies (`--scheduling-policy`): which queued job runs next on a free replica.
 
-The scheduler (scheduler.py) asks `QueuePolicy.next_head` whenever a replica is free and tells it what started.
+The scheduler (scheduler.py) asks `QueuePolicy.next_head` whenever a replica is free and tells it what started;
+with interleaving it asks `preempts` whether the head runs inside the call in flight.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ MAX_OVERTAKES = 4  # fair: the most jobs queued after a job that may run before 
 
 
 class QueuePolicy:
-    """The order in which queued jobs run; a running job is never preempted.
+    """The order in which queued jobs run, and (with --max-num-seqs > 1) which run inside a running one (`preempts`).
 
     - fcfs: arrival order.
     - priority: the lowest `priority` first (vLLM's field and meaning), ties in arrival order.
@@ -77,6 +78,22 @@ class QueuePolicy:
                 job.overtaken += later
         head = waiting.index(jobs[0])
         return sum(job not in jobs for job in list(waiting)[:head])
+
+    def preempts(self, job: Job, running: list[Job]) -> bool:
+        """Whether queued `job` runs inside `running` (the innermost engine call in flight on a replica), from that
+        call's next denoising step (interleaving, --max-num-seqs > 1): under priority when its priority is lower;
+        under fair when its work is less than what `running` has left and `running` was overtaken fewer than
+        MAX_OVERTAKES times. Never when `running` has fewer than two steps left or is past its steps (the workers
+        take a request only between two steps)."""
+        head = running[0]
+        steps = head.request.num_inference_steps
+        left = steps - steps * head.progress // 100 if head.phase == "denoise" else 0
+        if self.name == "fcfs" or left < 2:
+            return False
+        if self.name == "priority":
+            return job.request.priority < head.request.priority
+        remaining = sum(other.request.work for other in running) * left / steps
+        return head.overtaken < MAX_OVERTAKES and job.request.work < remaining
 
     def describe(self, job: Job) -> str:
         """The policy's reason for running `job` out of arrival order, for the log."""

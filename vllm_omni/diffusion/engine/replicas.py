@@ -25,7 +25,9 @@ class Engine(Protocol):
     spec: Any
 
     def preprocess(self, params: GenerationParams) -> DiffusionRequest: ...
-    def step(self, request: DiffusionRequest, on_progress: ProgressCallback | None = None) -> Any: ...
+    def step(
+        self, request: DiffusionRequest, on_progress: ProgressCallback | None = None, interleave: bool = False
+    ) -> Any: ...
     def step_batch(
         self, requests: list[DiffusionRequest], on_progress: ProgressCallback | None = None
     ) -> list[Any]: ...
@@ -104,15 +106,15 @@ class ReplicaEngines:
                 return detail or "the workers are lost"
         return None
 
-    def begin_shutdown(self, running_ids: list[str | None]) -> None:
-        """Each engine starts nothing new and cancels its running call (`running_ids[i]`: replica i's)."""
+    def begin_shutdown(self, running_ids: list[list[str]]) -> None:
+        """Each engine starts nothing new and cancels its calls in flight (`running_ids[i]`: replica i's)."""
         with self._lock:
             self._closing = True
             engines = list(self._engines)
-        for engine, request_id in zip(engines, running_ids):
+        for engine, request_ids in zip(engines, running_ids):
             if engine is not None:
                 engine.begin_shutdown()
-                if request_id is not None:
+                for request_id in request_ids:
                     engine.cancel(request_id)
 
     async def close(self) -> None:

@@ -88,7 +88,8 @@ class Job:
     exception: BaseException | None = field(default=None, repr=False)  # what its run raised (`Omni` raises it)
     replica: int | None = None  # the replica that runs it, once it runs
     batch_key: tuple | None = None  # jobs with equal keys may share a forward (None: never batched)
-    overtaken: int = 0  # jobs queued after it that started before it (the fair policy's age bound)
+    overtaken: int = 0  # jobs queued after it that started before it, or ran inside it (the fair policy's age bound)
+    call: list[Job] = field(default_factory=list, repr=False)  # the jobs of its engine call (a batch: several)
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _cancel_reason: str | None = field(default=None, repr=False)
 
@@ -179,10 +180,12 @@ class Scheduler:
         replicas: int = 1,
         batching: BatchingConfig | None = None,
         scheduling_policy: str = "fcfs",
+        max_num_seqs: int = 1,
     ) -> None:
         self.limits = limits
         self.batching = batching or BatchingConfig()
         self.policy = QueuePolicy(scheduling_policy)
+        self.max_num_seqs = max_num_seqs  # engine calls in flight on a replica at once (interleaving: > 1)
         self.observer = observer
         self.replicas = replicas
         self.watchdog_interval_s = watchdog_interval_s
@@ -192,10 +195,11 @@ class Scheduler:
         self._loaded = False  # the first load finished; later restarts do not reset it
         self._load_error: str | None = None
         self._load_failure: BaseException | None = None  # what the load raised
-        self._step_thread = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="engine-step")
+        self._step_thread = ThreadPoolExecutor(max_workers=replicas * max_num_seqs, thread_name_prefix="engine-step")
         self._waiting: deque[Job] = deque()
         self._reserved = 0  # submits past the capacity check, still in the engine's checks
-        self._running: list[list[Job]] = [[] for _ in range(replicas)]  # each replica's jobs (a batch: several)
+        # Each replica's engine calls in flight, outermost first: one, or with interleaving those run inside it.
+        self._calls: list[list[list[Job]]] = [[] for _ in range(replicas)]
         self._jobs: dict[str, Job] = {}
         self._finished: deque[str] = deque()
         self._run_seconds: deque[float] = deque(maxlen=16)  # recent run times, for Retry-After
@@ -215,6 +219,8 @@ class Scheduler:
             asyncio.create_task(self._load_engine(), name="load-engine"),
             *(asyncio.create_task(self._consume(i), name=f"consume-queue-{i}") for i in range(self.replicas)),
         ]
+        if self.max_num_seqs > 1 and self.policy.name != "fcfs":
+            self._tasks.append(asyncio.create_task(self._interleave(), name="interleave"))
         if self.watchdog_interval_s is not None:
             self._tasks.append(asyncio.create_task(self._watchdog(), name="watchdog"))
 
@@ -277,7 +283,7 @@ class Scheduler:
         while self._waiting:
             job = self._waiting.popleft()
             self._finish(job, "cancelled", error=JobError("shutting_down", "the server is shutting down; not run"))
-        self._engines.begin_shutdown([jobs[0].id if jobs else None for jobs in self._running])
+        self._engines.begin_shutdown([[call[0].id for call in calls] for calls in self._calls])
 
     def begin_shutdown_threadsafe(self) -> None:
         """`begin_shutdown` from another thread (a signal handler)."""
@@ -287,7 +293,7 @@ class Scheduler:
     async def stop(self, grace_s: float = 30.0) -> None:
         """Shut down: give the running jobs `grace_s` to stop, then close the engines and their workers."""
         self.begin_shutdown()
-        running = [job for jobs in self._running for job in jobs]
+        running = self._running_jobs()
         if running:
             try:
                 await asyncio.wait_for(asyncio.gather(*(job.wait() for job in running)), grace_s)
@@ -307,7 +313,12 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return sum(len(jobs) for jobs in self._running)
+        return len(self._running_jobs())
+
+    def _running_jobs(self, replica: int | None = None) -> list[Job]:
+        """The jobs in flight (on `replica`), outermost call first."""
+        replicas = self._calls if replica is None else [self._calls[replica]]
+        return [job for calls in replicas for call in calls for job in call]
 
     def health(self) -> Health:
         """The server's state: ok only while work is taken (one replica up and warm is enough); else why not."""
@@ -329,9 +340,7 @@ class Scheduler:
 
     def replica_states(self) -> list[tuple[Health, list[Job], Engine | None]]:
         """Each replica's health, running jobs and engine (None while it is created), for the metrics."""
-        return [
-            (self._replica_health(engine), list(jobs), engine) for engine, jobs in zip(self._engines, self._running)
-        ]
+        return [(self._replica_health(engine), self._running_jobs(i), engine) for i, engine in enumerate(self._engines)]
 
     def _replica_health(self, engine: Engine | None) -> Health:
         if engine is None:
@@ -383,7 +392,7 @@ class Scheduler:
     def retry_after_s(self) -> int:
         """Seconds until a place in the queue is likely free: what the running job has left, about."""
         typical = sum(self._run_seconds) / len(self._run_seconds) if self._run_seconds else 1.0
-        started = [job.started_at for jobs in self._running for job in jobs if job.started_at]
+        started = [job.started_at for job in self._running_jobs() if job.started_at]
         elapsed = time.time() - min(started) if started else 0.0
         return max(1, min(3600, math.ceil(typical - elapsed)))
 
@@ -455,7 +464,7 @@ class Scheduler:
             logger.info("Request %s dropped from the queue: %s", job.id, reason)
             self._finish(job, "cancelled", error=JobError("cancelled", f"cancelled before it ran: {reason}"))
         else:
-            batch = self._running[job.replica]
+            batch = job.call
             if any(other._cancel_reason is None for other in batch):
                 # Its batch goes on for the others: this job ends now, its rows are dropped from the call's answer.
                 logger.info("Request %s: %s; its batch goes on without it", job.id, reason)
@@ -489,51 +498,81 @@ class Scheduler:
     async def _consume(self, replica: int) -> None:
         """Replica `replica`'s consumer: the next job in the queue (and those batched with it), one call at a
         time, in a step thread (`engine.step` blocks); the first idle replica takes the head of the queue."""
-        loop = asyncio.get_running_loop()
         while True:
             jobs, overtook = await self._next_jobs()
-            self._running[replica] = jobs
-            started = time.time()
-            for job in jobs:
-                job.status, job.started_at, job.replica = "in_progress", started, replica
-            where = f" on replica {replica}" if self.replicas > 1 else ""
-            batched = f" with {', '.join(job.id for job in jobs[1:])} (a batch of {len(jobs)})" if len(jobs) > 1 else ""
+            while self._calls[replica]:  # a call sent late to run inside the last one still runs
+                self._wakeup.clear()
+                await self._wakeup.wait()
             order = f"; {self.policy.describe(jobs[0])}, overtook {overtook}" if overtook else ""
-            logger.info(
-                "Request %s running%s%s (%.2f s in the queue%s)",
-                jobs[0].id,
-                where,
-                batched,
-                started - jobs[0].created_at,
-                order,
-            )
-            try:
-                outputs = await loop.run_in_executor(self._step_thread, self._step, jobs)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the jobs fail, the scheduler goes on
-                for job in jobs:
-                    if not job.finished:
-                        self._fail(job, exc)
-            else:
-                self._run_seconds.append(time.time() - started)
-                for job, output in zip(jobs, outputs):
-                    if job.finished:  # cancelled while its batch ran
-                        continue
-                    self._finish(job, "completed", result=output)
-                    logger.info(
-                        "Request %s done: size=%dx%d, steps=%d, seed=%d, n=%d, %.2f s (%.2f s queued)",
-                        job.id,
-                        output.width,
-                        output.height,
-                        job.request.num_inference_steps,
-                        output.seed,
-                        len(output.images),
-                        job.completed_at - job.created_at,
-                        job.started_at - job.created_at,
-                    )
-            finally:
-                self._running[replica] = []
+            await self._run_call(replica, jobs, order)
+
+    async def _interleave(self) -> None:
+        """Interleaving (fair and priority, max_num_seqs > 1): a queued job that the policy puts before the innermost
+        call in flight on a replica runs inside it, from that call's next denoising step; the call goes on after."""
+        while True:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+            if any(not calls for calls in self._calls):
+                continue  # an idle replica takes the queue's head
+            for replica, calls in enumerate(self._calls):
+                if not self._waiting or len(calls) >= self.max_num_seqs:
+                    continue
+                head, running = self.policy.next_head(self._waiting), calls[-1]
+                if not self.policy.preempts(head, running):
+                    continue
+                jobs = [head]  # alone: a call run inside another is not batched
+                self.policy.started(jobs, self._waiting)
+                self._waiting.remove(head)
+                for job in running:
+                    job.overtaken += 1
+                reason = f"; {self.policy.describe(head)}, inside {running[0].id} (at {running[0].progress}%)"
+                asyncio.create_task(self._run_call(replica, jobs, reason, interleave=True), name=f"inside-{head.id}")
+
+    async def _run_call(self, replica: int, jobs: list[Job], order: str, interleave: bool = False) -> None:
+        """Run `jobs` as one engine call on `replica` (inside its calls in flight when `interleave`) and finish them."""
+        loop = asyncio.get_running_loop()
+        self._calls[replica].append(jobs)
+        started = time.time()
+        for job in jobs:
+            job.status, job.started_at, job.replica, job.call = "in_progress", started, replica, jobs
+        where = f" on replica {replica}" if self.replicas > 1 else ""
+        batched = f" with {', '.join(job.id for job in jobs[1:])} (a batch of {len(jobs)})" if len(jobs) > 1 else ""
+        logger.info(
+            "Request %s running%s%s (%.2f s in the queue%s)",
+            jobs[0].id,
+            where,
+            batched,
+            started - jobs[0].created_at,
+            order,
+        )
+        try:
+            outputs = await loop.run_in_executor(self._step_thread, self._step, jobs, interleave)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the jobs fail, the scheduler goes on
+            for job in jobs:
+                if not job.finished:
+                    self._fail(job, exc)
+        else:
+            self._run_seconds.append(time.time() - started)
+            for job, output in zip(jobs, outputs):
+                if job.finished:  # cancelled while its batch ran
+                    continue
+                self._finish(job, "completed", result=output)
+                logger.info(
+                    "Request %s done: size=%dx%d, steps=%d, seed=%d, n=%d, %.2f s (%.2f s queued)",
+                    job.id,
+                    output.width,
+                    output.height,
+                    job.request.num_inference_steps,
+                    output.seed,
+                    len(output.images),
+                    job.completed_at - job.created_at,
+                    job.started_at - job.created_at,
+                )
+        finally:
+            self._calls[replica].remove(jobs)
+            self._wakeup.set()  # the replica may be free, or its innermost call changed
 
     async def _next_jobs(self) -> tuple[list[Job], int]:
         """Take the job the policy runs next and the queued jobs that can share its forwards (up to
@@ -593,7 +632,7 @@ class Scheduler:
             logger.error("Request %s failed: %s: %s", job.id, type(exc).__name__, exc, exc_info=exc)
             self._finish(job, "failed", error=JobError("server_error", f"generation failed: {one_line(exc)}"))
 
-    def _step(self, jobs: list[Job]) -> list[DiffusionOutput]:
+    def _step(self, jobs: list[Job], interleave: bool = False) -> list[DiffusionOutput]:
         if all(job._cancel_reason is not None for job in jobs):
             raise RequestCancelled(f"request {jobs[0].id} cancelled before it started")
 
@@ -610,6 +649,8 @@ class Scheduler:
                 steps["done"] = done
 
         engine = self._engines[jobs[0].replica]
+        if interleave:
+            return [engine.step(jobs[0].request, on_progress=on_progress, interleave=True)]
         if len(jobs) == 1:
             return [engine.step(jobs[0].request, on_progress=on_progress)]
         return engine.step_batch([job.request for job in jobs], on_progress=on_progress)

@@ -4,7 +4,9 @@ DiffusionEngine runs each request through it on every rank and gets rank 0's ima
 multiproc.MultiprocExecutor starts one worker process per rank on this machine, ray.RayExecutor
 one Ray actor per rank; both run worker.run_rank, whose reports are the types of protocol.py.
 
-One request runs at a time (the engine queues them). Every wait on the workers has a deadline
+One request runs at a time (the engine queues them), except that a request may be sent to run inside the
+running one (`execute(interleave=True)`, worker._serve_request): the thread that runs the outer one reads
+every report and hands each request its own. Every wait on the workers has a deadline
 (OmniDiffusionConfig): every rank must load within `load_timeout_s`, and a request fails when no
 rank has reported progress for `stall_timeout_s`. A missed deadline, a dead worker, or ranks still
 busy after another rank failed fail the request in flight and restart the whole group (its process
@@ -25,11 +27,12 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.diffusion.config import OmniDiffusionConfig
 from vllm_omni.diffusion.executor.protocol import (
+    CANCEL_SLOTS,
     Cancelled,
     Done,
     Failed,
@@ -104,6 +107,59 @@ class ExecutorStatus:
         return body
 
 
+@dataclass(eq=False)
+class _Flight:
+    """One request in flight on the group: its ranks' reports so far, then how it ended."""
+
+    request: DiffusionRequest
+    on_progress: ProgressCallback | None
+    world_size: int
+    replies: dict[int, Done | Failed | Cancelled] = field(default_factory=dict)
+    steps: dict[int, Progress] = field(default_factory=dict)
+    stats: dict[int, Stats] = field(default_factory=dict)
+    stuck_after: float = math.inf  # when ranks still busy after another rank's error count as stuck
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def progress(self, report: Progress) -> None:
+        if report.rank != 0 or self.on_progress is None:
+            return
+        try:
+            self.on_progress(report.done, report.total, report.phase)
+        except Exception:  # noqa: BLE001 - a broken callback must not break the request
+            logger.exception("Progress callback failed for %s; not called again", self.request.request_id)
+            self.on_progress = None
+
+    def where(self) -> str:
+        return ", ".join(
+            f"rank {rank} {'finished' if rank in self.replies else _step_text(self.steps.get(rank))}"
+            for rank in range(self.world_size)
+        )
+
+    def end(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.finished.set()
+
+    def outcome(self) -> Any:
+        """Rank 0's images, or raise how the request ended."""
+        if self.error is not None:
+            raise self.error
+        replies = self.replies
+        if all(isinstance(reply, Done) for reply in replies.values()):
+            return replies[0].images
+        failures = [reply for reply in replies.values() if isinstance(reply, Failed)]
+        if failures:
+            failed = failures[0]
+            if isinstance(failed.error, RequestError):  # the client's mistake, found in a worker (a damaged image)
+                raise failed.error
+            ooms = [reply for reply in failures if reply.out_of_memory]
+            if ooms:  # one rank, or every rank at an agreed point: the group serves on
+                # The lowest rank: at the prompt encoding, the one that encoded (its peers got a copy).
+                raise out_of_memory_error(self.request, min(ooms, key=lambda reply: reply.rank), restarting=False)
+            raise RequestFailed(failed.error)
+        raise RequestCancelled(replies[0].reason if isinstance(replies[0], Cancelled) else "cancelled")
+
+
 class WorkerGroupExecutor:
     """A group of ranks; requests go to all of them, rank 0's result comes back.
 
@@ -136,6 +192,13 @@ class WorkerGroupExecutor:
         # Each rank's figures from its last finished request (the engine and the metrics read them;
         # no worker is asked).
         self.rank_stats: dict[int, Stats] = {}
+        # The requests in flight, outermost first (interleaving nests them); the thread holding _lock reads their
+        # reports, the others wait on their flight.
+        self._flights: dict[str, _Flight] = {}
+        self._flights_lock = threading.Lock()
+        self._last_progress = time.monotonic()  # the group's last report about any request in flight
+        self._thread = threading.local()
+        self._cancelled: list[int] = []  # cancel tokens flagged on the ranks, oldest first
 
     # ---- what a kind of group supplies -------------------------------------------------------
 
@@ -165,9 +228,23 @@ class WorkerGroupExecutor:
     def _release(self) -> None:
         """After shutdown killed the group: free what the executor holds besides its ranks."""
 
-    def cancel(self, cancel_token: int) -> None:
-        """Flag the request with this cancel token on every rank; they stop together at the next step."""
+    def _flag_cancels(self, cancel_tokens: list[int]) -> None:
+        """Make `cancel_tokens` (at most CANCEL_SLOTS, -1 padded) what every rank reads as cancelled."""
         raise NotImplementedError
+
+    def cancel(self, cancel_token: int) -> None:
+        """Flag the request with this cancel token on every rank; they stop together at its next step (a request
+        suspended while another runs inside it sees the flag as it resumes: it stays until the request ends)."""
+        with self._flights_lock:
+            self._cancelled = [token for token in self._cancelled if token != cancel_token][1 - CANCEL_SLOTS :]
+            self._cancelled.append(cancel_token)
+            self._flag_cancels(self._cancelled + [-1] * (CANCEL_SLOTS - len(self._cancelled)))
+
+    def _forget_cancel(self, cancel_token: int) -> None:
+        """The request with this token ended: its flag goes (needs self._flights_lock)."""
+        if cancel_token in self._cancelled:
+            self._cancelled.remove(cancel_token)
+            self._flag_cancels(self._cancelled + [-1] * (CANCEL_SLOTS - len(self._cancelled)))
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -374,15 +451,26 @@ class WorkerGroupExecutor:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def execute(self, request: DiffusionRequest, on_progress: ProgressCallback | None = None) -> Any:
+    def execute(
+        self, request: DiffusionRequest, on_progress: ProgressCallback | None = None, interleave: bool = False
+    ) -> Any:
         """Run `request` on every rank and return rank 0's images.
 
-        `on_progress(done, total, phase)` is called in this thread as rank 0 reports the start (0),
-        each finished denoising step, and the tokens of a family's encode stage ("encode"). Raises
-        RequestFailed when the request fails (the group is restarted when it was left dead, stuck or
-        hung past `stall_timeout_s`), RequestCancelled when it was cancelled or the executor is
-        shutting down (begin_shutdown() or shutdown()).
+        `on_progress(done, total, phase)` is called as rank 0 reports the start (0), each finished
+        denoising step, and the tokens of a family's encode stage ("encode"). Raises RequestFailed when
+        the request fails (the group is restarted when it was left dead, stuck or hung past
+        `stall_timeout_s`), RequestCancelled when it was cancelled or the executor is shutting down
+        (begin_shutdown() or shutdown()).
+
+        `interleave`: while the group runs other requests, send this one at once; the ranks run it inside
+        the running one, from that one's next step (worker._serve_request), and this thread waits for it. A
+        restart fails every request in flight. Without it (or on an idle group) the request waits its turn.
         """
+        flight = self._join_running(request, on_progress) if interleave else None
+        if flight is not None:
+            flight.finished.wait()
+            self._thread.stats = flight.stats
+            return flight.outcome()
         with self._lock:
             if self._stopping.is_set():
                 raise RequestCancelled(f"request {request.request_id} not run: the engine is shutting down")
@@ -394,85 +482,125 @@ class WorkerGroupExecutor:
                     self._restart_locked(f"worker rank {dead[0]} {dead[1]}")
                 self._await_ready(math.inf)
                 self._group_idle = False
-                self._send_request(request)
                 return self._collect(request, on_progress)
             except _ShutDown:
                 raise RequestCancelled(f"request {request.request_id} stopped: the engine is shutting down") from None
             except WorkerStartError as exc:
                 raise RequestFailed(f"the workers could not be started: {exc}") from exc
 
+    @property
+    def request_stats(self) -> dict[int, Stats]:
+        """Each rank's figures for the request this thread's last `execute` ran (`rank_stats` is the group's latest)."""
+        return getattr(self._thread, "stats", {})
+
+    def _join_running(self, request: DiffusionRequest, on_progress: ProgressCallback | None) -> _Flight | None:
+        """Send `request` to run inside the requests in flight and return its flight; None when none is in flight."""
+        with self._flights_lock:
+            if not self._flights or self._stopping.is_set():
+                return None
+            flight = self._flights[request.request_id] = _Flight(request, on_progress, self.world_size)
+            self._send_request(request)
+            logger.info("Request %s sent to run inside %s", request.request_id, ", ".join(list(self._flights)[:-1]))
+            return flight
+
     def _collect(self, request: DiffusionRequest, on_progress: ProgressCallback | None) -> Any:
+        """Send `request` and read the group's reports (needs self._lock) until it and every request sent to run
+        inside it have ended; returns its images or raises how it ended."""
+        flight = _Flight(request, on_progress, self.world_size)
+        with self._flights_lock:
+            self._flights[request.request_id] = flight
+            self._send_request(request)
+        self._last_progress = time.monotonic()
+        try:
+            while True:
+                with self._flights_lock:
+                    if not self._flights:
+                        break
+                self._read_report()
+        except Exception as exc:
+            self._end_flights(exc)  # a restart, a shutdown: no request is left in flight
+            if isinstance(exc, _ShutDown) or flight.error is exc:
+                raise
+            if flight.error is not None:  # it was in flight when a request run inside it failed the group
+                raise flight.error from exc
+            # It had ended before a request sent to run inside it (too late, so after it) failed the group.
+        finally:
+            self._group_idle = not self._flights
+        self._thread.stats = flight.stats
+        return flight.outcome()
+
+    def _read_report(self) -> None:
+        """One report (or a poll's wait) for the requests in flight, with the group's deadlines checked first."""
+        if self._closing.is_set():
+            raise _ShutDown()
+        now = time.monotonic()
+        flights = list(self._flights.values())
+        for flight in flights:
+            if now > flight.stuck_after:  # the first error is the cause; the ranks left waiting are its effect
+                cause = next(reply for reply in flight.replies.values() if isinstance(reply, Failed))
+                busy = sorted(set(range(self.world_size)) - set(flight.replies))
+                self._fail_hung(flight.request, f"failed ({cause.error}) and rank(s) {busy} did not finish", cause)
         stall_s = self.config.stall_timeout_s
-        replies: dict[int, Done | Failed | Cancelled] = {}
-        steps: dict[int, Progress | None] = dict.fromkeys(range(self.world_size))
-        last_progress = time.monotonic()
-        stuck_after = math.inf  # when ranks still busy after another rank's error count as stuck
-        while len(replies) < self.world_size:
-            if self._closing.is_set():
-                raise _ShutDown()
-            now = time.monotonic()
-            if now > stuck_after:  # the first error is the cause; the ranks left waiting are its effect
-                cause = next(reply for reply in replies.values() if isinstance(reply, Failed))
-                busy = sorted(set(range(self.world_size)) - set(replies))
-                self._fail_hung(request, f"failed ({cause.error}) and rank(s) {busy} did not finish", cause)
-            if now - last_progress > stall_s:
-                where = ", ".join(
-                    f"rank {rank} {'finished' if rank in replies else _step_text(step)}" for rank, step in steps.items()
+        if now - self._last_progress > stall_s:
+            where = "; ".join(f"{flight.request.request_id}: {flight.where()}" for flight in flights)
+            self._fail_hung(flights[-1].request, f"made no progress for {stall_s:g} s (stall_timeout_s): {where}")
+        try:
+            report = self._next_report(POLL_S)
+        except queue.Empty:
+            dead = self._dead_worker()
+            if dead is not None:
+                rank, how = dead
+                self._restart_locked(f"worker rank {rank} {how} during {', '.join(self._flights)}")
+                raise RequestFailed(
+                    f"a worker died while running the request (rank {rank} {how}); the workers are restarting"
+                ) from None
+            return
+        flight = self._flights.get(report.request_id) if isinstance(report, RequestReport) else None
+        if flight is None:
+            return  # a late message about an earlier request
+        self._last_progress = time.monotonic()
+        match report:
+            case GraphCaptureFailed(rank=rank, reason=reason):
+                self.graph_capture_failures += 1
+                self.last_graph_capture_failure = f"rank {rank}: {reason}"
+                logger.warning("CUDA graph capture failed on rank %d during %s: %s", rank, report.request_id, reason)
+            case Stats():
+                self.rank_stats[report.rank] = flight.stats[report.rank] = report
+            case Progress():
+                flight.steps[report.rank] = report
+                flight.progress(report)
+            case Done() | Failed() | Cancelled():
+                flight.replies[report.rank] = report
+                if isinstance(report, Failed) and flight.stuck_after == math.inf:
+                    flight.stuck_after = self._last_progress + min(STUCK_AFTER_ERROR_S, stall_s)
+                if isinstance(report, Failed) and _restarts_group(report, self.world_size):
+                    # Its peers may be inside a collective it left: no waiting for them to get stuck.
+                    self._restart_locked(f"request {report.request_id} ran out of memory on rank {report.rank}")
+                    raise out_of_memory_error(flight.request, report, restarting=True)
+                if len(flight.replies) == self.world_size:
+                    with self._flights_lock:
+                        del self._flights[report.request_id]
+                        self._forget_cancel(flight.request.cancel_token)
+                    flight.end()
+
+    def _end_flights(self, error: BaseException) -> None:
+        """Every request still in flight ends with `error` (the one whose failure restarted the group), or with a
+        RequestFailed saying the group restarted under it."""
+        with self._flights_lock:
+            flights, self._flights = list(self._flights.values()), {}
+            for flight in flights:
+                self._forget_cancel(flight.request.cancel_token)
+        for flight in flights:
+            if isinstance(error, _ShutDown):
+                why = RequestCancelled(f"request {flight.request.request_id} stopped: the engine is shutting down")
+            elif flight is flights[-1] or isinstance(error, RequestCancelled):
+                why = error
+            else:
+                why = RequestFailed(
+                    f"request {flight.request.request_id} was in flight when another failed the group ({error}); "
+                    "the workers are restarting"
                 )
-                self._fail_hung(request, f"made no progress for {stall_s:g} s (stall_timeout_s): {where}")
-            try:
-                report = self._next_report(POLL_S)
-            except queue.Empty:
-                dead = self._dead_worker()
-                if dead is not None:
-                    rank, how = dead
-                    self._restart_locked(f"worker rank {rank} {how} during {request.request_id}")
-                    raise RequestFailed(
-                        f"a worker died while running the request (rank {rank} {how}); the workers are restarting"
-                    ) from None
-                continue
-            if not isinstance(report, RequestReport) or report.request_id != request.request_id:
-                continue  # a late message about an earlier request
-            last_progress = time.monotonic()
-            match report:
-                case GraphCaptureFailed(rank=rank, reason=reason):
-                    self.graph_capture_failures += 1
-                    self.last_graph_capture_failure = f"rank {rank}: {reason}"
-                    logger.warning(
-                        "CUDA graph capture failed on rank %d during %s: %s", rank, request.request_id, reason
-                    )
-                case Stats():
-                    self.rank_stats[report.rank] = report
-                case Progress():
-                    steps[report.rank] = report
-                    if report.rank == 0 and on_progress is not None:
-                        try:
-                            on_progress(report.done, report.total, report.phase)
-                        except Exception:  # noqa: BLE001 - a broken callback must not break the request
-                            logger.exception("Progress callback failed for %s; not called again", request.request_id)
-                            on_progress = None
-                case Done() | Failed() | Cancelled():
-                    replies[report.rank] = report
-                    if isinstance(report, Failed) and stuck_after == math.inf:
-                        stuck_after = last_progress + min(STUCK_AFTER_ERROR_S, stall_s)
-                    if isinstance(report, Failed) and _restarts_group(report, self.world_size):
-                        # Its peers may be inside a collective it left: no waiting for them to get stuck.
-                        self._restart_locked(f"request {request.request_id} ran out of memory on rank {report.rank}")
-                        raise out_of_memory_error(request, report, restarting=True)
-        self._group_idle = True
-        if all(isinstance(reply, Done) for reply in replies.values()):
-            return replies[0].images
-        failures = [reply for reply in replies.values() if isinstance(reply, Failed)]
-        if failures:
-            failed = failures[0]
-            if isinstance(failed.error, RequestError):  # the client's mistake, found in a worker (a damaged image)
-                raise failed.error
-            ooms = [reply for reply in failures if reply.out_of_memory]
-            if ooms:  # one rank, or every rank at an agreed point: the group serves on
-                # The lowest rank: at the prompt encoding, the one that encoded (its peers got a copy).
-                raise out_of_memory_error(request, min(ooms, key=lambda reply: reply.rank), restarting=False)
-            raise RequestFailed(failed.error)
-        raise RequestCancelled(replies[0].reason if isinstance(replies[0], Cancelled) else "cancelled")
+            flight.end(why)
 
     def _fail_hung(self, request: DiffusionRequest, why: str, cause: Failed | None = None) -> None:
         """The group is stuck in this request: restart it, and fail the request saying why."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_omni.diffusion.config import OmniDiffusionConfig
 from vllm_omni.diffusion.executor.base import WorkerGroupExecutor
-from vllm_omni.diffusion.executor.protocol import RankReport
+from vllm_omni.diffusion.executor.protocol import CANCEL_SLOTS, RankReport
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.worker.worker import worker_main
 
@@ -33,7 +33,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
     def __init__(self, config: OmniDiffusionConfig, model_path: str) -> None:
         super().__init__(config, model_path)
         self._ctx = mp.get_context("spawn")
-        self._cancel_token = self._ctx.Value("q", -1)
+        self._cancel_token = self._ctx.Array("q", [-1] * CANCEL_SLOTS)  # the cancelled requests in flight
         # PR_SET_PDEATHSIG fires when the *thread* that spawned a worker ends: spawn from one that
         # lives as long as the executor, never from a request's or a thread pool's passing thread.
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-spawner")
@@ -103,5 +103,5 @@ class MultiprocExecutor(WorkerGroupExecutor):
     def _release(self) -> None:
         self._spawner.shutdown(wait=False)
 
-    def cancel(self, cancel_token: int) -> None:
-        self._cancel_token.value = cancel_token
+    def _flag_cancels(self, cancel_tokens: list[int]) -> None:
+        self._cancel_token[:] = cancel_tokens

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from vllm_omni.diffusion.config import MAX_NUM_SEQS
 from vllm_omni.diffusion.request import RequestError
 
 if TYPE_CHECKING:
@@ -31,6 +32,11 @@ HEALTH_STATES: tuple[HealthState, ...] = get_args(HealthState)
 ProgressPhase = Literal["denoise", "encode"]
 # on_progress(done, total, phase), called in the executor's thread as rank 0 reports progress.
 ProgressCallback = Callable[[int, int, ProgressPhase], None]
+
+
+# The cancelled requests a rank can see at once: those in flight on its group (interleaving nests at most
+# --max-num-seqs of them). A rank reads them as `cancel_token[:]`.
+CANCEL_SLOTS = MAX_NUM_SEQS
 
 
 @dataclass(frozen=True)

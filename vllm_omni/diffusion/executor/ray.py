@@ -57,7 +57,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 
 from vllm_omni.diffusion.config import OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.executor.base import WorkerGroupExecutor, WorkerStartError  # noqa: E402
-from vllm_omni.diffusion.executor.protocol import Done, LoadFailed, Log, Placed, RankReport  # noqa: E402
+from vllm_omni.diffusion.executor.protocol import CANCEL_SLOTS, Done, LoadFailed, Log, Placed, RankReport  # noqa: E402
 from vllm_omni.diffusion.request import DiffusionRequest  # noqa: E402
 from vllm_omni.logger import init_logger  # noqa: E402
 
@@ -179,7 +179,13 @@ class RankPlacement:
 
 
 class _CancelToken:
-    value: int = -1  # the last token the executor flagged (worker.run_rank reads .value)
+    """The cancel tokens the executor flagged last (worker.run_rank reads `[:]`)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = [-1] * CANCEL_SLOTS
+
+    def __getitem__(self, index: slice) -> list[int]:
+        return self.tokens[index]
 
 
 class _ReportHandler(logging.Handler):
@@ -252,8 +258,8 @@ class RankActor:
     def submit(self, request: DiffusionRequest) -> None:
         self._requests.put(request)
 
-    def cancel(self, cancel_token: int) -> None:
-        self._cancel_token.value = cancel_token
+    def flag_cancels(self, cancel_tokens: list[int]) -> None:
+        self._cancel_token.tokens = list(cancel_tokens)
 
     def poll(self, wait_s: float) -> list[RankReport]:
         """The reports so far, waiting up to `wait_s` for the first one."""
@@ -448,9 +454,9 @@ class RayExecutor(WorkerGroupExecutor):
         for actor in self._actors:
             actor.submit.remote(shared)
 
-    def cancel(self, cancel_token: int) -> None:
+    def _flag_cancels(self, cancel_tokens: list[int]) -> None:
         for actor in list(self._actors):
-            actor.cancel.remote(cancel_token)
+            actor.flag_cancels.remote(cancel_tokens)
 
     def _next_report(self, timeout: float) -> RankReport:
         deadline = time.monotonic() + timeout

@@ -45,6 +45,7 @@ from vllm_omni.diffusion.worker.forward_chain import (
     reset_step_cache,
     sharded_graphs,
 )
+from vllm_omni.diffusion.worker.interleave import put_aside
 from vllm_omni.diffusion.worker.lora import LoraAdapters
 from vllm_omni.diffusion.worker.memory_guard import GroupOutOfMemory, is_out_of_memory
 from vllm_omni.diffusion.worker.offload import apply_offload
@@ -356,6 +357,23 @@ class PipelineRunner:
         elif isinstance(embeds, BaseException):
             raise embeds
         return self.family.with_text(kwargs, embeds)
+
+    @contextlib.contextmanager
+    def suspended(self, request: DiffusionRequest) -> Iterator[None]:
+        """Put the running `request` aside while another runs to its end inside its step callback (the worker nests
+        them), then bring it back as it was: what its pipeline call left on shared objects (interleave.py), this
+        runner's phase, counters and decode callback, and its adapter, merged again (an agreed point: every rank
+        of the group comes back here after the same inner request)."""
+        fields = (self.phase, self.phase_seconds, Counter(self.forwards), self._on_decode_tile)
+        state = put_aside(self.pipe, list(self.denoisers.values()), [self.cfg, self.cache, self.step_report])
+        try:
+            yield
+        finally:
+            state.restore()
+            self.phase, self.phase_seconds, forwards, self._on_decode_tile = fields
+            self.forwards.clear()  # in place: the denoisers' hooks count into this Counter
+            self.forwards.update(forwards)
+        self._activate_adapter(request.lora)
 
     def end_failed_request(self) -> None:
         """Drop the per-request state a failed request left mid-way: the CFG exchange's branches, the step

@@ -108,9 +108,10 @@ def run_rank(
 
     Both executors run it: MultiprocExecutor in a process per rank, RayExecutor in a thread of an
     actor per rank. `requests.get()` gives the next DiffusionRequest (None: leave), `reports.put(
-    report)` sends a protocol.RankReport to the executor, `cancel_token.value` is the cancel token
-    the executor last set. `cuda_index` is the GPU to use on CUDA (a Ray actor sees only the one
-    Ray gave it, as device 0). A load failure is reported (`LoadFailed`), not raised.
+    report)` sends a protocol.RankReport to the executor, `cancel_token[:]` holds the cancel tokens the
+    executor flagged (the cancelled requests in flight, protocol.CANCEL_SLOTS of them). `cuda_index`
+    is the GPU to use on CUDA (a Ray actor sees only the one Ray gave it, as device 0). A load failure
+    is reported (`LoadFailed`), not raised.
     """
     try:
         runner, _ = _load(rank, config, model_path, init_method, cuda_index)
@@ -198,7 +199,7 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
         traced = trace.measure(request) if trace is not None else None
         # In a function of its own: whatever the request held (its images, a failure's frames) is
         # dropped when it returns, before the next request arrives.
-        _serve_request(rank, runner, request, reports, cancel_token, faults, traced)
+        _serve_request(rank, runner, request, reports, cancel_token, faults, traced, requests)
         del request
     destroy_parallel_state()
 
@@ -211,23 +212,39 @@ def _serve_request(
     cancel_token: Any,
     faults: list[InjectedFault],
     traced: dict[str, int] | None,
+    requests: Any,
 ) -> None:
-    """Run one request on this rank and send its reports: progress, then stats and done, or how it ended."""
-    from vllm_omni.diffusion.distributed.parallel_state import any_rank
+    """Run one request on this rank and send its reports: progress, then stats and done, or how it ended.
+
+    Interleaving: the executor sends a request to a busy group only to run it inside the running one (the
+    scheduling policy chose it, engine/policy.py). At each step's end every rank agrees whether one arrived (on
+    any rank: each rank's queue gets the same requests in the same order), takes it from its queue and runs it to
+    its end here, nested, with the running one put aside (runner.suspended); then the running one goes on."""
+    from vllm_omni.diffusion.distributed.parallel_state import any_rank, any_rank_each
 
     total = request.num_inference_steps
     reports.put(Progress(rank, request.request_id, 0, total))
 
     def cancelled() -> bool:
-        return cancel_token.value == request.cancel_token
+        return request.cancel_token in cancel_token[:]
 
     def on_step_end(step: int) -> None:
         for fault in faults:
             fault.trigger(rank, step, request, "step", cancelled)
-        # All ranks must stop at the same step, or the others would wait in a collective forever.
-        if any_rank(cancelled()):
+        # All ranks must stop at the same step, or the others would wait in a collective forever; likewise they
+        # take an arrived request at the same step. None arrives after the last step (the executor waits then).
+        stop, arrived = any_rank_each(cancelled(), step + 1 < total and not requests.empty())
+        if stop:
             raise RequestCancelled(f"request {request.request_id} cancelled at step {step + 1}")
         reports.put(Progress(rank, request.request_id, min(step + 1, total), total))
+        if arrived:
+            inner: DiffusionRequest = requests.get()
+            logger.info(
+                "Request %s: suspended after step %d/%d for %s", request.request_id, step + 1, total, inner.request_id
+            )
+            with runner.suspended(request):
+                _serve_request(rank, runner, inner, reports, cancel_token, faults, None, requests)
+            logger.info("Request %s: resumed at step %d/%d", request.request_id, step + 2, total)
 
     def on_decode_tile(tile: int) -> None:
         for fault in faults:

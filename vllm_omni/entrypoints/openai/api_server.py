@@ -103,6 +103,7 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
         replicas=settings.engine.parallel_config.data_parallel_size,
         batching=settings.engine.batching,
         scheduling_policy=settings.engine.scheduling_policy,
+        max_num_seqs=settings.engine.max_num_seqs,
     )
     server_metrics = ServerMetrics(scheduler)
     scheduler.observer = server_metrics
