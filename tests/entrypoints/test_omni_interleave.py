@@ -84,6 +84,7 @@ def test_fair_runs_a_short_request_inside_a_long_one_and_both_equal_their_runs_a
     long, short = _one_inside_the_other(fair, LONG, SHORT)
     assert long.status == short.status == "completed"
     assert short.completed_at < long.completed_at  # one replica: only interleaving lets it finish first
+    assert 0 < long.suspended_s < long.completed_at - short.started_at + 1e-3 and short.suspended_s == 0
     for job in (long, short):
         image, cache = alone[job.request.prompt]
         np.testing.assert_array_equal(np.stack(job.result.images), image)

@@ -90,6 +90,7 @@ class Job:
     batch_key: tuple | None = None  # jobs with equal keys may share a forward (None: never batched)
     overtaken: int = 0  # jobs queued after it that started before it, or ran inside it (the fair policy's age bound)
     call: list[Job] = field(default_factory=list, repr=False)  # the jobs of its engine call (a batch: several)
+    suspended_s: float = 0.0  # seconds it waited between two of its steps while requests ran inside it
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _cancel_reason: str | None = field(default=None, repr=False)
 
@@ -531,6 +532,7 @@ class Scheduler:
     async def _run_call(self, replica: int, jobs: list[Job], order: str, interleave: bool = False) -> None:
         """Run `jobs` as one engine call on `replica` (inside its calls in flight when `interleave`) and finish them."""
         loop = asyncio.get_running_loop()
+        below = self._calls[replica][-1] if interleave and self._calls[replica] else []  # suspended while this runs
         self._calls[replica].append(jobs)
         started = time.time()
         for job in jobs:
@@ -571,6 +573,8 @@ class Scheduler:
                     job.started_at - job.created_at,
                 )
         finally:
+            for job in below:
+                job.suspended_s += time.time() - started
             self._calls[replica].remove(jobs)
             self._wakeup.set()  # the replica may be free, or its innermost call changed
 

@@ -524,8 +524,8 @@ class WorkerGroupExecutor:
             if flight.error is not None:  # it was in flight when a request run inside it failed the group
                 raise flight.error from exc
             # It had ended before a request sent to run inside it (too late, so after it) failed the group.
-        finally:
-            self._group_idle = not self._flights
+        else:
+            self._group_idle = True  # every rank answered every request sent
         self._thread.stats = flight.stats
         return flight.outcome()
 
@@ -542,7 +542,11 @@ class WorkerGroupExecutor:
                 self._fail_hung(flight.request, f"failed ({cause.error}) and rank(s) {busy} did not finish", cause)
         stall_s = self.config.stall_timeout_s
         if now - self._last_progress > stall_s:
-            where = "; ".join(f"{flight.request.request_id}: {flight.where()}" for flight in flights)
+            where = (
+                flights[0].where()
+                if len(flights) == 1
+                else "; ".join(f"{f.request.request_id}: {f.where()}" for f in flights)
+            )
             self._fail_hung(flights[-1].request, f"made no progress for {stall_s:g} s (stall_timeout_s): {where}")
         try:
             report = self._next_report(POLL_S)

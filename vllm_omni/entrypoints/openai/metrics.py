@@ -8,7 +8,9 @@ server already holds and never asks the workers:
 - Jobs (the scheduler's observer): `vllm_omni_requests_total{kind, outcome}` for every job that
   finished (kind: the job's id prefix, `img` or `video`; outcome: completed, failed, cancelled),
   histograms of seconds `vllm_omni_request_queue_seconds`, `..._run_seconds` (in the engine)
-  and `..._total_seconds` per kind; of the phases inside the workers, per completed request
+  and `..._total_seconds` per kind, `..._suspended_seconds` (of its run, the time it waited between two
+  of its steps while requests ran inside it: interleaving, --max-num-seqs); of the phases inside the
+  workers, per completed request
   (rank 0's figures, engine/core.py): `vllm_omni_request_preprocess_seconds`, `..._encode_seconds`
   (text encoded once per SP group, before the pipeline call), `..._denoise_seconds` (the call up to
   its last step) and `..._decode_seconds` (the rest: the VAE); `vllm_omni_request_steps_per_second`
@@ -20,7 +22,8 @@ server already holds and never asks the workers:
   `vllm_omni_running_requests`, `vllm_omni_worker_restarts_total`,
   `vllm_omni_graph_capture_failures_total`, `vllm_omni_server_state{state}` (1 for the current one
   of engine.health.HEALTH_STATES); per replica
-  (data_parallel_size): `vllm_omni_replica_running_requests{replica}`,
+  (data_parallel_size): `vllm_omni_replica_running_requests{replica}` (in flight on its group: with
+  interleaving, the running one and those run inside it),
   `vllm_omni_replica_state{replica, state}`, `vllm_omni_replica_worker_restarts_total{replica}`;
   `vllm_omni_graph_captures{replica, rank}` and `vllm_omni_compiles{replica, rank}` (since the
   rank's group started), and on CUDA `vllm_omni_gpu_memory_peak_bytes{replica, rank}`, each rank's
@@ -90,6 +93,13 @@ class ServerMetrics:
             )
             for name, what in phases.items()
         }
+        self.suspended_seconds = Histogram(
+            "vllm_omni_request_suspended_seconds",
+            "seconds a request waited between two of its steps while requests ran inside it (--max-num-seqs)",
+            ["kind"],
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
         self.steps_per_second = Histogram(
             "vllm_omni_request_steps_per_second",
             "a completed request's denoising steps per second",
@@ -123,6 +133,7 @@ class ServerMetrics:
         if job.started_at is not None:
             self.seconds["queue"].labels(kind).observe(job.started_at - job.created_at)
             self.seconds["run"].labels(kind).observe(job.completed_at - job.started_at)
+            self.suspended_seconds.labels(kind).observe(job.suspended_s)
         self.seconds["total"].labels(kind).observe(job.completed_at - job.created_at)
         if job.status != "completed" or job.result is None:
             return
