@@ -191,6 +191,8 @@ class OmniDiffusionConfig:
     device: str | None = None  # "cpu" or "cuda"; None picks CUDA when there are enough GPUs
     dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
     attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode
+    # A lossy attention backend (cudnn_fp8) runs the first and last this many denoising steps exactly.
+    fp8_attention_full_steps: int = 2
     enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)
     # "fp8": the denoisers' large linear layers run FP8 matmuls (diffusion/worker/quantization.py); None: as loaded.
     quantization: Literal["fp8"] | None = None
@@ -292,6 +294,9 @@ class OmniDiffusionConfig:
             self.warmup_size = tuple(size)
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
             raise ValueError(f"attention_backend must be a backend's name, got {self.attention_backend!r}")
+        steps = self.fp8_attention_full_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"fp8_attention_full_steps must be an integer >= 0, got {steps!r}")
         if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
             raise ValueError(
                 f"ray_address must be a non-empty address such as 'auto' or 'HEAD_IP:6379', got {self.ray_address!r}"

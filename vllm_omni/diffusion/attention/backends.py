@@ -1,15 +1,21 @@
 """Attention kernels, chosen by name. The parallel strategy (layer.py) never calls torch directly.
 
 A backend takes q [B, Lq, H, D] and k, v [B, Lk, H, D] and returns [B, Lq, H, D].
-Names: ``sdpa`` (dense, cannot mask) and ``sdpa_masked`` (takes an additive key mask).
-Selection: an explicit name (config / ``--attention-backend``), else the
-``VLLM_OMNI_ATTENTION_BACKEND`` environment variable, else ``sdpa_masked`` when a
-mask is needed and ``sdpa`` otherwise. A varlen backend is left out on purpose: on an
-H200, torch's unpad -> varlen -> re-pad measured slower than masked SDPA.
+Names: ``sdpa`` (dense, cannot mask), ``sdpa_masked`` (takes an additive key mask) and
+``cudnn_fp8`` (cuDNN's FP8 attention, Hopper or newer, lossy: attention/cudnn_fp8.py; its masked
+and causal calls run the exact SDPA kernels). Selection: an explicit name (config /
+``--attention-backend``), else the ``VLLM_OMNI_ATTENTION_BACKEND`` environment variable, else
+``sdpa_masked`` when a mask is needed and ``sdpa`` otherwise. A varlen backend is left out on
+purpose: on an H200, torch's unpad -> varlen -> re-pad measured slower than masked SDPA.
+
+A lossy (``low_precision``) backend follows the per-step precision rule: the runner reports each
+denoising step (`set_denoising_step`), and the first and last ``fp8_attention_full_steps`` steps run
+the exact kernel. The rule reads only (step, total steps), which every rank knows alike.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -23,6 +29,9 @@ ENV_VAR = "VLLM_OMNI_ATTENTION_BACKEND"
 class AttentionBackend:
     name: str
     supports_mask: bool
+    low_precision: bool = False  # lossy: the per-step rule gives its full-precision steps to exact SDPA
+    requires: tuple[str, str] | None = None  # (module, pip distribution) it imports when called
+    min_capability: tuple[int, int] | None = None  # the CUDA compute capability it needs
 
     def __call__(
         self,
@@ -41,27 +50,87 @@ class AttentionBackend:
         return out.transpose(1, 2)
 
 
+@dataclass(frozen=True)
+class CudnnFP8Backend(AttentionBackend):
+    """cuDNN's FP8 SDPA for dense calls; a masked or causal call takes the exact SDPA kernel."""
+
+    def __call__(self, q, k, v, key_mask=None, causal=False):
+        if key_mask is not None or causal:
+            return super().__call__(q, k, v, key_mask, causal)
+        from vllm_omni.diffusion.attention import cudnn_fp8  # imports cudnn: only once this backend runs
+
+        return cudnn_fp8.attention(q, k, v)
+
+
 BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend("sdpa", supports_mask=False),
     "sdpa_masked": AttentionBackend("sdpa_masked", supports_mask=True),
+    "cudnn_fp8": CudnnFP8Backend(
+        "cudnn_fp8",
+        supports_mask=True,
+        low_precision=True,
+        requires=("cudnn", "nvidia-cudnn-frontend"),
+        min_capability=(9, 0),
+    ),
 }
 
 _configured_name: str | None = None
+_full_steps = 0  # the first and last this many denoising steps run a lossy backend's attention exactly
+_step: tuple[int, int] | None = None  # (step, total steps) of the denoising step running; None: none known
 
 
 def check_attention_backend(name: str | None, mask_sp_padding: bool = False) -> None:
-    """Raise ValueError for an unknown backend name, or one that cannot mask when masking is asked for."""
-    if name is not None:
-        _validate(name, needs_mask=mask_sp_padding, source="attention_backend")
-    else:
-        resolve_attention_backend(needs_mask=mask_sp_padding)  # checks the env var
+    """Raise ValueError for an unknown backend name, one that cannot mask when masking is asked for, or one
+    whose package is not installed."""
+    backend = _selected(name, needs_mask=mask_sp_padding)
+    if backend.requires is not None and importlib.util.find_spec(backend.requires[0]) is None:
+        module, package = backend.requires
+        raise ValueError(
+            f"attention backend {backend.name!r} needs the {package} package (module {module!r}), which is not "
+            f"installed: pip install -e '.[fp8]' (or pip install {package})"
+        )
 
 
-def configure_attention_backend(name: str | None, mask_sp_padding: bool = False) -> None:
-    """Set the process-wide backend name (None: env var or automatic); errors early on bad settings."""
-    global _configured_name
+def configure_attention_backend(
+    name: str | None,
+    mask_sp_padding: bool = False,
+    full_steps: int = 0,
+    device: torch.device | None = None,
+) -> None:
+    """Set the process-wide backend name (None: env var or automatic) and the per-step rule's
+    `full_steps`; errors early on bad settings, and (given the rank's `device`) on a GPU the backend
+    cannot run on."""
+    global _configured_name, _full_steps
     check_attention_backend(name, mask_sp_padding)
-    _configured_name = name
+    if device is not None:
+        _check_device(_selected(name, needs_mask=mask_sp_padding), device)
+    _configured_name, _full_steps = name, full_steps
+
+
+def _check_device(backend: AttentionBackend, device: torch.device) -> None:
+    if backend.min_capability is None:
+        return
+    need = ".".join(map(str, backend.min_capability))
+    if device.type != "cuda":
+        raise ValueError(
+            f"attention backend {backend.name!r} needs a CUDA GPU of compute capability {need} (Hopper) or newer; "
+            f"this rank runs on {device.type}"
+        )
+    have = torch.cuda.get_device_capability(device)
+    if have < backend.min_capability:
+        raise ValueError(
+            f"attention backend {backend.name!r} needs a CUDA GPU of compute capability {need} (Hopper) or newer; "
+            f"{torch.cuda.get_device_name(device)} has {have[0]}.{have[1]}"
+        )
+
+
+def _selected(name: str | None, needs_mask: bool) -> AttentionBackend:
+    """The backend named (None: by the env var, else by need), checked."""
+    if name is not None:
+        return _validate(name, needs_mask, "attention_backend")
+    if env_name := os.environ.get(ENV_VAR):
+        return _validate(env_name, needs_mask, ENV_VAR)
+    return BACKENDS["sdpa_masked" if needs_mask else "sdpa"]
 
 
 def _validate(name: str, needs_mask: bool, source: str) -> AttentionBackend:
@@ -77,11 +146,34 @@ def _validate(name: str, needs_mask: bool, source: str) -> AttentionBackend:
     return backend
 
 
-def resolve_attention_backend(needs_mask: bool) -> AttentionBackend:
-    """The backend for one attention call: configured name, else env var, else by need."""
-    if _configured_name is not None:
-        return _validate(_configured_name, needs_mask, "attention_backend")
-    env_name = os.environ.get(ENV_VAR)
-    if env_name:
-        return _validate(env_name, needs_mask, ENV_VAR)
-    return BACKENDS["sdpa_masked" if needs_mask else "sdpa"]
+def fp8_attention_step(step: int, total: int, full_steps: int) -> bool:
+    """The per-step rule: whether denoising step `step` of `total` runs a lossy backend's kernel (the
+    first and last `full_steps` run exact attention)."""
+    return full_steps <= step < total - full_steps
+
+
+def set_denoising_step(step: int | None, total: int | None = None) -> None:
+    """The runner's report: denoising step `step` of `total` starts (None: no step is running)."""
+    global _step
+    _step = None if step is None else (step, total)
+
+
+def low_precision_step() -> bool:
+    """Whether a lossy backend runs its own kernel now (outside a denoising loop: always)."""
+    return _step is None or fp8_attention_step(*_step, _full_steps)
+
+
+def attention_precision() -> str:
+    """ "low" while a lossy backend's kernel runs attention, else "exact": what a captured graph holds
+    (part of its key, worker/cuda_graphs.py)."""
+    backend = BACKENDS.get(_configured_name or os.environ.get(ENV_VAR) or "")
+    return "low" if backend is not None and backend.low_precision and low_precision_step() else "exact"
+
+
+def resolve_attention_backend(needs_mask: bool, allow_low_precision: bool = True) -> AttentionBackend:
+    """The backend for one attention call: configured name, else env var, else by need. A lossy backend gives
+    way to the exact kernel on a full-precision step, or where the caller does not allow it."""
+    backend = _selected(_configured_name, needs_mask)
+    if backend.low_precision and not (allow_low_precision and low_precision_step()):
+        return BACKENDS["sdpa_masked" if needs_mask else "sdpa"]
+    return backend

@@ -4,8 +4,8 @@
 sequence with all heads; after it, the whole sequence for a slice of the heads, and the reverse
 call brings it back. The tensors exchanged are laid out `[world, ...]`: chunk `i` goes to (or
 came from) rank `i`. The attention layer (attention/layer.py) packs and unpacks that layout.
-`broadcast_tensors` hands a dict of tensors from one rank to its group (the prompt embeddings
-that one rank encodes for its peers).
+`all_reduce_max` agrees on FP8 attention's scales. `broadcast_tensors` hands a dict of tensors from one
+rank to its group (the prompt embeddings that one rank encodes for its peers).
 """
 
 from __future__ import annotations
@@ -48,6 +48,13 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | SimulatedGroup) -> li
     chunks = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(chunks, x.contiguous(), group=group)
     return chunks
+
+
+def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | SimulatedGroup) -> torch.Tensor:
+    """The elementwise maximum of `x` over the ranks of `group`, in place (a simulated group: `x` itself)."""
+    if not isinstance(group, SimulatedGroup):
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
 
 
 class SourceFailed(RuntimeError):

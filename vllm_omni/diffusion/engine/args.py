@@ -49,6 +49,10 @@ def positive_int(text: str) -> int:
     return _number(text, int, lambda value: value >= 1, "a positive integer")
 
 
+def non_negative_int(text: str) -> int:
+    return _number(text, int, lambda value: value >= 0, "an integer >= 0")
+
+
 def positive_seconds(text: str) -> float:
     return _number(text, float, lambda value: math.isfinite(value) and value > 0, "a positive number of seconds")
 
@@ -302,9 +306,18 @@ class EngineArgs:
     )
     attention_backend: str | None = option(
         "engine",
-        "attention kernel: sdpa (dense) or sdpa_masked (default: sdpa_masked when the padding is "
-        "masked, else sdpa; env VLLM_OMNI_ATTENTION_BACKEND)",
+        "attention kernel: sdpa (dense), sdpa_masked, or cudnn_fp8 (cuDNN's FP8 attention on Hopper or newer, "
+        "lossy; needs pip install -e '.[fp8]') (default: sdpa_masked when the padding is masked, else sdpa; "
+        "env VLLM_OMNI_ATTENTION_BACKEND)",
         ENGINE,
+    )
+    fp8_attention_full_steps: int = option(
+        "engine",
+        "with a lossy attention backend (cudnn_fp8), the first and the last N denoising steps run exact attention",
+        ENGINE,
+        type=non_negative_int,
+        metavar="N",
+        default_text="2",
     )
     warmup: bool | None = option(
         "engine",

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_omni.diffusion.attention.backends import attention_precision
 from vllm_omni.diffusion.distributed.parallel_state import every_sp_rank, get_parallel_state
 from vllm_omni.diffusion.distributed.sequence_parallel import fresh_sp_context
 from vllm_omni.logger import init_logger
@@ -176,7 +177,8 @@ class CUDAGraphForward:
 
     @staticmethod
     def _key(kwargs: dict[str, Any], allow_cpu: bool = False) -> tuple:
-        """Shapes and dtypes of the tensor arguments, the other arguments' values, the SP layout.
+        """Shapes and dtypes of the tensor arguments, the other arguments' values, the SP layout, the attention
+        precision.
 
         Raises _NotReplayable for a call that must run eagerly.
         """
@@ -190,7 +192,8 @@ class CUDAGraphForward:
                 values.append((name, _static_value(value)))
         state = get_parallel_state()
         parallel = (state.sp_world_size, state.config.padding_mode) if state else None
-        return tuple(tensors), tuple(values), parallel
+        # A graph holds the attention kernel it captured: FP8 and exact steps (backends.py's rule) replay their own.
+        return tuple(tensors), tuple(values), parallel, attention_precision()
 
     def _capture(self, kwargs: dict[str, Any]) -> _Graph:
         inputs = {name: value.clone() for name, value in kwargs.items() if isinstance(value, torch.Tensor)}

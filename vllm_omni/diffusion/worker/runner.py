@@ -27,6 +27,7 @@ import diffusers
 import numpy as np
 import torch
 
+from vllm_omni.diffusion.attention.backends import set_denoising_step
 from vllm_omni.diffusion.config import StepCacheConfig
 from vllm_omni.diffusion.distributed.comm import SourceFailed, broadcast_tensors
 from vllm_omni.diffusion.distributed.parallel_state import every_rank, get_parallel_state, same_on_every_rank
@@ -248,6 +249,7 @@ class PipelineRunner:
             swapped = self.cfg is not None and self.cfg.active and self.cfg_rank == 1
             self.cache.start_request(request.cache_threshold or self.cache.config.threshold, swapped)
         last_step = request.num_inference_steps - 1
+        set_denoising_step(0, request.num_inference_steps)  # attention's per-step precision rule (backends.py)
 
         def step_end(step: int) -> None:
             if self.cfg is not None:
@@ -258,6 +260,7 @@ class PipelineRunner:
                 torch.cuda.synchronize(self.device)  # the phases end where the GPU's work ends, once a request
             denoised["at"] = time.perf_counter()
             on_step_end(step)
+            set_denoising_step(step + 1, request.num_inference_steps)
             if step >= last_step:
                 self.phase = "decode"
 
@@ -267,6 +270,7 @@ class PipelineRunner:
                 result = self.family.pipeline_for(self.pipe, request)(**kwargs)
         finally:
             self._on_decode_tile = None
+            set_denoising_step(None)
         # Denoising: from the pipeline call to its last step (the pipeline's own prompt encoding and
         # latent preparation included unless the text was encoded first); decode: the rest.
         self.phase_seconds.update(denoise=denoised["at"] - called, decode=time.perf_counter() - denoised["at"])

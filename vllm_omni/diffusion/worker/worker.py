@@ -142,7 +142,9 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     # A backstop behind the executor's deadlines: no collective (nor the rendezvous) waits forever.
     group_timeout = timedelta(seconds=max(config.load_timeout_s, config.stall_timeout_s))
     initialize_parallel_state(parallel, rank, init_method, device, timeout=group_timeout)
-    configure_attention_backend(config.attention_backend, parallel.mask_sp_padding)
+    configure_attention_backend(
+        config.attention_backend, parallel.mask_sp_padding, config.fp8_attention_full_steps, device
+    )
 
     spec = read_pipeline_spec(Path(model_path))
     dtype = getattr(torch, config.dtype)
