@@ -9,7 +9,6 @@ from __future__ import annotations
 import queue
 import socket
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
