@@ -93,3 +93,30 @@ def test_after_the_warm_up_no_size_or_prompt_length_recompiles(capfd, monkeypatc
         omni.generate("a cat", height=400, width=336, num_inference_steps=2, seed=1, negative_prompt=" ")
         after = capfd.readouterr().err
     assert "Recompiling function" not in after, after[-3000:]
+
+
+def test_interleaved_requests_with_compiled_blocks_and_cuda_graphs_equal_their_runs_alone():
+    # The CPU test (test_omni_interleave.py) covers SP, CFG parallel and the step cache; here the inner request
+    # replays and captures graphs (another size) between two of the outer one's replays.
+    import time
+
+    from vllm_omni import Omni
+    from vllm_omni.diffusion.request import GenerationParams
+
+    outer = GenerationParams("a red fox in the snow", height=HEIGHT, width=WIDTH, num_inference_steps=200, seed=11,
+                             negative_prompt=" ", true_cfg_scale=4.0, output_type="np")  # fmt: skip
+    inner = GenerationParams("a cat", height=128, width=128, num_inference_steps=4, seed=3, output_type="np")
+    with Omni("tiny/qwen-image", dtype="float32", scheduling_policy="fair", max_num_seqs=2) as omni:
+
+        def run(params):
+            return omni._call(omni.scheduler.submit(params))
+
+        alone = {p.prompt: np.stack(omni._call(run(p).wait()).result.images) for p in (outer, inner)}
+        first = run(outer)
+        while first.progress < 3 and not first.finished:
+            time.sleep(0.005)
+        second = run(inner)
+        first, second = omni._call(first.wait()), omni._call(second.wait())
+    assert second.completed_at < first.completed_at and first.suspended_s > 0
+    for job in (first, second):
+        np.testing.assert_array_equal(np.stack(job.result.images), alone[job.request.prompt])
