@@ -11,7 +11,9 @@
   sequence shard sent every step) or kept (`attend_reference`: FLUX.2 klein's reference stream,
   computed with queries at the first step, attending only to itself, then held as each rank's
   heads after that all-to-all, `ReferenceKV`, and never exchanged again). With `text_blocks`
-  (Qwen-Image 2.1's block-causal prefix) the text stream attends only to itself, in runs.
+  (Qwen-Image 2.1's block-causal prefix) the text stream attends only to itself, in runs. Batch
+  rows whose text ends at different lengths (the layout's `row_keys`) run the kernel per row,
+  `attend_rows`; everything else of the batch runs once.
 - `CrossAttention`: queries from the rank's own shard of the video stream, keys and values from a
   stream every rank holds whole (Wan2.2's 512 text tokens). No all-to-all and no padding policy:
   the padded query rows give rows that the gather drops like every padded row.
