@@ -6,7 +6,7 @@ answer is a job, polled at `GET /v1/videos/{id}` until it ends, then deleted), w
 Poisson arrivals at `--request-rate R` requests/s (exponential gaps), for `--num-requests K`
 and/or `--duration S` (no new request after S seconds). A workload is a JSON list of entries
 `{"width", "height", "num_inference_steps", "weight", ...any other request field}` (or the
-built-in names `mix`, `1328` and `previews`); each request draws an entry by weight, a prompt (built-in
+built-in names `mix`, `512`, `1328` and `previews`); each request draws an entry by weight, a prompt (built-in
 prompts of different lengths, or `--prompts FILE`, one a line) and a seed from one seeded RNG,
 so runs with the same `--seed` send the same requests in the same order.
 
@@ -29,8 +29,11 @@ command measures one configuration:
         --workload mix --concurrency 8 --num-requests 24 --warmup 8 --label "batching on, c=8, mix"
 
 With CUDA graphs per shape, the first request of each size (and, with batching, of each batch
-size) captures a graph: `--warmup N` first sends N requests drawn the same way (from their own
-RNG stream, so the measured requests do not change), unmeasured. A tiny model's numbers are
+size and mix of prompt lengths: a graph holds its rows' text lengths) captures a graph: `--warmup N`
+first sends N requests drawn the same way (from their own RNG stream, so the measured requests do
+not change), unmeasured. Issue 30's batching target is `--workload 512 --concurrency 16` against a
+server with `--max-batch-size 16 --batch-wait-ms 200` and one without (the wait lets a batch refill
+while its clients send their next requests). A tiny model's numbers are
 refused for the committed results and docs: give --results and --docs elsewhere.
 """
 
@@ -79,6 +82,9 @@ WORKLOADS: dict[str, list[dict[str, Any]]] = {
         {"width": 1536, "height": 1536, "num_inference_steps": 35, "weight": 15},
     ],
     "1328": [{"width": 1328, "height": 1328, "num_inference_steps": 50, "weight": 1}],
+    # Small images from many clients (issue 30): what request batching changes, each batch mixing the built-in
+    # prompts' lengths (rows of different text lengths share one forward).
+    "512": [{"width": 512, "height": 512, "num_inference_steps": 20, "weight": 1}],
     # Short previews among long requests (issue 30): what a scheduling policy changes.
     "previews": [
         {"width": 512, "height": 512, "num_inference_steps": 8, "weight": 40},
@@ -453,7 +459,8 @@ def docs_section(results: dict[str, Any]) -> str:
         "a workload entry by weight, a prompt (built in: four of 6 to 134 words; 7 to 395 tokens of the tiny "
         "models' tokenizer, which the random-weight checkpoint uses) and a seed from one seeded RNG, so runs with "
         "the same seed send the same requests. `mix` is upstream's (512x512 20 steps 15 %, 768x768 20 steps "
-        "25 %, 1024x1024 25 steps 45 %, 1536x1536 35 steps 15 %); `1328` is 1328x1328, 50 steps; `previews` "
+        "25 %, 1024x1024 25 steps 45 %, 1536x1536 35 steps 15 %); `512` is 512x512, 20 steps; `1328` is 1328x1328, "
+        "50 steps; `previews` "
         "(issue 30) is 512x512 8 steps 40 %, 1024x1024 20 steps 40 %, 1328x1328 50 steps 20 %. Latency is "
         "client-side, from sending a request to its answer (videos: the poll that saw the job completed); queue time "
         "is the server's (its source in the JSON: the `/metrics` queue histogram's mean over the run where the "

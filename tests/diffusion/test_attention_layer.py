@@ -206,3 +206,30 @@ def test_single_process_cuts_stream_filler():
         torch.testing.assert_close(img_out, ref_img, rtol=0, atol=1e-6)
         torch.testing.assert_close(txt_out[:, :3], ref_txt, rtol=0, atol=1e-6)
         assert txt_out.shape[1] == 7  # filler queries keep their rows
+
+
+def _check_rows_see_their_own_text(results, image_len, text_len, row_valid, text_position):
+    image, text = _streams(1234, len(row_valid), image_len, text_len)
+    for row, n in enumerate(row_valid):
+        own_text = tuple(t[row : row + 1, :n] for t in text)
+        ref_img, ref_txt = _reference(tuple(t[row : row + 1] for t in image), own_text, text_position)
+        for img_out, txt_out, warnings in results:
+            torch.testing.assert_close(img_out[row : row + 1], ref_img, rtol=0, atol=1e-5)
+            torch.testing.assert_close(txt_out[row : row + 1, :n], ref_txt, rtol=0, atol=1e-5)
+            assert warnings == []
+
+
+@pytest.mark.parametrize("text_position", ["front", "rear"])
+def test_rows_with_text_of_different_lengths_each_see_their_own(sp_pool, text_position):
+    """A batch whose rows have 4 and 9 real tokens of an 11-token text stream (prompts of different lengths in
+    one forward) gives each row what its 4 or 9 tokens alone give: in every mode, single process and under SP,
+    and with SP padding in both streams too (mask and trim)."""
+    world = sp_pool.world_size
+    for mode in ("mask", "trim", "none"):
+        results = sp_pool.run(run_attention, mode, 2, 4 * world, 11, text_position, text_valid=(4, 9))
+        _check_rows_see_their_own_text(results, 4 * world, 11, (4, 9), text_position)
+    for mode in ("mask", "trim"):
+        results = sp_pool.run(run_attention, mode, 2, 13, 11, text_position, text_valid=(4, 9))
+        _check_rows_see_their_own_text(results, 13, 11, (4, 9), text_position)
+    single = run_attention("trim", 2, 13, 11, text_position, text_valid=(9, 4))
+    _check_rows_see_their_own_text([single], 13, 11, (9, 4), text_position)

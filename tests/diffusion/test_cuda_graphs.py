@@ -53,6 +53,9 @@ def test_graph_key_separates_every_argument(cuda_like):
     assert CUDAGraphForward._key(dict(kwargs, txt_ids=torch.ones(1, 5, 4, dtype=torch.int64))) != base
     assert CUDAGraphForward._key(dict(kwargs, img_shapes=[[(1, 3, 2)]])) != base
     assert CUDAGraphForward._key(dict(kwargs, attention_kwargs={})) != base
+    # Rows of a batch with their own text lengths (host ints): a graph replays only for the lengths it captured.
+    rows = CUDAGraphForward._key(dict(kwargs, text_valid_len=(5, 3)))
+    assert rows != CUDAGraphForward._key(dict(kwargs, text_valid_len=(3, 5))) and rows != base
     trim = ParallelState(DiffusionParallelConfig(ulysses_degree=2), 0, 2, None, None)
     none = ParallelState(DiffusionParallelConfig(ulysses_degree=2, trim_sp_padding=False), 0, 2, None, None)
     with use_parallel_state(trim):

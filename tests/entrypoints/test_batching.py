@@ -4,9 +4,10 @@ A batch is one pipeline call with a row per request: a list of prompts (of diffe
 the text padding and compaction differ per row), one CPU generator per row (each request's own
 seed), and mixed negative prompts. Each row must equal the same request run alone: the rows'
 latents are drawn from their own generators, and the transformer runs rows whose text compaction
-differs one by one, so the only difference allowed is float reassociation in the batched GEMMs
-(atol 1e-5 on pixels in [0, 1]). Under CFG parallel x Ulysses 2 the uncond group swaps the
-prompt lists and SP rank 0 encodes a batch of prompts for its peers.
+differs in one forward with each row's attention seeing its own valid text, so the only difference
+allowed is float reassociation in the batched GEMMs (atol 1e-5 on pixels in [0, 1]). Under CFG
+parallel x Ulysses 2 the uncond group swaps the prompt lists and SP rank 0 encodes a batch of
+prompts for its peers.
 """
 
 from __future__ import annotations

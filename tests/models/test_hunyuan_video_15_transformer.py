@@ -8,6 +8,7 @@ text-to-video, which the reference then masks).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -203,7 +204,7 @@ def test_text_plan_is_computed_once_per_mask_tensor(models, monkeypatch):
 SP_CASES = {
     # 175 video tokens; 7 + 6 = 13 valid text tokens (pads at 2 and 3 unbucketed; bucket 64 is filler)
     "t2v_glyph": Case(prompt_valid=(7,), glyph_valid=(6,)),
-    # rows with different padding (run one by one), image tokens valid
+    # rows with different padding (one forward, each row's own text), image tokens valid
     "i2v_rows": Case(prompt_valid=(7, 19), glyph_valid=(0, 5), i2v=True),
     # 105 video tokens: pads at 2 only
     "pad2_grid": Case(grid=GRIDS["pad2"], prompt_valid=(11,)),
@@ -229,6 +230,37 @@ def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, case):
             for out, warnings in sp_pool.run(sp_forward, checkpoint, SP_CASES[case], mode, bucket_multiple):
                 torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
                 assert warnings == []
+
+
+def batched_and_alone(model: torch.nn.Module, case: Case, mode: str | None = None) -> tuple:
+    """`case`'s rows run as one batch and each alone (in SP `mode` on a worker), and the batch's forwards."""
+    inputs = make_inputs(case)
+    forwards = []
+    hook = model.x_embedder.register_forward_hook(lambda *_: forwards.append(1))
+    with sp_mode(mode) if mode else contextlib.nullcontext():
+        batched = run(model, inputs)
+        count = len(forwards)
+        alone = [
+            run(model, {k: v[i : i + 1] if torch.is_tensor(v) else v for k, v in inputs.items()}) for i in range(2)
+        ]
+    hook.remove()
+    return batched, torch.cat(alone), count
+
+
+def sp_batched_and_alone(folder: str, case: Case, mode: str) -> tuple:
+    return batched_and_alone(worker_model(HunyuanVideo15Transformer3DModel.from_pretrained, folder), case, mode)
+
+
+def test_rows_of_different_prompt_lengths_share_one_forward_and_equal_their_rows_alone(sp_pool, models, checkpoint):
+    """Rows whose prompt and glyph padding differ (one with glyph text, one without) run one forward; each row
+    equals its run alone to fp32 reassociation in the batched GEMMs (attention sees each row's exact keys)."""
+    case = SP_CASES["i2v_rows"]
+    results = [batched_and_alone(models[1], case)]
+    for mode in ("mask", "trim"):
+        results += sp_pool.run(sp_batched_and_alone, checkpoint, case, mode)
+    for batched, alone, forwards in results:
+        assert forwards == 1
+        torch.testing.assert_close(batched, alone, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])

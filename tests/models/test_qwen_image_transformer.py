@@ -5,6 +5,8 @@ Same random weights (a checkpoint saved by the diffusers class and loaded by our
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel as ReferenceTransformer
@@ -136,6 +138,44 @@ def test_sp_with_text_mask_matches_reference(sp_pool, models, checkpoints):
             expected = ref(**inputs, encoder_hidden_states_mask=torch.tensor(rows))[0]
         for out in sp_pool.run(sp_forward, checkpoints[False], "generate", "trim", 2, 11, mask_rows=rows):
             torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+# Prompts of 8 and 5 tokens padded to 11: rows of different lengths in one batch (request batching).
+RAGGED_MASK = [[1] * 8 + [0] * 3, [1] * 5 + [0] * 6]
+
+
+def batched_and_alone(model: torch.nn.Module, mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The two rows of RAGGED_MASK run as one batch and each alone (in SP `mode` on a worker), and how many
+    transformer forwards the batch ran."""
+    inputs = make_inputs(CASES["generate"][0], 2, 11)
+    mask = torch.tensor(RAGGED_MASK)
+    forwards = []
+    hook = model.img_in.register_forward_hook(lambda *_: forwards.append(1))
+    with sp_mode(mode) if mode else contextlib.nullcontext(), torch.no_grad():
+        batched = model(**inputs, encoder_hidden_states_mask=mask)[0]
+        count = len(forwards)
+        alone = [model(**row_inputs(inputs, i), encoder_hidden_states_mask=mask[i : i + 1])[0] for i in range(2)]
+    hook.remove()
+    return batched, torch.cat(alone), count
+
+
+def row_inputs(inputs: dict, i: int) -> dict:
+    return {k: v[i : i + 1] if isinstance(v, (torch.Tensor, list)) else v for k, v in inputs.items()}
+
+
+def sp_batched_and_alone(folder: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    return batched_and_alone(worker_model(QwenImageTransformer2DModel.from_pretrained, folder), mode)
+
+
+def test_rows_of_different_prompt_lengths_share_one_forward_and_equal_their_rows_alone(sp_pool, models, checkpoints):
+    """fp32 to a few ulps, not bit for bit: the batch's GEMMs have other shapes (rows x tokens, the longest
+    row's text bucket), so the BLAS may sum in another order; attention sees each row's exact keys."""
+    results = [batched_and_alone(models[False][1])]
+    for mode in ("mask", "trim"):
+        results += sp_pool.run(sp_batched_and_alone, checkpoints[False], mode)
+    for batched, alone, forwards in results:
+        assert forwards == 1
+        torch.testing.assert_close(batched, alone, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])

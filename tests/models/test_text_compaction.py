@@ -12,6 +12,7 @@ from vllm_omni.diffusion.models.text_compaction import (
     TensorKeyedCache,
     bucket_length,
     compact_text_mask,
+    compact_text_rows,
     compact_tokens,
 )
 
@@ -42,6 +43,17 @@ def test_mask_plans_none_shared_or_per_row():
     assert shared.index.tolist() == [0, 1]
     rows = compact_text_mask(torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]), multiple=1)
     assert [r.index.tolist() for r in rows] == [[0, 1], [0, 1, 2]]
+
+
+def test_rows_that_differ_compact_to_the_longest_rows_bucket():
+    prefix = compact_text_rows(torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]), multiple=2)
+    assert prefix.valid_lens == (2, 3) and prefix.bucket_len == 4
+    assert prefix.shared_index.tolist() == [0, 1, 2, 3]  # valid tokens lead each row: one gather for all
+    holes = compact_text_rows(torch.tensor([[0, 1, 0, 1, 0, 0], [1, 1, 1, 0, 0, 0]]), multiple=2)
+    assert holes.shared_index is None and holes.valid_lens == (2, 3)
+    assert holes.index.tolist() == [[1, 3, 0, 2], [0, 1, 2, 3]]  # each row: its valid tokens, then its masked
+    x = torch.arange(12.0).view(2, 6, 1)
+    assert holes.gather(x)[:, :, 0].tolist() == [[1, 3, 0, 2], [6, 7, 8, 9]]
 
 
 def test_plans_are_cached_on_the_tensor_object_and_its_version():

@@ -11,7 +11,9 @@
   sequence shard sent every step) or kept (`attend_reference`: FLUX.2 klein's reference stream,
   computed with queries at the first step, attending only to itself, then held as each rank's
   heads after that all-to-all, `ReferenceKV`, and never exchanged again). With `text_blocks`
-  (Qwen-Image 2.1's block-causal prefix) the text stream attends only to itself, in runs.
+  (Qwen-Image 2.1's block-causal prefix) the text stream attends only to itself, in runs. Batch
+  rows whose text ends at different lengths (the layout's `row_keys`) run the kernel per row,
+  `attend_rows`; everything else of the batch runs once.
 - `CrossAttention`: queries from the rank's own shard of the video stream, keys and values from a
   stream every rank holds whole (Wan2.2's 512 text tokens). No all-to-all and no padding policy:
   the padded query rows give rows that the gather drops like every padded row.
@@ -133,6 +135,33 @@ def attend_text_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def attend_rows(
+    backend: AttentionBackend,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    row_keys: Sequence[Sequence[tuple[int, int]]],
+) -> torch.Tensor:
+    """Dense attention per batch row, each row's queries over its own key spans ([B, L, H, D] each).
+
+    Rows whose prompts differ in length share every other op of a forward; here each runs the dense
+    kernel over exactly the keys it would have alone (a span is a view; several are joined in order).
+    """
+    if len(row_keys) != query.shape[0]:
+        raise ValueError(f"{len(row_keys)} rows of key spans for a batch of {query.shape[0]}")
+    outs = []
+    for row, spans in enumerate(row_keys):
+        k, v = key[row : row + 1], value[row : row + 1]
+        if len(spans) == 1:
+            ((start, end),) = spans
+            k, v = k[:, start:end], v[:, start:end]
+        else:
+            k = torch.cat([k[:, start:end] for start, end in spans], dim=1)
+            v = torch.cat([v[:, start:end] for start, end in spans], dim=1)
+        outs.append(backend(query[row : row + 1], k, v))
+    return torch.cat(outs)
+
+
 def attend_joint(
     recv: torch.Tensor,
     layout: JointLayout,
@@ -156,6 +185,8 @@ def attend_joint(
     to the text's own, block-causally.
     """
     world, _, batch, local_len, heads, head_dim = recv.shape
+    if layout.row_keys is not None and (reference is not None or text_blocks is not None):
+        raise ValueError("rows with text of different lengths share no forward with a reference stream or text_blocks")
     exchanged = [slot for slot in layout.slots if slot.exchanged]
     # A stream's padding and filler rows are copied too and overwritten by the next stream's rows;
     # where they reach past every real row (text filler longer than a tiny image) the buffer grows.
@@ -186,7 +217,9 @@ def attend_joint(
         reference.key, reference.value = joint[1:, :, :first].clone().unbind(0)
         reference_out = backend(joint[0, :, :first], reference.key, reference.value, mask)
     kv = joint[1:, :, : layout.kv_len]
-    if text_blocks is None:
+    if layout.row_keys is not None:
+        out = attend_rows(backend, joint[0, :, first : layout.query_len], kv[0], kv[1], layout.row_keys)
+    elif text_blocks is None:
         out = backend(joint[0, :, first : layout.query_len], kv[0], kv[1], layout.key_mask)
     else:
         # The text's rows end where the image's begin: its true tokens (trim) or all with its padding.
@@ -328,15 +361,29 @@ class JointAttention(nn.Module):
         query = torch.cat(queries, dim=1)
         # A stream's filler (shard_with_auto_pad's valid_len) is cut from keys and values: exact, dense.
         # Only a tensor of the stream's recorded length carries it (FLUX.2's fused single-stream
-        # blocks pass [text, image] as one stream, which has no filler).
-        kept = []
+        # blocks pass [text, image] as one stream, which has no filler). Rows with their own true
+        # lengths see each their own: the kernel runs per row.
+        kept, row_lens = [], {}
         for name, (_, k, _) in zip(order, ordered):
             shard = ctx.streams.get(name) if ctx is not None else None
-            has_filler = shard is not None and shard.filler_len > 0 and k.shape[1] == shard.seq_len
-            kept.append(shard.original_seq_len if has_filler else k.shape[1])
-        key = torch.cat([k[:, :n] for (_, k, _), n in zip(ordered, kept)], dim=1)
-        value = torch.cat([v[:, :n] for (_, _, v), n in zip(ordered, kept)], dim=1)
-        out = backend(query, key, value)
+            recorded = shard is not None and k.shape[1] == shard.seq_len
+            if recorded and shard.row_lens is not None:
+                row_lens[len(kept)] = shard.row_lens
+            kept.append(shard.original_seq_len if recorded and shard.filler_len > 0 else k.shape[1])
+        if row_lens:
+            if reference_out is not None or text_blocks is not None:
+                raise ValueError("rows with text of different lengths share no forward with a reference or text_blocks")
+            lens = [row_lens.get(i, (n,) * query.shape[0]) for i, n in enumerate(kept)]
+            rows = []
+            for row in range(query.shape[0]):
+                key = torch.cat([k[row : row + 1, : n[row]] for (_, k, _), n in zip(ordered, lens)], dim=1)
+                value = torch.cat([v[row : row + 1, : n[row]] for (_, _, v), n in zip(ordered, lens)], dim=1)
+                rows.append(backend(query[row : row + 1], key, value))
+            out = torch.cat(rows)
+        else:
+            key = torch.cat([k[:, :n] for (_, k, _), n in zip(ordered, kept)], dim=1)
+            value = torch.cat([v[:, :n] for (_, _, v), n in zip(ordered, kept)], dim=1)
+            out = backend(query, key, value)
         if text_blocks is not None:  # block-causal over the text alone (its filler: the causal tail)
             return [attend_text_blocks(*streams[TEXT], text_blocks), out]
         outs = list(out.split([q.shape[1] for q in queries], dim=1))

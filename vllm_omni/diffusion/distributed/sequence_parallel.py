@@ -18,6 +18,10 @@ A stream may also end in tokens the model itself wants dropped (a text-length bu
 filler, text_compaction.py): `shard_with_auto_pad(x, dim, TEXT, valid_len=n)` records n as
 the stream's true length, and the filler is treated like its SP padding, except that it is
 cut from keys and values in ``none`` mode too (and in a single process, in every mode).
+Rows of a batch may end their true tokens at different lengths (`valid_len=(n0, n1, ...)`,
+prompts of different lengths in one forward): the layout then says what each row's queries
+may see, its own true tokens only: `row_keys` (the kernel runs per row; trim and none) or a
+per-row key mask (mask mode).
 
 A stream may give keys and values only (*kv-only*: no queries, no output), cached by an earlier
 forward that sharded it; `record_sharded_stream` records its length, and the layout puts it in
@@ -60,6 +64,8 @@ class StreamShard:
     pad_size: int  # everything after them: the tensor's own filler, then SP zeros
     world_size: int
     filler_len: int = 0  # of pad_size, tokens the sharded tensor already carries (valid_len < its length)
+    # Each row's true length where the rows of the batch differ (original_seq_len is their longest); None: alike.
+    row_lens: tuple[int, ...] | None = None
 
     @property
     def seq_len(self) -> int:
@@ -73,6 +79,10 @@ class StreamShard:
     @property
     def local_seq_len(self) -> int:
         return self.padded_seq_len // self.world_size
+
+    def row_len(self, row: int) -> int:
+        """The true length of batch row `row`."""
+        return self.original_seq_len if self.row_lens is None else self.row_lens[row]
 
 
 @dataclass(frozen=True)
@@ -104,8 +114,11 @@ class JointLayout:
     world_size: int
     query_len: int
     kv_len: int
-    key_mask: torch.Tensor | None  # additive [1, 1, 1, query_len] bias, mask mode only
+    key_mask: torch.Tensor | None  # additive [1 or B, 1, 1, query_len] bias, mask mode only
     query_start: int = 0
+    # Where rows differ in a stream's true length (trim, none): per row, the joint [start, end) spans its
+    # queries may see as keys, adjacent spans merged. None: every row sees keys [0, kv_len).
+    row_keys: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
     def local_len(self) -> int:
@@ -143,16 +156,23 @@ class SequenceParallelContext:
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    def record_stream(self, stream: str, seq_len: int, valid_len: int | None = None) -> StreamShard:
-        """Record a stream of `seq_len` tokens of which the first `valid_len` (default all) are real."""
+    def record_stream(self, stream: str, seq_len: int, valid_len: int | Sequence[int] | None = None) -> StreamShard:
+        """Record a stream of `seq_len` tokens of which the first `valid_len` (default all) are real; a sequence
+        gives each batch row's own."""
+        row_lens = None
+        if valid_len is not None and not isinstance(valid_len, int):
+            row_lens = tuple(int(n) for n in valid_len)
+            valid_len = max(row_lens) if row_lens else seq_len
+            if len(set(row_lens)) == 1:
+                row_lens = None
         true_len = seq_len if valid_len is None else valid_len
-        if not 0 <= true_len <= seq_len:
+        if not 0 <= true_len <= seq_len or (row_lens and min(row_lens) < 0):
             raise ValueError(f"valid_len must be in [0, {seq_len}] for the {stream} stream, got {valid_len}")
         shard = self.streams.get(stream)
         if shard is None:
             padded = math.ceil(seq_len / self.world_size) * self.world_size
-            shard = StreamShard(true_len, padded - true_len, self.world_size, filler_len=seq_len - true_len)
-            if shard.filler_len and self.ring_degree > 1:
+            shard = StreamShard(true_len, padded - true_len, self.world_size, seq_len - true_len, row_lens)
+            if (shard.filler_len or shard.row_lens) and self.ring_degree > 1:
                 raise ValueError(
                     f"Ring attention cannot drop the {shard.filler_len} filler tokens of the {stream} stream "
                     f"exactly. Use Ulysses only (ring_degree=1)."
@@ -165,7 +185,11 @@ class SequenceParallelContext:
                 )
             self.streams[stream] = shard
             self._layouts.clear()
-        elif shard.seq_len != seq_len or (valid_len is not None and valid_len != shard.original_seq_len):
+        elif (
+            shard.seq_len != seq_len
+            or (valid_len is not None and valid_len != shard.original_seq_len)
+            or (row_lens is not None and row_lens != shard.row_lens)
+        ):
             raise ValueError(
                 f"{stream} stream was sharded with {shard.seq_len} tokens ({shard.original_seq_len} real), now "
                 f"with {seq_len} ({true_len} real): tensors that travel with a stream must have its length"
@@ -190,8 +214,9 @@ class SequenceParallelContext:
         return layout
 
     def _cut_at_true_length(self, shard: StreamShard) -> bool:
-        # Trim cuts every stream; "none" still cuts a stream's own filler, which is not SP padding.
-        return self.padding_mode == "trim" or (self.padding_mode == "none" and shard.filler_len > 0)
+        # Trim cuts every stream; "none" still cuts a stream's own filler (a row's too), which is not SP padding.
+        has_filler = shard.filler_len > 0 or shard.row_lens is not None
+        return self.padding_mode == "trim" or (self.padding_mode == "none" and has_filler)
 
     def _build_layout(
         self,
@@ -226,15 +251,24 @@ class SequenceParallelContext:
             last.shard.original_seq_len if self._cut_at_true_length(last.shard) else last.shard.padded_seq_len
         )
         total_pad = sum(slot.shard.pad_size for slot in slots if not self._cut_at_true_length(slot.shard))
+        ragged = [slot.shard.row_lens for slot in slots if slot.shard.row_lens is not None]
+        batch = len(ragged[0]) if ragged else 1
+        if any(len(row_lens) != batch for row_lens in ragged):
+            raise ValueError(f"streams give true lengths for different numbers of rows: {ragged}")
 
-        key_mask = None
-        if self.padding_mode == "mask" and total_pad:
-            # Built on the device (no host copy), so a CUDA graph can capture it too.
-            bias = torch.full((query_len,), float("-inf"), dtype=dtype, device=device)
-            for slot in slots:
-                bias[slot.joint_offset : slot.joint_offset + slot.shard.original_seq_len] = 0
-            key_mask = bias.view(1, 1, 1, query_len)
-        elif self.padding_mode == "none" and total_pad:
+        key_mask, row_keys = None, None
+        if self.padding_mode == "mask" and (total_pad or ragged):
+            # Built on the device (no host copy), so a CUDA graph can capture it too; one row per batch row
+            # where rows differ in a stream's true length.
+            bias = torch.full((batch, query_len), float("-inf"), dtype=dtype, device=device)
+            for row in range(batch):
+                for slot in slots:
+                    bias[row, slot.joint_offset : slot.joint_offset + slot.shard.row_len(row)] = 0
+            key_mask = bias.view(batch, 1, 1, query_len)
+        elif ragged:
+            # Trim and none: each row's queries see its own true tokens of a ragged stream, densely.
+            row_keys = tuple(self._row_key_spans(slots, row, kv_len) for row in range(batch))
+        if self.padding_mode == "none" and total_pad:
             true_len = sum(slot.shard.original_seq_len for slot in slots)
             logger.warning_once(
                 "Attention sees unmasked SP padding: %d pad tokens on a sequence of %d real tokens "
@@ -244,7 +278,31 @@ class SequenceParallelContext:
                 true_len,
                 self.ulysses_degree,
             )
-        return JointLayout(tuple(slots), self.world_size, query_len, kv_len, key_mask, query_start)
+        return JointLayout(tuple(slots), self.world_size, query_len, kv_len, key_mask, query_start, row_keys)
+
+    def _row_key_spans(self, slots: Sequence[StreamSlot], row: int, kv_len: int) -> tuple[tuple[int, int], ...]:
+        """The joint key spans batch row `row` sees in a cut mode: each stream to its (row's) true end."""
+        spans = []
+        for index, slot in enumerate(slots):
+            if slot.shard.row_lens is not None:
+                end = slot.joint_offset + slot.shard.row_lens[row]
+            else:
+                end = slots[index + 1].joint_offset if index + 1 < len(slots) else kv_len
+            spans.append((slot.joint_offset, end))
+        return merge_spans(spans)
+
+
+def merge_spans(spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """`spans` ([start, end) in order) without empty ones, adjacent ones joined: one span is a view, no copy."""
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if end <= start:
+            continue
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return tuple(merged)
 
 
 _CONTEXT: contextvars.ContextVar[SequenceParallelContext | None] = contextvars.ContextVar(
@@ -311,12 +369,15 @@ def _pad_tail(x: torch.Tensor, dim: int, pad_size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def shard_with_auto_pad(x: torch.Tensor, dim: int, stream: str = IMAGE, valid_len: int | None = None) -> torch.Tensor:
+def shard_with_auto_pad(
+    x: torch.Tensor, dim: int, stream: str = IMAGE, valid_len: int | Sequence[int] | None = None
+) -> torch.Tensor:
     """This rank's chunk of `x` along `dim`, padding zeros at the global tail when needed.
 
     The first tensor sharded for a stream records its length; tensors that travel with
     the stream (rotary tables, modulation indices) are sharded by the same rule.
-    `valid_len` < the length marks the tail as filler that attention must not see.
+    `valid_len` < the length marks the tail as filler that attention must not see; a sequence of
+    them, one per batch row, marks each row's own (prompts of different lengths in one batch).
     Outside an SP context `x` is returned as is; with one rank it is returned as is after
     recording the stream (the single-process attention cuts the filler).
     """

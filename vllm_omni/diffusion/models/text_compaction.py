@@ -78,6 +78,49 @@ def compact_tokens(mask: torch.Tensor, multiple: int = BUCKET_MULTIPLE) -> TextC
     return TextCompaction(index, valid_len, valid_mask)
 
 
+@dataclass(frozen=True)
+class RowsCompaction:
+    """Rows of one batch whose masks differ, compacted to one common length so they share a forward.
+
+    Row b's `index` [B, bucket_len] holds its own valid tokens in order, then its masked ones as
+    filler, up to the bucket of the longest row; `valid_lens` tells attention each row's true
+    length (`shard_with_auto_pad(x, dim, TEXT, valid_len=valid_lens)`).
+    """
+
+    index: torch.Tensor
+    valid_lens: tuple[int, ...]
+    # The index every row shares ([bucket_len]) where each row's valid tokens lead its mask (prompts
+    # padded at their end): one gather serves every row, and per-position tables (rotary) too. Else None.
+    shared_index: torch.Tensor | None = None
+
+    @property
+    def bucket_len(self) -> int:
+        return self.index.shape[1]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's compacted tokens of `x` [B, L, ...] along dim 1."""
+        if self.shared_index is not None:
+            return x.index_select(1, self.shared_index)
+        index = self.index.view(*self.index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+        return x.gather(1, index)
+
+
+def compact_text_rows(mask: torch.Tensor, multiple: int = BUCKET_MULTIPLE) -> RowsCompaction:
+    """The compaction of a [B, L] mask (nonzero = valid) whose rows differ, cached on the mask tensor."""
+
+    def plan() -> RowsCompaction:
+        valid = mask.bool()
+        valid_lens = tuple(int(n) for n in valid.sum(dim=1).tolist())
+        bucket = bucket_length(max(valid_lens), valid.shape[1], multiple)
+        # Stable: valid positions first in order, then the masked ones, as `compact_tokens` orders one row.
+        index = torch.argsort((~valid).int(), dim=1, stable=True)[:, :bucket]
+        prefix = torch.arange(bucket, device=mask.device)
+        shared = prefix if bool((index == prefix).all()) else None
+        return RowsCompaction(index, valid_lens, shared)
+
+    return cached_on_tensors((mask,), ("compact_text_rows", multiple), plan)
+
+
 def compact_text_mask(
     mask: torch.Tensor, multiple: int = BUCKET_MULTIPLE
 ) -> TextCompaction | list[TextCompaction] | None:
@@ -85,7 +128,7 @@ def compact_text_mask(
 
     None: every token of every row is valid, nothing to drop. One `TextCompaction`: every
     row has the same mask and they are compacted together. A list (one per row): the rows
-    differ, so they cannot share one gather; the caller runs them one by one.
+    differ, so they cannot share one gather (`compact_text_rows` compacts them to one length).
     """
 
     def plan() -> TextCompaction | list[TextCompaction] | None:

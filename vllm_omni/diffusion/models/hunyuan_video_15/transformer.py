@@ -202,17 +202,8 @@ class HunyuanVideo15Transformer3DModel(SequenceParallelTransformer, reference.Hu
             encoder_hidden_states_2=encoder_hidden_states_2,
             image_embeds=image_embeds,
         )
-        if len(plans) == 1:
-            output = self.run_sharded(**inputs, plan=plans[0])
-        else:
-            # Rows with different text padding cannot share one compaction: run them one by one.
-            batch = hidden_states.shape[0]
-            output = torch.cat(
-                [
-                    self.run_sharded(**{k: _row(x, i, batch) for k, x in inputs.items()}, plan=plan)
-                    for i, plan in enumerate(plans)
-                ]
-            )
+        # Rows with different text padding share the forward: each row's text is compacted by its own plan.
+        output = self.run_sharded(**inputs, plan=plans[0] if len(plans) == 1 else tuple(plans))
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
     def _embed_text(
@@ -256,21 +247,38 @@ class HunyuanVideo15Transformer3DModel(SequenceParallelTransformer, reference.Hu
         encoder_hidden_states: torch.Tensor,
         encoder_hidden_states_2: torch.Tensor | None,
         image_embeds: torch.Tensor | None,
-        plan: HunyuanTextPlan,
+        plan: HunyuanTextPlan | tuple[HunyuanTextPlan, ...],
     ) -> torch.Tensor:
         """The per-step work under SP. The runner's CUDA-graph wrapper runs it eagerly (the plan is an
-        object, not a tensor): at video lengths a forward is GPU-bound, and its blocks are compiled."""
+        object, not a tensor): at video lengths a forward is GPU-bound, and its blocks are compiled.
+        `plan`: one for every row, or one per row (rows with different text padding)."""
         batch, _, num_frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch_size_t, self.config.patch_size, self.config.patch_size
         rotary = self.rope(hidden_states)
         temb = self.time_embed(timestep, timestep_r=timestep_r)
         video = self.x_embedder(hidden_states)
-        text = self._embed_text(encoder_hidden_states, timestep, encoder_hidden_states_2, image_embeds, plan)
+        if isinstance(plan, HunyuanTextPlan):
+            text = self._embed_text(encoder_hidden_states, timestep, encoder_hidden_states_2, image_embeds, plan)
+            valid_len = plan.valid_len
+        else:
+            # Each row's text as it runs alone (the embedders are small), then zeros up to the longest row's
+            # bucket: the padding policy keeps each row's attention to its own valid tokens.
+            row_texts = [
+                self._embed_text(
+                    *(_row(x, i, batch) for x in (encoder_hidden_states, timestep, encoder_hidden_states_2)),
+                    _row(image_embeds, i, batch),
+                    row_plan,
+                )
+                for i, row_plan in enumerate(plan)
+            ]
+            length = max(t.shape[1] for t in row_texts)
+            text = torch.cat([torch.nn.functional.pad(t, (0, 0, 0, length - t.shape[1])) for t in row_texts])
+            valid_len = tuple(row_plan.valid_len for row_plan in plan)
 
         with sequence_parallel_context():
             video = shard_with_auto_pad(video, 1, IMAGE)
             rotary = tuple(shard_with_auto_pad(freqs, 0, IMAGE) for freqs in rotary)
-            text = shard_with_auto_pad(text, 1, TEXT, valid_len=plan.valid_len)
+            text = shard_with_auto_pad(text, 1, TEXT, valid_len=valid_len)
             for block in self.transformer_blocks:
                 if torch.is_grad_enabled() and self.gradient_checkpointing:
                     video, text = self._gradient_checkpointing_func(block, video, text, temb, None, rotary)

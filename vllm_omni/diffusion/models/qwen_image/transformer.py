@@ -31,7 +31,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     shard_with_auto_pad,
 )
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer
-from vllm_omni.diffusion.models.text_compaction import compact_text_mask
+from vllm_omni.diffusion.models.text_compaction import compact_text_mask, compact_text_rows
 
 
 def qk_rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
@@ -144,13 +144,20 @@ class QwenImageTransformer2DModel(SequenceParallelTransformer, reference.QwenIma
         """Same arguments and outputs as the diffusers reference."""
         # The reference masks padded text keys; keeping only the valid tokens (and their rotary
         # rows) gives the same image output with no mask, so the dense kernel still runs.
-        compaction = None if encoder_hidden_states_mask is None else compact_text_mask(encoder_hidden_states_mask)
-        rows = compaction if isinstance(compaction, list) else [compaction]
-        batched = not isinstance(compaction, list)
+        mask = encoder_hidden_states_mask
+        compaction = None if mask is None else compact_text_mask(mask)
+        if compaction is None:
+            plans = [(slice(None), None, None)]
+        elif not isinstance(compaction, list):  # every row's mask alike: one compaction
+            plans = [(slice(None), compaction.index, compaction.valid_len)]
+        elif (rows := compact_text_rows(mask)).shared_index is not None:
+            # Prompts of different lengths: one forward, each row's attention seeing its own valid text.
+            plans = [(slice(None), rows.shared_index, rows.valid_lens)]
+        else:
+            # Valid tokens that do not lead a row's mask would need rotary rows per row: one by one.
+            plans = [(slice(i, i + 1), row.index, row.valid_len) for i, row in enumerate(compaction)]
         outputs = []
-        for i, row_compaction in enumerate(rows):
-            # Rows with different text padding cannot share one compaction: they run one by one.
-            row = slice(None) if batched else slice(i, i + 1)
+        for row, text_index, text_valid_len in plans:
             row_shapes = img_shapes[row] if img_shapes is not None else None
             # Computed here, not in the graphed forward_sharded: diffusers keeps these tables in an
             # evicting cache, and a CUDA graph must own what it reads (as arguments, it copies them).
@@ -164,8 +171,8 @@ class QwenImageTransformer2DModel(SequenceParallelTransformer, reference.QwenIma
                         encoder_hidden_states=encoder_hidden_states[row],
                         img_freqs=img_freqs,
                         txt_freqs=txt_freqs,
-                        text_index=None if row_compaction is None else row_compaction.index,
-                        text_valid_len=None if row_compaction is None else row_compaction.valid_len,
+                        text_index=text_index,
+                        text_valid_len=text_valid_len,
                         timestep=timestep[row] if timestep.dim() else timestep,
                         img_shapes=row_shapes,
                         guidance=guidance[row] if guidance is not None and guidance.dim() else guidance,
@@ -176,7 +183,7 @@ class QwenImageTransformer2DModel(SequenceParallelTransformer, reference.QwenIma
                         additional_t_cond=additional_t_cond[row] if additional_t_cond is not None else None,
                     )
                 )
-        output = outputs[0] if batched else torch.cat(outputs)
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
     def forward_sharded(
@@ -187,7 +194,7 @@ class QwenImageTransformer2DModel(SequenceParallelTransformer, reference.QwenIma
         img_freqs: torch.Tensor,  # rotary rows of the image tokens (`rotary_tables`)
         txt_freqs: torch.Tensor,  # and of the text tokens, before compaction
         text_index: torch.Tensor | None,  # the compacted text's positions (valid first, then bucket filler)
-        text_valid_len: int | None,  # None: keep every text token
+        text_valid_len: int | tuple[int, ...] | None,  # None: keep every text token; a tuple: each row's
         timestep: torch.Tensor,
         img_shapes: list,
         guidance: torch.Tensor | None,
