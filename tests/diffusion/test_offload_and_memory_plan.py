@@ -107,6 +107,14 @@ def test_the_plans_weights_are_what_the_runner_loads(path, reference):
     )  # fmt: skip
     params = dict(runner.denoisers["transformer"].named_parameters())
     assert len(adapted) == 2 and served.lora_copy == sum(params[n].numel() * 4 for n in adapted) < lora.lora_copy
+    # Interleaving (--max-num-seqs 4): three suspended requests of the largest size, a fifth of a step each.
+    nested = plan_for_checkpoint(
+        path, present_components(path), ["transformer"], dtype_bytes=4, fp8_reason=None, tokens=4096,
+        text_tokens=512, rows=1, sp=1, offload="none", device_total=GiB, device_free=GiB, utilization=1.0,
+        in_flight=4,
+    )  # fmt: skip
+    assert nested.suspended_bytes == 3 * plan.step_bytes // 5 > 0 and nested.weights == plan.weights
+    assert nested.need == plan.need + nested.suspended_bytes and "requests run inside others" in nested.line()
 
 
 def test_fp8_with_offload_is_refused_with_the_reason():
@@ -149,6 +157,11 @@ def test_a_deploy_too_large_for_the_device_is_refused_at_start_naming_the_number
     assert "the deploy does not fit" in message and "needs 40.8 MiB of 27.0 MiB (0.9 of 30.0 MiB" in message, message
     assert "short by 13.8 MiB; would fit: --ulysses-degree 2 (24.0 MiB)" in message, message
     assert "--max-tokens-per-step 2304" in message, message
+    # Interleaving: at 2048 tokens one request fits (25.8 MiB), but 7 suspended ones (a fifth of a step each) do not.
+    with pytest.raises(Exception) as info:
+        Omni(MODEL, device="cpu", max_tokens_per_step=2048, max_n=1, scheduling_policy="fair", max_num_seqs=8)
+    message = str(info.value)
+    assert "requests run inside others 26.2 MiB" in message and "would fit: --max-num-seqs 1 (25.8 MiB)" in message, message
 
 
 # ---- on a GPU (skipped elsewhere): the weights really leave it, compiled blocks stay, the image is kept -------

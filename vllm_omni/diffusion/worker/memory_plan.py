@@ -5,7 +5,8 @@ component, at the dtype the rank serves them in, without what text-once leaves o
 loads no text encoder) and with FP8's one byte per converted weight (the same `FP8_RULE` that
 converts them). One denoising step's activations are estimated at the largest request the limits
 admit (`--max-tokens-per-step` tokens, `max(max_n, max_batch_size)` rows, this rank's share of
-them under Ulysses). What is on the GPU at once depends on `--cpu-offload`:
+them under Ulysses); with interleaving (`--max-num-seqs N` under fair or priority), what N - 1
+suspended requests of that size keep too. What is on the GPU at once depends on `--cpu-offload`:
 
 - none: every component, plus a step;
 - model: one component at a time (diffusers' model offload moves the last one out first);
@@ -39,6 +40,10 @@ from typing import Any
 # MLP's 4x-wide hidden before and after its activation, the residual stream and its modulated copy.
 # Measured on an H200.
 STEP_BYTES_PER_TOKEN_WIDTH = 20
+# What a request suspended between two of its steps keeps while others run inside it (interleaving, --max-num-seqs),
+# likewise: the step cache's residuals (the first block's and the others', per CFG branch); its latents and prompt
+# embeddings are far smaller. An upper estimate, not measured.
+SUSPENDED_BYTES_PER_TOKEN_WIDTH = 4
 # The share of the budget that resident blocks leave free under layerwise offload, for what the plan does not
 # count: the VAE decode, a third block still in flight on the prefetch stream, the allocator's fragmentation.
 # Measured on an H200 with Qwen-Image within 24 GiB: 34 resident blocks left 0.3 GiB, and the decode ran out.
@@ -90,6 +95,7 @@ class MemoryPlan:
     # LoRA adapters served: the rank keeps a copy of every weight an adapter touched (worker/lora.py), planned as
     # every 2-D weight of the denoisers' blocks.
     lora: bool = False
+    suspended_bytes: int = 0  # the requests others run inside (--max-num-seqs - 1 of them) at the largest request
 
     @property
     def lora_copy(self) -> int:
@@ -103,14 +109,14 @@ class MemoryPlan:
     def weights(self) -> int:
         """Weights on the GPU at the busiest moment."""
         if self.offload == "none":
-            return self.need - self.step_bytes
+            return self.need - self.step_bytes - self.suspended_bytes
         return self._peak()[1] + self._resident_bytes() + self.lora_copy
 
     @property
     def need(self) -> int:
         if self.offload == "none":
-            return sum(c.total for c in self.components) + self.step_bytes + self.lora_copy
-        return self._peak()[0] + self._resident_bytes() + self.lora_copy
+            return sum(c.total for c in self.components) + self.step_bytes + self.lora_copy + self.suspended_bytes
+        return self._peak()[0] + self._resident_bytes() + self.lora_copy + self.suspended_bytes
 
     def resident_blocks(self) -> dict[str, int]:
         """Under layerwise: how many of each denoiser's blocks stay on the GPU, within what the streamed plan
@@ -156,10 +162,11 @@ class MemoryPlan:
         resident = ", ".join(f"{count} {name} blocks" for name, count in self.resident_blocks().items())
         kept = f", {resident} resident" if resident else ""
         kept += f", {size(self.lora_copy)} of LoRA originals" if self.lora else ""
+        suspended = f", requests run inside others {size(self.suspended_bytes)}" if self.suspended_bytes else ""
         return (
             f"memory plan: weights {held} (offload {self.offload}: {size(self.weights)} on the GPU at once{kept}), one "
-            f"step at the largest request {size(self.step_bytes)}: needs {size(self.need)} of {size(self.budget)} "
-            f"({self.utilization:g} of {size(self.device_total)}, {size(self.device_free)} free)"
+            f"step at the largest request {size(self.step_bytes)}{suspended}: needs {size(self.need)} of "
+            f"{size(self.budget)} ({self.utilization:g} of {size(self.device_total)}, {size(self.device_free)} free)"
         )
 
 
@@ -211,7 +218,8 @@ def component_weights(
 
 def step_bytes(config: Mapping[str, Any], tokens: int, text_tokens: int, rows: int, sp: int, dtype_bytes: int) -> int:
     """One denoising step's activations on a rank: `rows` sequences of `tokens` image and `text_tokens`
-    text tokens, each split over `sp` ranks, at the denoiser's width (heads x head dim)."""
+    text tokens, each split over `sp` ranks, at the denoiser's width (heads x head dim). A suspended request
+    of that size keeps SUSPENDED_BYTES_PER_TOKEN_WIDTH / STEP_BYTES_PER_TOKEN_WIDTH of it."""
     width = int(config.get("num_attention_heads", 0)) * int(config.get("attention_head_dim", 0))
     if width <= 0:  # Z-Image names its width `dim`
         width = int(config.get("dim", 0) or config.get("hidden_size", 0) or 3072)
@@ -237,9 +245,11 @@ def plan_for_checkpoint(
     pixels: int = 0,
     lora: bool = False,
     lora_adapted: Iterable[str] | None = None,
+    in_flight: int = 1,
 ) -> MemoryPlan:
     """The plan of a rank that loads `components` of the checkpoint at `path` (see the module doc).
-    `lora_adapted`: the denoiser weights the served adapters adapt (None: any of their blocks' 2-D weights)."""
+    `lora_adapted`: the denoiser weights the served adapters adapt (None: any of their blocks' 2-D weights);
+    `in_flight`: requests in flight at once (interleaving: all but one suspended, each at the largest request)."""
     denoisers = frozenset(denoisers)
     adapted = frozenset(lora_adapted) if lora_adapted is not None else None
     held = [
@@ -257,7 +267,10 @@ def plan_for_checkpoint(
     vae = _config(path / "vae").get("_class_name", "") if "vae" in components else ""
     decode = int(pixels * UNTILED_DECODE_BYTES_PER_PIXEL.get(vae, 0) * dtype_bytes / 2)
     steps_peak = max(steps, default=0)
-    return MemoryPlan(weights, denoisers, steps_peak, offload, device_total, device_free, utilization, decode, lora)
+    suspended = (in_flight - 1) * steps_peak * SUSPENDED_BYTES_PER_TOKEN_WIDTH // STEP_BYTES_PER_TOKEN_WIDTH
+    return MemoryPlan(
+        weights, denoisers, steps_peak, offload, device_total, device_free, utilization, decode, lora, suspended
+    )
 
 
 def _config(folder: Path) -> dict[str, Any]:
@@ -315,7 +328,11 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
     text_tokens = max(spec.max_prompt_tokens or 0, DEFAULT_TEXT_TOKENS)
     parallel = config.parallel_config
 
-    def plan(offload: str = config.cpu_offload, fp8: bool = config.quantization == "fp8", sp: int = 0) -> MemoryPlan:
+    in_flight = config.max_num_seqs if config.scheduling_policy != "fcfs" else 1  # fcfs never interleaves
+
+    def plan(
+        offload: str = config.cpu_offload, fp8: bool = config.quantization == "fp8", sp: int = 0, seqs: int = in_flight
+    ) -> MemoryPlan:
         return plan_for_checkpoint(
             path,
             components,
@@ -333,6 +350,7 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
             pixels=tokens * spec.token_side**2 if spec.modality == "image" else 0,
             lora=bool(config.lora_modules or config.allow_runtime_lora),
             lora_adapted=config.lora_adapted,
+            in_flight=seqs,
         )
 
     chosen = plan()
@@ -345,6 +363,8 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
     for mode in ("model", "layerwise"):
         if mode != config.cpu_offload and config.quantization is None:
             alternatives[f"--cpu-offload {mode}"] = plan(offload=mode)
+    if in_flight > 1:
+        alternatives["--max-num-seqs 1"] = plan(seqs=1)
     heads = [attention_heads(_config(path / name)) for name in denoisers]
     degree = parallel.ulysses_degree * 2
     if heads and all(isinstance(h, int) and h % degree == 0 for h in heads):
