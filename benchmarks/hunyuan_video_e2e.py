@@ -14,7 +14,8 @@ frames, CFG as the pipeline runs it (the guider's scale 6, negative prompt ""), 
     build      the random-weight checkpoint folder (safetensors, 33.8 GB), weights made on the GPU in bf16
     diffusers  diffusers-eager: HunyuanVideo15Pipeline as is (one GPU, in this process)
     ours       ours-default: Omni(folder) (compiled blocks, CUDA graphs, its warm-up requests);
-               ours-eager: Omni(folder, enforce_eager=True)
+               ours-eager: Omni(folder, enforce_eager=True);
+               ours-fp8-attention: FP8 attention (cudnn_fp8) in every step (issue 33)
 
 A full 50-step request takes about 19 minutes in diffusers on one H200, longer than one device
 call, so `--steps N` (default 50) measures N steps and the 50-step total is extrapolated: the
@@ -191,6 +192,15 @@ VARIANTS = [
     Variant("ours-default", "ours", 1, "Omni(folder): compiled blocks, CUDA graphs, warm-up requests", {}),
     Variant(
         "ours-eager", "ours", 1, "Omni(folder, enforce_eager=True): no compile, no graphs", {"enforce_eager": True}
+    ),
+    # Every timed step in FP8 (a --steps 3 run would otherwise have none): the 50-step figure is 50 FP8 steps; with
+    # the default --fp8-attention-full-steps 2, 4 of them would run exact attention.
+    Variant(
+        "ours-fp8-attention",
+        "ours",
+        1,
+        "Omni(folder, attention_backend='cudnn_fp8', fp8_attention_full_steps=0): FP8 attention in every step",
+        {"attention_backend": "cudnn_fp8", "fp8_attention_full_steps": 0},
     ),
 ]
 BY_NAME = {variant.name: variant for variant in VARIANTS}
@@ -545,6 +555,8 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float | None, str]]:
         ("ours-default", "diffusers-eager", "<= 0.2"),
         ("ours-eager", "diffusers-eager", ""),
         ("ours-default", "ours-eager", ""),
+        ("ours-fp8-attention", "diffusers-eager", "<= 0.2 (issue 33)"),
+        ("ours-fp8-attention", "ours-default", ""),
     ):
         x, y, mp4 = totals(results, a, b)
         out.append((f"{a} / {b}, {FULL_STEPS}-step end to end extrapolated ({mp4 or 'n/a'})", _ratio(x, y), target))
