@@ -161,7 +161,8 @@ def test_a_deploy_too_large_for_the_device_is_refused_at_start_naming_the_number
     with pytest.raises(Exception) as info:
         Omni(MODEL, device="cpu", max_tokens_per_step=2048, max_n=1, scheduling_policy="fair", max_num_seqs=8)
     message = str(info.value)
-    assert "requests run inside others 26.2 MiB" in message and "would fit: --max-num-seqs 1 (25.8 MiB)" in message, message
+    assert "requests run inside others 26.2 MiB" in message, message
+    assert "would fit: --max-num-seqs 1 (25.8 MiB)" in message, message
 
 
 # ---- on a GPU (skipped elsewhere): the weights really leave it, compiled blocks stay, the image is kept -------
