@@ -15,7 +15,9 @@ frames, CFG as the pipeline runs it (the guider's scale 6, negative prompt ""), 
     diffusers  diffusers-eager: HunyuanVideo15Pipeline as is (one GPU, in this process)
     ours       ours-default: Omni(folder) (compiled blocks, CUDA graphs, its warm-up requests);
                ours-eager: Omni(folder, enforce_eager=True);
-               ours-fp8-attention: FP8 attention (cudnn_fp8) in every step (issue 33)
+               ours-fp8-attention: FP8 attention (cudnn_fp8) in every step (issue 33);
+               ours-fp8-levers: the same and FP8 matmuls (quantization="fp8").
+               Each variant run after ours-default in one call gets the PSNR of its frames against ours-default's.
 
 A full 50-step request takes about 19 minutes in diffusers on one H200, longer than one device
 call, so `--steps N` (default 50) measures N steps and the 50-step total is extrapolated: the
@@ -44,6 +46,8 @@ calls (build, load and engine start):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
     PYTHONUNBUFFERED=1 python3 benchmarks/hunyuan_video_e2e.py --copy-to $OUT --steps 3 --phase build diffusers ours --variants diffusers-eager ours-eager
     PYTHONUNBUFFERED=1 python3 benchmarks/hunyuan_video_e2e.py --copy-to $OUT --steps 3 --phase build ours --variants ours-default
+    PYTHONUNBUFFERED=1 python3 benchmarks/hunyuan_video_e2e.py --copy-to $OUT --steps 3 --phase build ours --variants ours-default ours-fp8-attention
+    PYTHONUNBUFFERED=1 python3 benchmarks/hunyuan_video_e2e.py --copy-to $OUT --steps 3 --phase build ours --variants ours-default ours-fp8-levers
 
 (the first line starts every call, `.whl` carried). The first call: build 1 to 2 min; diffusers
 about 1.5 min (load, a 1-step warm-up of 2 x 8.7 + 4.8 s, 3 timed steps: 52 s + 4.8 s decode);
@@ -52,7 +56,9 @@ The second: build again (a machine given back between calls, 30 s after one, com
 `build` is a no-op when --folder, default /tmp/hunyuan-video-e2e, already holds the checkpoint), then
 ours-default: start ~35 s plus the engine's two warm-up requests (compiling the blocks, 2 steps at
 the full size, then 2 at 768x768x5 with the sequence lengths dynamic: 2 to 3 min, an estimate
-with an empty inductor cache), its warm-up and 3 steps (~35 s). About 5 minutes. --copy-to puts
+with an empty inductor cache), its warm-up and 3 steps (~35 s). About 5 minutes. The third and fourth run ours-default again
+beside each lever variant, for the agreement (frames stay in the process), about 9 minutes each.
+--copy-to puts
 the JSON and the docs page into $OUT after every variant (a call cut short keeps what it
 finished); copy the returned JSON to benchmarks/results/ before the next call so the phases
 accumulate, and finish with `--phase docs` here. The smoke mode, on CPU:
@@ -90,6 +96,7 @@ from benchmarks.qwen_image_e2e import (  # noqa: E402
     DeviceMemorySampler,
     PhaseProbe,
     _cell,
+    add_agreement,
     already_built,
     commit_checkpoint,
     copy_outputs,
@@ -202,7 +209,18 @@ VARIANTS = [
         "Omni(folder, attention_backend='cudnn_fp8', fp8_attention_full_steps=0): FP8 attention in every step",
         {"attention_backend": "cudnn_fp8", "fp8_attention_full_steps": 0},
     ),
+    # The levers together (issue 33), every timed step in FP8 as above. Not the step cache: with 3 measured steps
+    # it skips at most a forward or two, which says nothing of a 50-step request's skips (a full run would).
+    Variant(
+        "ours-fp8-levers",
+        "ours",
+        1,
+        "Omni(folder, attention_backend='cudnn_fp8', fp8_attention_full_steps=0, quantization='fp8')",
+        {"attention_backend": "cudnn_fp8", "fp8_attention_full_steps": 0, "quantization": "fp8"},
+    ),
 ]
+# The first timed run's frames of each variant run in this process: agreement with ours-default's (PSNR).
+FRAMES: dict[str, np.ndarray] = {}
 BY_NAME = {variant.name: variant for variant in VARIANTS}
 PHASES = ["build", "diffusers", "ours", "docs"]  # docs: rewrite the docs section from the JSON
 
@@ -495,6 +513,7 @@ def run_ours(settings: Settings, variant: Variant, probe_root: Path) -> dict[str
                     if label != "warm-up":
                         peaks.append([records[r]["peak_alloc_gib"] for r in sorted(records)])
                         run.update(time_mp4(videos[0], omni.last_output.fps or FPS))
+                        FRAMES.setdefault(variant.name, np.asarray(videos[0]))
                     runs.append(run)
                     del videos
                     print(f"{variant.name} {label}: {run}", flush=True)
@@ -557,6 +576,8 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float | None, str]]:
         ("ours-default", "ours-eager", ""),
         ("ours-fp8-attention", "diffusers-eager", "<= 0.2 (issue 33)"),
         ("ours-fp8-attention", "ours-default", ""),
+        ("ours-fp8-levers", "diffusers-eager", "<= 0.2 (issue 33)"),
+        ("ours-fp8-levers", "ours-default", ""),
     ):
         x, y, mp4 = totals(results, a, b)
         out.append((f"{a} / {b}, {FULL_STEPS}-step end to end extrapolated ({mp4 or 'n/a'})", _ratio(x, y), target))
@@ -650,8 +671,8 @@ def docs_section(results: dict[str, Any]) -> str:
     lines += [
         "",
         "| variant | nvidia-smi peak GiB (whole variant) | graph captures (timed) | compile s (timed) | "
-        "warm-up request s (captures, compile s) | start to ready s (load + engine warm-up) |",
-        "|---|---|---|---|---|---|",
+        "warm-up request s (captures, compile s) | start to ready s (load + engine warm-up) | PSNR vs ours-default |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in done:
         warm = f"{_cell(row.get('warmup_run_s'), 1)} ({_cell(row.get('warmup_captures'))}, {_cell(row.get('warmup_compile_s'), 1)})"  # noqa: E501
@@ -665,7 +686,7 @@ def docs_section(results: dict[str, Any]) -> str:
                 )
         lines.append(
             f"| {row['variant']} | {_cell(row.get('nvsmi_peak_gib'), 1)} | {_cell(row.get('captures'))} | "
-            f"{_cell(row.get('compile_s'), 1)} | {warm} | {start} |"
+            f"{_cell(row.get('compile_s'), 1)} | {warm} | {start} | {_psnr_cell(row)} |"
         )
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
     for what, value, target in ratios(results):
@@ -686,11 +707,16 @@ def docs_section(results: dict[str, Any]) -> str:
         "pipeline's `encode_prompt` calls (prompt and negative prompt: Qwen2.5-VL; ByT5 runs only on quoted text, "
         "none here); latent preparation runs from their end to the end of `prepare_cond_latents_and_mask` "
         "(timesteps, latents); the loop from there to `vae.decode`, divided by the measured steps for s/step; VAE "
-        "decode is `vae.decode` (untiled on one GPU, in both); other is the rest of end to end (diffusers: video "
+        "decode is `vae.decode` (diffusers: untiled; ours: tiled where the rank cannot allocate the untiled decode "
+        "within its cap, 0.9 of the card by default, as at 848x480x121 beside the weights); other is the rest of end "
+        "to end (diffusers: video "
         "post-processing and the uint8 conversion; ours also the engine: validation, the trip to the worker and "
         "back). MP4 encoding is `media.encode_mp4` (PyAV, libx264) on the returned frames, outside end to end"
         + (f"; {'; '.join(sorted(notes))}" if notes else "")
-        + ". Each boundary synchronises the GPU. Peak GPU memory is torch's allocator peak during the timed request "
+        + ". PSNR vs ours-default: over all frames (uint8) of the first timed request, same prompt and seed, "
+        "against ours-default run in the same call (random weights: a measure of the levers' numerical drift, "
+        "not of quality). Each boundary synchronises the GPU. Peak GPU memory is torch's allocator peak during the "
+        "timed request "
         "(ours: in the worker); nvidia-smi reports the whole device every 200 ms from the variant's start. Graph "
         "captures and compile seconds are counted in the process that runs the transformer. The targets: ours at "
         f"most 0.2x diffusers end to end (upstream's published ratio for this request: {published_ratio()}). The VAE "
@@ -704,6 +730,14 @@ def docs_section(results: dict[str, Any]) -> str:
         + f"Rows from: {', '.join(hosts) or 'n/a'}.",
     ]
     return "\n".join(lines)
+
+
+def _psnr_cell(row: dict[str, Any]) -> str:
+    """The agreement of a row's first timed frames with ours-default's, run in the same call."""
+    if row["variant"] == "ours-default":
+        return "reference"
+    value = row.get("psnr_vs_ours_default_db")
+    return f"{value} dB" if isinstance(value, float) else value or "not run with it"
 
 
 def published_ratio() -> str:
@@ -757,6 +791,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def keep(row: dict[str, Any]) -> None:
         results["variants"][row["variant"]] = row
+        add_agreement(results["variants"], FRAMES)
         save()  # after each variant: a call cut short keeps what it measured
 
     for phase in args.phase:

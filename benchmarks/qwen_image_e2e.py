@@ -949,13 +949,14 @@ def engine_groups(variants: list[Variant]) -> list[list[Variant]]:
     return groups
 
 
-def add_agreement(rows: dict[str, dict[str, Any]]) -> None:
-    """Each row's PSNR (dB, uint8 images) of its first timed image against ours-default's, for the variants
-    run in this process with it ("identical" for equal images)."""
-    if "ours-default" not in IMAGES:
+def add_agreement(rows: dict[str, dict[str, Any]], images: dict[str, np.ndarray] | None = None) -> None:
+    """Each row's PSNR (dB, uint8 images or video frames) of its first timed output against ours-default's, for
+    the variants run in this process with it ("identical" for equal outputs). `images`: by variant (IMAGES)."""
+    images = IMAGES if images is None else images
+    if "ours-default" not in images:
         return
-    reference = IMAGES["ours-default"].astype(np.float64)
-    for name, image in IMAGES.items():
+    reference = images["ours-default"].astype(np.float64)
+    for name, image in images.items():
         if name != "ours-default" and name in rows and not rows[name].get("error"):
             mse = float(np.mean((image.astype(np.float64) - reference) ** 2))
             rows[name]["psnr_vs_ours_default_db"] = round(10 * np.log10(255.0**2 / mse), 2) if mse else "identical"

@@ -1,4 +1,5 @@
-"""The VAE decode split over 2 and 3 gloo ranks equals the single-rank tiled decode, bit for bit.
+"""The VAE decode split over 2 and 3 gloo ranks equals the single-rank tiled decode, bit for bit; by default a
+decode that one rank cannot allocate untiled is tiled (and split) on every rank.
 
 Real VAE classes of the tiny models (a video VAE with a per-tile feature cache, Wan2.2's; one
 without, HunyuanVideo 1.5's; an image VAE, FLUX.2's), in fp32, with small tiles so that a small
@@ -8,12 +9,16 @@ the pixels; the others get zeros of the same shape.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.worker.forward_chain import install_decode_split
 from vllm_omni.diffusion.worker.loader import resolve_model_path
+from vllm_omni.diffusion.worker.memory_plan import UNTILED_DECODE_BYTES_PER_PIXEL, untiled_decode_bytes
 from vllm_omni.diffusion.worker.vae_parallel import decode_split_class
 
 # tiny model, VAE class, latent shape, tiling: 5 x 5 = 25 tiles each, which neither 2 nor 3 ranks divide
@@ -38,6 +43,7 @@ CASES = {
     "flux2": ("tiny/flux2", "AutoencoderKLFlux2", None, None),
 }
 _vaes: dict = {}
+MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "vae_decode.json"
 
 
 def _vae(case: str):
@@ -93,3 +99,59 @@ def test_split_decode_equals_the_single_rank_tiled_decode(sp_pool, case):
             assert torch.equal(out, expected)
         else:
             assert not out.any()
+
+
+def decode_by_default_on_rank(case: str, short_ranks: tuple[int, ...]) -> tuple[int, torch.Tensor, int]:
+    """Worker side: the default decode (`enabled=None`) on a rank that can allocate the untiled decode's peak
+    unless it is one of `short_ranks`; (rank, output, tiles seen)."""
+    state = get_parallel_state()
+    vae = _vae(case)
+    seen = []
+    group = torch.distributed.group.WORLD
+    fits = lambda nbytes: state.rank not in short_ranks  # noqa: E731
+    install_decode_split(vae, state.rank, state.world_size, group, state.control_group, None, seen.append, fits)
+    vae.use_tiling = False  # as a pipeline loads it: the split turns tiling on for the decodes it tiles
+    try:
+        with torch.no_grad():
+            out = vae.decode(_latent(case), return_dict=False)[0]
+    finally:
+        vae.decode_split, vae.use_tiling = None, True
+    return state.rank, out, len(seen)
+
+
+def test_one_rank_short_of_memory_for_the_untiled_decode_tiles_it_on_every_rank(sp_pool):
+    """The last rank alone cannot allocate the untiled decode: every rank tiles and splits (agreed at the decode;
+    had the others decoded whole, the split's gather would hang), and the output is the tiled decode."""
+    vae = _vae("hunyuan")
+    with torch.no_grad():
+        tiled = vae.decode(_latent("hunyuan"), return_dict=False)[0]  # _vae turned its tiling on
+    results = sp_pool.run(decode_by_default_on_rank, "hunyuan", (sp_pool.world_size - 1,))
+    assert all(seen > 0 for _, _, seen in results)
+    assert torch.equal(next(out for rank, out, _ in results if rank == 0), tiled)
+
+
+def test_ranks_that_can_allocate_the_untiled_decode_decode_whole(sp_pool):
+    vae = _vae("hunyuan")
+    vae.use_tiling = False
+    try:
+        with torch.no_grad():
+            whole = vae.decode(_latent("hunyuan"), return_dict=False)[0]
+    finally:
+        vae.use_tiling = True
+    results = sp_pool.run(decode_by_default_on_rank, "hunyuan", ())
+    for _, out, seen in results:
+        assert seen == 0 and torch.equal(out, whole)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in json.loads(MEASURED.read_text()) if c["vae"] in UNTILED_DECODE_BYTES_PER_PIXEL]
+)
+def test_the_untiled_decode_estimate_reproduces_its_h200_measurement(case):
+    """memory_plan.untiled_decode_bytes at the benchmark's latents (benchmarks/vae_decode.py, real-size VAEs built
+    on the meta device, bf16) is within 5 % of the peak measured there."""
+    import diffusers
+
+    with torch.device("meta"):
+        vae = getattr(diffusers, case["vae"])().to(torch.bfloat16)
+    estimate = untiled_decode_bytes(vae, tuple(case["latent"]))
+    assert estimate == pytest.approx(case["untiled_peak_gib"] * 2**30, rel=0.05)

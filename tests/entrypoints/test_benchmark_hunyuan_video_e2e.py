@@ -70,6 +70,7 @@ def test_tiny_smoke_run_reports_every_phase_and_keeps_earlier_rows(tmp_path):
     for name in ("diffusers-eager", "ours-default", "ours-eager | error: kept", "benchmarks/vae_decode.py"):
         assert name in text
     assert "rank 0's share of 8" not in text
+    assert "| reference |" in text  # ours-default's agreement column: the other rows are compared with it
 
 
 def load_script(monkeypatch):

@@ -21,6 +21,7 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestFailed  # noqa: E402
+from vllm_omni.testing.memory import TEST_GPU_MEMORY_ENV  # noqa: E402
 
 PROMPT = "a lighthouse on a cliff at dusk"
 ARGS = dict(height=208, width=272, num_inference_steps=2, seed=4, output_type="np", negative_prompt="blurry")
@@ -103,3 +104,17 @@ def test_a_rank_failing_in_the_decode_restarts_the_group_which_then_serves(fault
         faulty_engine.step(_params(RAISE_PROMPT))
     assert faulty_engine.executor.restarts == restarts + 1
     assert len(faulty_engine.step(_params("a calm sea")).images) == 1
+
+
+def test_a_decode_the_rank_cannot_allocate_untiled_is_tiled(engines, monkeypatch):
+    """By default one rank decodes whole, unless the untiled decode's measured peak (4240 bytes a pixel for
+    Qwen-Image's VAE, 0.46 GiB at 272x208 in fp32) exceeds what it can allocate: a simulated device with 0.2 GiB
+    free (the test double of memory_plan's tests; the tiny model's plan fits in it at a small token limit) gets the
+    tiled decode."""
+    tiled = np.stack(engines("tiny/qwen-image", vae_parallel=True).generate(PROMPT, **ARGS))
+    monkeypatch.setenv(TEST_GPU_MEMORY_ENV, "8GiB,200MiB")
+    omni = Omni("tiny/qwen-image", stall_timeout_s=60, max_tokens_per_step=1024)
+    try:
+        np.testing.assert_array_equal(np.stack(omni.generate(PROMPT, **ARGS)), tiled)
+    finally:
+        omni.close()

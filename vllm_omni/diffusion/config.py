@@ -58,7 +58,8 @@ class DiffusionParallelConfig:
     `distributed_executor_backend` says who starts the ranks: "mp", one process each on this
     machine, or "ray", one Ray actor each, on this machine or across a Ray cluster.
     `vae_parallel`: the VAE decode tiled and split over every rank (vae_parallel.py); None: on
-    when there are several ranks and the output is large enough that splitting pays.
+    when there are several ranks and the output is large enough that splitting pays, and where a
+    rank cannot allocate the untiled decode.
     `data_parallel_size`: replicas, each a group of `world_size` ranks on its own devices, behind
     one queue (diffusion/engine/scheduler.py); the "mp" backend only, for now.
     """

@@ -194,7 +194,8 @@ class EngineArgs:
     vae_parallel: bool | None = option(
         "parallel",
         "tile the VAE decode and split the tiles over every rank (equal to one rank's tiled decode); "
-        "--no-vae-parallel decodes whole on every rank (default: on with several ranks at sizes where it pays)",
+        "--no-vae-parallel decodes whole on every rank (default: on with several ranks at sizes where it pays, "
+        "and where the rank cannot allocate the untiled decode)",
         PARALLEL,
     )
     distributed_executor_backend: str = option(

@@ -42,6 +42,7 @@ from diffusers.hooks.first_block_cache import FBCHeadBlockHook
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, CFGParallelHook
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward
+from vllm_omni.diffusion.worker.memory_plan import untiled_decode_per_pixel
 from vllm_omni.diffusion.worker.step_cache import BranchContext, CachedForward, CacheRecord, GroupFirstBlockHook
 from vllm_omni.diffusion.worker.vae_parallel import (
     DecoderCalls,
@@ -191,15 +192,21 @@ def install_step_report(pipe: Any, has_step_callback: bool) -> StepReportingSche
 
 
 def load_decode_split_vae(path: str | Path, dtype: torch.dtype, world: int, enabled: bool | None) -> Any:
-    """The checkpoint's VAE as its DecodeSplitVAE subclass where the split can apply, else None
+    """The checkpoint's VAE as its DecodeSplitVAE subclass where the split or tiling can apply, else None
     (the pipeline loads its own). The pipeline is then loaded with it as its `vae`."""
-    if enabled is False or (world == 1 and not enabled):
-        return None
     entry = json.loads((Path(path) / "model_index.json").read_text()).get("vae")
     vae_class = getattr(diffusers, entry[1], None) if isinstance(entry, list) and entry[0] == "diffusers" else None
-    if vae_class is None or not hasattr(vae_class, "tiled_decode"):
+    if vae_class is None or not _may_tile(vae_class, world, enabled):
         return None
     return decode_split_class(vae_class).from_pretrained(path, subfolder="vae", dtype=dtype)
+
+
+def _may_tile(vae_class: type, world: int, enabled: bool | None) -> bool:
+    """Whether the decode may be tiled: a VAE diffusers can tile, not turned off, and split over several ranks,
+    or asked for, or one whose untiled peak is known (tiled when it would not fit, VAEDecodeSplit)."""
+    if enabled is False or not hasattr(vae_class, "tiled_decode"):
+        return False
+    return world > 1 or enabled is True or untiled_decode_per_pixel(vae_class) is not None
 
 
 def install_decode_split(
@@ -210,18 +217,21 @@ def install_decode_split(
     control_group: Any,
     enabled: bool | None,
     on_tile: Callable[[int], None] | None,
+    fits: Callable[[int], bool] | None = None,
 ) -> VAEDecodeSplit | None:
     """The split decode on a DecodeSplitVAE (the runner calls it once; benchmarks and tests again):
-    `vae.decode` decides, per latent, and `vae.tiled_decode` splits. None where it does not apply:
-    one rank without `enabled=True` (with it, the decode is tiled but not split), or a VAE diffusers
-    cannot tile."""
-    if enabled is False or not isinstance(vae, DecodeSplitVAE) or not hasattr(vae, "use_tiling"):
-        return None
-    if world == 1 and not enabled:
+    `vae.decode` decides, per latent, and `vae.tiled_decode` splits. None where it does not apply (`_may_tile`;
+    on one rank the decode is tiled, not split). `fits(nbytes)`: whether the rank can allocate that much now
+    (memory_guard.allocation_check), for the default's rule."""
+    if (
+        not isinstance(vae, DecodeSplitVAE)
+        or not hasattr(vae, "use_tiling")
+        or not _may_tile(type(vae), world, enabled)
+    ):
         return None
     registry = HookRegistry.check_if_exists_or_initialize(vae.decoder)
     if registry.get_hook(DecoderCalls.NAME) is None:
         registry.register_hook(DecoderCalls(vae), DecoderCalls.NAME)
     parallel = ParallelTiledDecode(vae, rank, world, group, control_group, on_tile) if world > 1 else None
-    vae.decode_split = VAEDecodeSplit(vae, parallel, world, enabled)
+    vae.decode_split = VAEDecodeSplit(vae, parallel, world, enabled, fits)
     return vae.decode_split

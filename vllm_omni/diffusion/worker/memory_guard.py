@@ -5,8 +5,14 @@ a failed request held, and read the allocator's figures. The worker (worker.py) 
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import torch
+
+from vllm_omni.testing.memory import simulated_device_memory
+
+# What an allocation of a measured peak is planned with beyond it: the allocator's rounding and fragmentation.
+ALLOCATION_MARGIN = 1.1
 
 
 class GroupOutOfMemory(RuntimeError):
@@ -43,3 +49,28 @@ def memory_figures(device: torch.device) -> tuple[int | None, int | None, int | 
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     return peak, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+
+def allocation_check(device: torch.device) -> Callable[[int], bool] | None:
+    """`fits(nbytes)`: whether the rank can allocate `nbytes` more now, within its cap (--gpu-memory-utilization,
+    the per-process fraction the worker sets) and what the device has free, blocks the allocator caches unused
+    counted after releasing them (a CUDA graph's private pool stays held). None on a CPU (nothing to judge),
+    unless the test double VLLM_OMNI_TEST_GPU_MEMORY stands in for a device: then its free bytes are the room."""
+    simulated = simulated_device_memory()
+    if simulated is not None:
+        return lambda nbytes: nbytes * ALLOCATION_MARGIN <= simulated[1]
+    if device.type != "cuda":
+        return None
+
+    def room() -> int:
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = torch.cuda.get_per_process_memory_fraction(device)  # the worker set it
+        return min(int(fraction * total) - torch.cuda.memory_reserved(device), free)
+
+    def fits(nbytes: int) -> bool:
+        if nbytes * ALLOCATION_MARGIN <= room():
+            return True
+        torch.cuda.empty_cache()  # what is cached unused counts once released
+        return nbytes * ALLOCATION_MARGIN <= room()
+
+    return fits

@@ -21,8 +21,9 @@ worker/lora.py): those the served adapters adapt when none can be added at run t
 
 The budget is `gpu_memory_utilization` of the device, and no more than is free when the rank
 starts. A plan that does not fit refuses the deploy, saying by how much and which settings fit.
-The VAE decode is planned only where its untiled peak was measured (Qwen-Image's VAE), and only for what
-layerwise offload keeps resident through it (a tiled decode's peak is set by its tiles; docs/serving.md).
+The VAE decode is planned only for images, where its untiled peak was measured (Qwen-Image's VAE), and only for what
+layerwise offload keeps resident through it (a tiled decode's peak is set by its tiles; docs/serving.md). At run time a
+decode whose untiled peak (measured per VAE class) the rank cannot allocate is tiled instead (vae_parallel.py).
 """
 
 from __future__ import annotations
@@ -48,10 +49,16 @@ SUSPENDED_BYTES_PER_TOKEN_WIDTH = 4
 # count: the VAE decode, a third block still in flight on the prefetch stream, the allocator's fragmentation.
 # Measured on an H200 with Qwen-Image within 24 GiB: 34 resident blocks left 0.3 GiB, and the decode ran out.
 RESIDENT_HEADROOM = 0.1
-# An untiled VAE decode's peak activations per output pixel, in bfloat16, by the VAE's class (vae/config.json):
-# Qwen-Image's at 1024x1024 and 1328x1328, benchmarks/results/vae_decode.json (4.14 and 6.96 GiB). Resident
-# blocks stay on the GPU through the decode, so under layerwise offload they leave room for it. Others unmeasured.
-UNTILED_DECODE_BYTES_PER_PIXEL = {"AutoencoderKLQwenImage": 4240}
+# An untiled VAE decode's peak activations per output pixel, in bfloat16, by the VAE's class (vae/config.json),
+# from benchmarks/results/vae_decode.json: Qwen-Image's at 1024x1024 and 1328x1328 (4.14 and 6.96 GiB),
+# HunyuanVideo 1.5's at 848x480x121 (83.0 GiB), Wan's at 848x480x81 and 1280x720x81 (4.65 and 10.5 GiB). Resident
+# blocks stay on the GPU through the decode, so under layerwise offload they leave room for it; and a decode
+# whose untiled peak the rank cannot allocate when it starts is tiled (`untiled_decode_bytes`, vae_parallel.py).
+UNTILED_DECODE_BYTES_PER_PIXEL = {
+    "AutoencoderKLQwenImage": 4240,
+    "AutoencoderKLHunyuanVideo15": 1810,
+    "AutoencoderKLWan": 152,
+}
 DEFAULT_TEXT_TOKENS = 512
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2}
@@ -271,6 +278,34 @@ def plan_for_checkpoint(
     return MemoryPlan(
         weights, denoisers, steps_peak, offload, device_total, device_free, utilization, decode, lora, suspended
     )
+
+
+def untiled_decode_per_pixel(vae_class: type) -> int | None:
+    """UNTILED_DECODE_BYTES_PER_PIXEL of a VAE class (a DecodeSplitVAE subclass: of its VAE class), or None."""
+    return next(
+        (
+            UNTILED_DECODE_BYTES_PER_PIXEL.get(cls.__name__)
+            for cls in vae_class.__mro__
+            if cls.__name__ in UNTILED_DECODE_BYTES_PER_PIXEL
+        ),
+        None,
+    )
+
+
+def untiled_decode_bytes(vae: Any, latent_shape: tuple[int, ...]) -> int | None:
+    """The untiled decode's peak activations for a latent [B, C, (T,) H, W] by the VAE module `vae`
+    (UNTILED_DECODE_BYTES_PER_PIXEL, at its parameters' dtype); None where its class was not measured."""
+    per_pixel = untiled_decode_per_pixel(type(vae))
+    if per_pixel is None:
+        return None
+    config = vae.config
+    stages = config.get("temperal_downsample") or ()  # Wan's and Qwen-Image's VAEs give their factors as stages
+    spatial = config.get("spatial_compression_ratio") or config.get("scale_factor_spatial") or 2 ** len(stages)
+    temporal = config.get("temporal_compression_ratio") or config.get("scale_factor_temporal") or 2 ** sum(stages)
+    batch, height, width = latent_shape[0], latent_shape[-2], latent_shape[-1]
+    frames = 1 + (latent_shape[2] - 1) * temporal if len(latent_shape) == 5 else 1
+    dtype_bytes = next(vae.parameters()).element_size()
+    return int(batch * frames * height * spatial * width * spatial * per_pixel * dtype_bytes / 2)
 
 
 def _config(folder: Path) -> dict[str, Any]:

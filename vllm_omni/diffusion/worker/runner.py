@@ -48,7 +48,7 @@ from vllm_omni.diffusion.worker.forward_chain import (
 )
 from vllm_omni.diffusion.worker.interleave import put_aside
 from vllm_omni.diffusion.worker.lora import LoraAdapters
-from vllm_omni.diffusion.worker.memory_guard import GroupOutOfMemory, is_out_of_memory
+from vllm_omni.diffusion.worker.memory_guard import GroupOutOfMemory, allocation_check, is_out_of_memory
 from vllm_omni.diffusion.worker.offload import apply_offload
 from vllm_omni.diffusion.worker.quantization import quantize_denoisers, stored_bytes
 from vllm_omni.diffusion.worker.step_cache import CacheRecord
@@ -166,6 +166,7 @@ class PipelineRunner:
             state.control_group if state is not None else None,
             vae_parallel,
             on_tile=lambda tile: self._on_decode_tile is not None and self._on_decode_tile(tile),
+            fits=allocation_check(device),
         )
         # LoRA adapters merged into the denoisers per request (lora.py); `loras`: (max_loras, max_cpu_loras).
         self.adapters = LoraAdapters(self.pipe, self.denoisers, device, *loras) if loras is not None else None

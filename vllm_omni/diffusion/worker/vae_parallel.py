@@ -36,6 +36,12 @@ import torch
 import torch.distributed as dist
 from diffusers.hooks import ModelHook
 
+from vllm_omni.diffusion.distributed.parallel_state import any_rank
+from vllm_omni.diffusion.worker.memory_plan import untiled_decode_bytes
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
 
 class _TilesDecoded(Exception):
     """Raised at the first blend call of the decode pass: every tile has been through the decoder."""
@@ -260,19 +266,36 @@ AUTO_MIN_RANKS = 4
 class VAEDecodeSplit:
     """A DecodeSplitVAE's `decode`: tiled when the split is on for this latent, its tiles split by `parallel`.
 
-    `enabled`: True / False, or None for the default (videos on AUTO_MIN_RANKS ranks or more).
-    The VAE's own tiling setting stays off otherwise, so its encode (an edit's source image) is
-    never tiled. A latent of one tile still decodes whole (the VAE's own rule). `parallel`: None on
-    one rank (tiled, not split).
+    `enabled`: True / False, or None for the default: videos on AUTO_MIN_RANKS ranks or more, and any latent
+    whose untiled decode the rank could not allocate now (`fits`, memory_guard.allocation_check; the untiled
+    peak measured per VAE class, memory_plan.untiled_decode_bytes). Ranks that split agree on that at the decode,
+    which each of them reaches: one short of memory tiles them all. The VAE's own tiling setting stays off
+    otherwise, so its encode (an edit's source image) is never tiled. A latent of one tile still decodes whole
+    (the VAE's own rule). `parallel`: None on one rank (tiled, not split).
     """
 
-    def __init__(self, vae: torch.nn.Module, parallel: ParallelTiledDecode | None, world: int, enabled: bool | None):
-        self.vae, self.parallel, self.world, self.enabled = vae, parallel, world, enabled
+    def __init__(
+        self,
+        vae: torch.nn.Module,
+        parallel: ParallelTiledDecode | None,
+        world: int,
+        enabled: bool | None,
+        fits: Callable[[int], bool] | None = None,
+    ):
+        self.vae, self.parallel, self.world, self.enabled, self.fits = vae, parallel, world, enabled, fits
 
     def splits(self, z: torch.Tensor) -> bool:
         if self.enabled is not None:
             return self.enabled
-        return z.dim() == 5 and z.shape[2] > 1 and self.world >= AUTO_MIN_RANKS
+        if z.dim() == 5 and z.shape[2] > 1 and self.world >= AUTO_MIN_RANKS:
+            return True
+        need = untiled_decode_bytes(self.vae, tuple(z.shape))
+        if need is None or self.fits is None:  # alike on every rank: the VAE's class, the kind of device
+            return False
+        short = not self.fits(need)
+        if short:
+            logger.info("The untiled VAE decode (%.2f GiB) does not fit on this rank now: tiling it", need / 2**30)
+        return any_rank(short) if self.parallel is not None else short
 
     def __call__(self, decode: Callable[..., Any], z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """`decode` is the VAE class's own."""
