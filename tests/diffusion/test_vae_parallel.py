@@ -19,7 +19,7 @@ from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.worker.forward_chain import install_decode_split
 from vllm_omni.diffusion.worker.loader import resolve_model_path
 from vllm_omni.diffusion.worker.memory_plan import UNTILED_DECODE_BYTES_PER_PIXEL, untiled_decode_bytes
-from vllm_omni.diffusion.worker.vae_parallel import decode_split_class
+from vllm_omni.diffusion.worker.vae_parallel import DecodeSplitVAE, decode_split_class
 
 # tiny model, VAE class, latent shape, tiling: 5 x 5 = 25 tiles each, which neither 2 nor 3 ranks divide
 CASES = {
@@ -141,6 +141,40 @@ def test_ranks_that_can_allocate_the_untiled_decode_decode_whole(sp_pool):
     results = sp_pool.run(decode_by_default_on_rank, "hunyuan", ())
     for _, out, seen in results:
         assert seen == 0 and torch.equal(out, whole)
+
+
+def decode_running_out_untiled_on_rank(case: str, failing_rank: int) -> tuple[int, torch.Tensor, int]:
+    """Worker side: the default decode, its untiled attempt running out of memory on `failing_rank` alone (as a
+    CUDA out-of-memory error reads; the CPU cannot run out); (rank, output, tiles seen)."""
+    state = get_parallel_state()
+    vae = _vae(case)
+    seen = []
+    group = torch.distributed.group.WORLD
+    split = install_decode_split(vae, state.rank, state.world_size, group, state.control_group, None, seen.append)
+    vae.use_tiling = False
+
+    def decode(z, *args, **kwargs):
+        if state.rank == failing_rank and not vae.use_tiling:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 23.49 GiB.")
+        return super(DecodeSplitVAE, vae).decode(z, *args, **kwargs)  # the VAE class's own
+
+    try:
+        with torch.no_grad():
+            out = split(decode, _latent(case), return_dict=False)[0]
+    finally:
+        vae.decode_split, vae.use_tiling = None, True
+    return state.rank, out, len(seen)
+
+
+def test_an_untiled_decode_out_of_memory_on_one_rank_is_decoded_again_tiled_on_every_rank(sp_pool):
+    """The backstop behind the estimate: the ranks agree after the untiled attempt, and every one decodes tiled
+    (split), so rank 0 answers with the tiled decode and no rank waits alone in the split's gather."""
+    vae = _vae("hunyuan")
+    with torch.no_grad():
+        tiled = vae.decode(_latent("hunyuan"), return_dict=False)[0]
+    results = sp_pool.run(decode_running_out_untiled_on_rank, "hunyuan", sp_pool.world_size - 1)
+    assert all(seen > 0 for _, _, seen in results)
+    assert torch.equal(next(out for rank, out, _ in results if rank == 0), tiled)
 
 
 @pytest.mark.parametrize(

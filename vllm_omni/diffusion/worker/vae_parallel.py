@@ -37,6 +37,7 @@ import torch.distributed as dist
 from diffusers.hooks import ModelHook
 
 from vllm_omni.diffusion.distributed.parallel_state import any_rank
+from vllm_omni.diffusion.worker.memory_guard import is_out_of_memory, release_cached_memory
 from vllm_omni.diffusion.worker.memory_plan import untiled_decode_bytes
 from vllm_omni.logger import init_logger
 
@@ -268,10 +269,12 @@ class VAEDecodeSplit:
 
     `enabled`: True / False, or None for the default: videos on AUTO_MIN_RANKS ranks or more, and any latent
     whose untiled decode the rank could not allocate now (`fits`, memory_guard.allocation_check; the untiled
-    peak measured per VAE class, memory_plan.untiled_decode_bytes). Ranks that split agree on that at the decode,
-    which each of them reaches: one short of memory tiles them all. The VAE's own tiling setting stays off
-    otherwise, so its encode (an edit's source image) is never tiled. A latent of one tile still decodes whole
-    (the VAE's own rule). `parallel`: None on one rank (tiled, not split).
+    peak measured per VAE class, memory_plan.untiled_decode_bytes); and, as a backstop, a decode that ran out of
+    memory untiled is run again tiled. With several ranks, each of those is agreed where every rank reaches it
+    (before the decode, after its untiled attempt): one short of memory tiles them all, so a split's collectives
+    are reached by every rank. The VAE's own tiling setting stays off otherwise, so its encode (an edit's source
+    image) is never tiled. A latent of one tile still decodes whole (the VAE's own rule). `parallel`: None on one
+    rank (tiled, not split).
     """
 
     def __init__(
@@ -295,12 +298,31 @@ class VAEDecodeSplit:
         short = not self.fits(need)
         if short:
             logger.info("The untiled VAE decode (%.2f GiB) does not fit on this rank now: tiling it", need / 2**30)
-        return any_rank(short) if self.parallel is not None else short
+        return self._agreed(short)
+
+    def _agreed(self, flag: bool) -> bool:
+        return any_rank(flag) if self.parallel is not None else flag
 
     def __call__(self, decode: Callable[..., Any], z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """`decode` is the VAE class's own."""
-        if not self.splits(z):
+        if self.splits(z):
+            return self._tiled(decode, z, *args, **kwargs)
+        if self.enabled is not None:
             return decode(z, *args, **kwargs)
+        try:
+            out, failed = decode(z, *args, **kwargs), None
+        except Exception as exc:  # noqa: BLE001 - an out-of-memory error is retried tiled, any other raised
+            if not is_out_of_memory(exc):
+                raise
+            out, failed = None, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        if not self._agreed(failed is not None):
+            return out
+        del out
+        logger.warning("The untiled VAE decode ran out of memory (%s): decoding it again, tiled", failed or "on a peer")
+        release_cached_memory(z.device)
+        return self._tiled(decode, z, *args, **kwargs)
+
+    def _tiled(self, decode: Callable[..., Any], z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         tiling = self.vae.use_tiling
         self.vae.use_tiling = True
         try:
