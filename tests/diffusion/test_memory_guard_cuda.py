@@ -37,8 +37,10 @@ def test_a_real_cuda_out_of_memory_fails_the_request_frees_its_memory_and_the_ra
     preprocess = RequestPreprocessor(read_pipeline_spec(path), EngineLimits(), path, None)
     # The rank caps its own allocator at gpu_memory_utilization (worker.py), as a deploy on a 1 GiB card would.
     cap = CAP_BYTES / torch.cuda.get_device_properties(0).total_memory
+    # vae_parallel=False: the decode stays untiled, so the large request runs out of memory there (by default a
+    # decode the rank cannot allocate untiled is tiled, and the request would succeed).
     config = OmniDiffusionConfig(
-        MODEL, DiffusionParallelConfig(), device="cuda", dtype="bfloat16", enforce_eager=True,
+        MODEL, DiffusionParallelConfig(vae_parallel=False), device="cuda", dtype="bfloat16", enforce_eager=True,
         gpu_memory_utilization=cap,
     )  # fmt: skip
     requests: queue.Queue = queue.Queue()
@@ -68,8 +70,9 @@ def test_a_real_cuda_out_of_memory_fails_the_request_frees_its_memory_and_the_ra
         after = run(64, 1, 4)
         assert isinstance(after[-1], Done)
         stats = next(r for r in after if isinstance(r, Stats))
-        # Nothing of the failed request stays (measured on an H200: 287 KiB less than before, not more).
-        assert stats.allocated_memory_bytes <= held[0]
+        # Nothing of the failed request stays (its 658 MiB at the error): at most what a new size caches (the
+        # rotary table of 2048x2048; measured on an H200: 1 MiB more than before).
+        assert stats.allocated_memory_bytes <= held[0] + 2 * 2**20
         assert stats.reserved_memory_bytes <= CAP_BYTES and stats.peak_memory_bytes < CAP_BYTES
     finally:
         requests.put(None)
