@@ -638,19 +638,27 @@ def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    record = {
-        "scale": scale.name,
+    record = build_record(scale.name, params, files, written, init_s, write_s, partial)
+    commit_checkpoint(partial, folder, record, written, write_s)
+    return record
+
+
+def build_record(
+    scale: str, params: int, files: list[Path], written: int, init_s: float, write_s: float, partial: Path, **facts: Any
+) -> dict[str, Any]:
+    """What a build wrote, and how fast (the JSON's "build"); `facts`: the model's own (its scheduler's shift...)."""
+    return {
+        "scale": scale,
         "parameters": params,
         "bytes": written,
         "safetensors_files": sum(path.suffix == ".safetensors" for path in files),
+        **facts,
         "init_s": round(init_s, 2),
         "write_s": round(write_s, 2),
         "write_gb_per_s": round(written / write_s / 1e9, 3),
         "filesystem": filesystem_of(partial),
         "host": socket.gethostname(),
     }
-    commit_checkpoint(partial, folder, record, written, write_s)
-    return record
 
 
 # ---- memory seen by nvidia-smi ---------------------------------------------------------------------

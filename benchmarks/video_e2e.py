@@ -34,11 +34,11 @@ from benchmarks.qwen_image_e2e import (  # noqa: E402
     _cell,
     add_agreement,
     already_built,
+    build_record,
     commit_checkpoint,
     copy_outputs,
     default_dtype,
     failed_row,
-    filesystem_of,
     inductor_cache_files,
     install_worker_probe,
     load_results,
@@ -229,18 +229,7 @@ def build_checkpoint(family: VideoFamily, scale: Scale, folder: Path, rebuild: b
     pipe = getattr(diffusers, family.pipeline)(**parts, **components)
     files, write_s, written = save_synced(pipe, partial)
     family.finish_folder(partial)
-    record = {
-        "scale": scale.name,
-        "parameters": params,
-        "bytes": written,
-        "safetensors_files": sum(path.suffix == ".safetensors" for path in files),
-        **family.checkpoint_facts(pipe),
-        "init_s": round(init_s, 2),
-        "write_s": round(write_s, 2),
-        "write_gb_per_s": round(written / write_s / 1e9, 3),
-        "filesystem": filesystem_of(partial),
-        "host": socket.gethostname(),
-    }
+    record = build_record(scale.name, params, files, written, init_s, write_s, partial, **family.checkpoint_facts(pipe))
     del pipe, components
     gc.collect()
     if device.type == "cuda":
