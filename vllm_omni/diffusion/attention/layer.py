@@ -24,6 +24,7 @@ the kernel comes from backends.py.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -374,12 +375,11 @@ class JointAttention(nn.Module):
             if reference_out is not None or text_blocks is not None:
                 raise ValueError("rows with text of different lengths share no forward with a reference or text_blocks")
             lens = [row_lens.get(i, (n,) * query.shape[0]) for i, n in enumerate(kept)]
-            rows = []
-            for row in range(query.shape[0]):
-                key = torch.cat([k[row : row + 1, : n[row]] for (_, k, _), n in zip(ordered, lens)], dim=1)
-                value = torch.cat([v[row : row + 1, : n[row]] for (_, _, v), n in zip(ordered, lens)], dim=1)
-                rows.append(backend(query[row : row + 1], key, value))
-            out = torch.cat(rows)
+            starts = itertools.accumulate((k.shape[1] for _, k, _ in ordered[:-1]), initial=0)
+            spans = [(start, n) for start, n in zip(starts, lens)]
+            row_keys = [[(start, start + n[row]) for start, n in spans] for row in range(query.shape[0])]
+            key, value = (torch.cat([stream[i] for stream in ordered], dim=1) for i in (1, 2))
+            out = attend_rows(backend, query, key, value, row_keys)
         else:
             key = torch.cat([k[:, :n] for (_, k, _), n in zip(ordered, kept)], dim=1)
             value = torch.cat([v[:, :n] for (_, _, v), n in zip(ordered, kept)], dim=1)
