@@ -34,8 +34,9 @@ CONFIG = dict(
 )
 LATENT = (10, 14)  # 5 x 7 = 35 image tokens
 # Caption lengths per row: one row; two rows as a CFG step passes them (prompt, then the shorter
-# empty negative prompt: the reference masks the batch padding between them); two equal rows.
-CASES = {"one": [11], "cfg": [11, 5], "equal": [11, 11]}
+# empty negative prompt: the reference masks the batch padding between them); two equal rows; two rows
+# whose captions the reference pads to different lengths (64 and 32 tokens: ours shares one forward).
+CASES = {"one": [11], "cfg": [11, 5], "equal": [11, 11], "ragged": [40, 5]}
 
 
 def make_inputs(case: str, seed: int = 1, controlnet: bool = False) -> dict:
@@ -47,8 +48,9 @@ def make_inputs(case: str, seed: int = 1, controlnet: bool = False) -> dict:
         cap_feats=[torch.randn(n, CONFIG["cap_feat_dim"], generator=gen) for n in lengths],
         return_dict=False,
     )
-    if controlnet:  # residuals over the reference's joint [image, caption] sequence: 64 + 32 tokens
-        inputs["controlnet_block_samples"] = {1: torch.randn(len(lengths), 96, CONFIG["dim"], generator=gen)}
+    if controlnet:  # residuals over the reference's joint [image, caption] sequence: 64 + the longest caption's
+        joint = 64 + max(-(-n // 32) * 32 for n in lengths)
+        inputs["controlnet_block_samples"] = {1: torch.randn(len(lengths), joint, CONFIG["dim"], generator=gen)}
     return inputs
 
 
@@ -135,7 +137,12 @@ def test_processors_set_later_take_effect(checkpoint):
     inputs = make_inputs("cfg")
     with torch.no_grad():
         assert_samples_close(ours(**inputs)[0], ref(**inputs)[0])
-    assert len(calls) == 2 * (CONFIG["n_layers"] + 2 * CONFIG["n_refiner_layers"])  # two groups of rows
+    assert len(calls) == CONFIG["n_layers"] + 2 * CONFIG["n_refiner_layers"]  # one caption length: one group
+    calls.clear()
+    inputs = make_inputs("ragged")
+    with torch.no_grad():  # diffusers' processors attend to every key: rows of other caption lengths run apart
+        assert_samples_close(ours(**inputs)[0], ref(**inputs)[0])
+    assert len(calls) == 2 * (CONFIG["n_layers"] + 2 * CONFIG["n_refiner_layers"])
 
     # Under SP those processors would attend to one rank's tokens only: refused before any work.
     state = ParallelState(DiffusionParallelConfig(ulysses_degree=2), 0, 2, SimulatedGroup(2), None)
@@ -154,7 +161,33 @@ def sp_forward(folder: str, case: str, mode: str, random_padding: bool = False, 
     return output, warnings
 
 
-@pytest.mark.parametrize("case", ["one", "cfg"])
+def test_rows_of_different_caption_lengths_share_one_forward_and_equal_their_rows_alone(models):
+    """fp32 to a few ulps: the batch's GEMMs have other shapes; attention sees each row's own keys."""
+    _, ours = models
+    inputs = make_inputs("ragged", controlnet=True)
+    forwards = []
+    hook = ours.cap_embedder.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        with torch.no_grad():
+            batched = ours(**inputs)[0]
+            assert len(forwards) == 1
+            alone = []
+            for i, n in enumerate(CASES["ragged"]):
+                joint = 64 + -(-n // 32) * 32
+                row = dict(
+                    inputs, x=inputs["x"][i : i + 1], t=inputs["t"][i : i + 1], cap_feats=inputs["cap_feats"][i : i + 1]
+                )
+                row["controlnet_block_samples"] = {
+                    k: v[i : i + 1, :joint] for k, v in inputs["controlnet_block_samples"].items()
+                }
+                alone += ours(**row)[0]
+    finally:
+        hook.remove()
+    for a, b in zip(batched, alone):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["one", "cfg", "ragged"])
 def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, case):
     _, ours = models
     with torch.no_grad():

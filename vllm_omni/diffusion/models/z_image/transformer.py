@@ -8,8 +8,9 @@ pad token that attention sees like any token, so those tokens stay part of the s
 goes past them. Three kinds of block share one class: the noise refiner attends within the image
 stream, the context refiner within the caption stream, and the main layers over one [image, text]
 sequence, which each rank holds as [its image shard, its text shard] and splits at the rank's
-image length before attention (text joined "rear"). Rows whose captions or images differ in length
-(the reference masks their batch padding) run one group of equal rows at a time. The Omni variant's
+image length before attention (text joined "rear"). Rows of one image size share a forward, their captions
+of any lengths (the reference masks the batch padding between them; here each row attends to its own caption
+tokens, the attention layer's per-row keys); rows of other image sizes run as groups of their own. The Omni variant's
 inputs (nested lists, SigLIP features) run diffusers' own forward, at one rank only.
 """
 
@@ -81,8 +82,9 @@ class ZImageSPAttnProcessor(reference.ZSingleStreamAttnProcessor):
             query = apply_rotary(query, freqs_cis)
             key = apply_rotary(key, freqs_cis)
 
-        if self.stream == "joint" and sharded:
-            # Split at the rank's image length, so each stream's padding stays at its own global tail.
+        if self.stream == "joint" and ctx is not None and IMAGE in ctx.streams:
+            # Split at the rank's image length, so each stream's padding stays at its own global tail and each
+            # row's caption filler (rows of other lengths) is cut.
             n = ctx.streams[IMAGE].local_seq_len
             img_out, txt_out = self.attention(
                 query[:, :n], key[:, :n], value[:, :n], text_qkv=(query[:, n:], key[:, n:], value[:, n:])
@@ -143,15 +145,28 @@ class ZImageTransformer2DModel(SequenceParallelTransformer, reference.ZImageTran
             x, cap_feats, patch_size, f_patch_size
         )
         image_lens = [(f // f_patch_size) * (h // patch_size) * (w // patch_size) for f, h, w in sizes]
+        # Rows of one image size share a forward; their captions may differ in length (a CFG step's prompt and
+        # negative prompt): each row attends to its own caption tokens alone (the attention layer's per-row
+        # keys), where the reference masks the batch padding between them.
+        # A processor set later (diffusers' own) attends to every key it is given: its rows keep one caption length.
+        per_row_keys = all(
+            isinstance(block.attention.processor, ZImageSPAttnProcessor)
+            for name in BLOCK_STREAMS
+            for block in getattr(self, name)
+        )
         groups: dict[tuple, list[int]] = {}
         for i in range(len(x)):
-            groups.setdefault((sizes[i], images[i].shape[0], captions[i].shape[0], len(cap_feats[i])), []).append(i)
+            caption = () if per_row_keys else (captions[i].shape[0],)
+            groups.setdefault((sizes[i], images[i].shape[0], *caption), []).append(i)
 
         outputs: list[torch.Tensor | None] = [None] * len(x)
         for rows in groups.values():
-            # Rows of one group share their lengths and positions: one batch, no mask (the reference's
-            # mask only hides batch padding between rows of different lengths).
             first = rows[0]
+            caption_lens = [captions[i].shape[0] for i in rows]  # each padded to a multiple of 32 by the reference
+            longest = rows[caption_lens.index(max(caption_lens))]
+            # Image positions start after the row's padded caption: rows with captions of other lengths have
+            # their own image rotary rows.
+            image_freqs = [self.rope_embedder(image_ids[i]) for i in (rows if len(set(caption_lens)) > 1 else [first])]
             with sequence_parallel_context() as ctx:
                 if ctx.enabled:
                     self.check_sequence_parallel_processors(
@@ -159,14 +174,15 @@ class ZImageTransformer2DModel(SequenceParallelTransformer, reference.ZImageTran
                     )
                 sample = self.run_sharded(
                     hidden_states=torch.stack([images[i] for i in rows]),
-                    encoder_hidden_states=torch.stack([captions[i] for i in rows]),
+                    encoder_hidden_states=_stack_padded([captions[i] for i in rows]),
                     # Computed here, not in the graphed forward_sharded: the rope embedder keeps its tables on itself.
-                    image_freqs=self.rope_embedder(image_ids[first]),
-                    # The reference keeps the first rows of the caption's ids, as many as its tokens (its
-                    # pad tokens continue the caption's positions).
-                    text_freqs=self.rope_embedder(caption_ids[first][: captions[first].shape[0]]),
+                    image_freqs=torch.stack(image_freqs),
+                    # The reference keeps the first rows of the caption's ids, as many as its tokens (its pad tokens
+                    # continue the caption's positions); the longest caption's cover every row's.
+                    text_freqs=self.rope_embedder(caption_ids[longest][: captions[longest].shape[0]]),
                     image_len=image_lens[first],
-                    text_len=len(cap_feats[first]),
+                    text_lens=tuple(len(cap_feats[i]) for i in rows),
+                    caption_lens=tuple(caption_lens),
                     timestep=t[rows] if t.dim() and t.shape[0] == len(x) else t,
                     patch_key=f"{patch_size}-{f_patch_size}",
                     controlnet_block_samples=_rows_of(controlnet_block_samples, rows, len(x)),
@@ -181,10 +197,11 @@ class ZImageTransformer2DModel(SequenceParallelTransformer, reference.ZImageTran
         *,
         hidden_states: torch.Tensor,  # [B, X, patch] image patches, padded to a multiple of 32
         encoder_hidden_states: torch.Tensor,  # [B, C, cap_feat_dim] caption features, likewise
-        image_freqs: torch.Tensor,  # [X, head_dim / 2] complex rotary rows of the image tokens
+        image_freqs: torch.Tensor,  # [1 or B, X, head_dim / 2] complex rotary rows of the image tokens
         text_freqs: torch.Tensor,  # [C, head_dim / 2] and of the caption tokens
         image_len: int,  # real image tokens (the rest are the learned pad token)
-        text_len: int,  # real caption tokens
+        text_lens: tuple[int, ...],  # real caption tokens of each row (then the learned pad token)
+        caption_lens: tuple[int, ...],  # each row's caption with its pad tokens (then the batch's filler)
         timestep: torch.Tensor,
         patch_key: str,
         controlnet_block_samples: dict[int, torch.Tensor] | None,
@@ -193,10 +210,10 @@ class ZImageTransformer2DModel(SequenceParallelTransformer, reference.ZImageTran
         CUDA graph). Returns the image tokens' output [B, X, patch] (pad tokens included)."""
         adaln = self.t_embedder(timestep * self.t_scale).type_as(hidden_states)
         x = self.all_x_embedder[patch_key](shard_with_auto_pad(hidden_states, 1, IMAGE))
-        x = self._with_pad_token(x, image_len, hidden_states.shape[1], IMAGE, self.x_pad_token)
-        cap = self.cap_embedder(shard_with_auto_pad(encoder_hidden_states, 1, TEXT))
-        cap = self._with_pad_token(cap, text_len, encoder_hidden_states.shape[1], TEXT, self.cap_pad_token)
-        x_freqs = shard_with_auto_pad(image_freqs, 0, IMAGE).unsqueeze(0)
+        x = self._with_pad_token(x, (image_len,), hidden_states.shape[1], IMAGE, self.x_pad_token)
+        cap = self.cap_embedder(shard_with_auto_pad(encoder_hidden_states, 1, TEXT, caption_lens))
+        cap = self._with_pad_token(cap, text_lens, encoder_hidden_states.shape[1], TEXT, self.cap_pad_token)
+        x_freqs = shard_with_auto_pad(image_freqs, 1, IMAGE)
         cap_freqs = shard_with_auto_pad(text_freqs, 0, TEXT).unsqueeze(0)
 
         checkpointing = torch.is_grad_enabled() and self.gradient_checkpointing
@@ -207,7 +224,7 @@ class ZImageTransformer2DModel(SequenceParallelTransformer, reference.ZImageTran
 
         image_local = x.shape[1]
         unified = torch.cat([x, cap], dim=1)
-        unified_freqs = torch.cat([x_freqs, cap_freqs], dim=1)
+        unified_freqs = torch.cat([x_freqs, cap_freqs.expand(x_freqs.shape[0], -1, -1)], dim=1)
         for index, layer in enumerate(self.layers):
             unified = self._run_block(checkpointing, layer, unified, unified_freqs, adaln)
             if controlnet_block_samples is not None and index in controlnet_block_samples:
@@ -232,13 +249,21 @@ class ZImageTransformer2DModel(SequenceParallelTransformer, reference.ZImageTran
 
     @staticmethod
     def _with_pad_token(
-        x: torch.Tensor, real_len: int, seq_len: int, stream: str, pad_token: torch.Tensor
+        x: torch.Tensor, real_lens: tuple[int, ...], seq_len: int, stream: str, pad_token: torch.Tensor
     ) -> torch.Tensor:
-        """`x` with the stream's own pad positions (past `real_len`) set to the learned pad token, as the reference."""
-        if real_len == seq_len:
+        """`x` with the stream's own pad positions (past each row's real length, one for every row or one per row)
+        set to the learned pad token, as the reference."""
+        if min(real_lens) == seq_len:
             return x
         positions = shard_with_auto_pad(torch.arange(seq_len, device=x.device), 0, stream)
-        return torch.where((positions >= real_len).unsqueeze(-1), pad_token, x)
+        pads = positions >= torch.tensor(real_lens, device=x.device)[:, None]  # [1 or B, local length]
+        return torch.where(pads.unsqueeze(-1), pad_token, x)
+
+
+def _stack_padded(captions: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of different lengths as one [B, longest, ...] batch, zeros past each (filler attention never sees)."""
+    longest = max(caption.shape[0] for caption in captions)
+    return torch.stack([torch.nn.functional.pad(c, (0, 0, 0, longest - c.shape[0])) for c in captions])
 
 
 def _rows_of(samples: dict[int, torch.Tensor] | None, rows: list[int], batch: int) -> dict[int, torch.Tensor] | None:
