@@ -166,6 +166,30 @@ def decode_running_out_untiled_on_rank(case: str, failing_rank: int) -> tuple[in
     return state.rank, out, len(seen)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_on_one_rank_an_untiled_decode_out_of_memory_is_decoded_again_tiled(case):
+    """Every VAE diffusers can tile gets the backstop on one rank too, measured or not (FLUX.2's is not)."""
+    vae = _vae(case)
+    with torch.no_grad():
+        tiled = vae.decode(_latent(case), return_dict=False)[0]
+    split = install_decode_split(vae, 0, 1, None, None, None, None)
+    vae.use_tiling = False
+    attempts = []
+
+    def decode(z, *args, **kwargs):
+        attempts.append(vae.use_tiling)
+        if not vae.use_tiling:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 23.49 GiB.")
+        return super(DecodeSplitVAE, vae).decode(z, *args, **kwargs)
+
+    try:
+        with torch.no_grad():
+            out = split(decode, _latent(case), return_dict=False)[0]
+    finally:
+        vae.decode_split, vae.use_tiling = None, True
+    assert attempts == [False, True] and torch.equal(out, tiled)
+
+
 def test_an_untiled_decode_out_of_memory_on_one_rank_is_decoded_again_tiled_on_every_rank(sp_pool):
     """The backstop behind the estimate: the ranks agree after the untiled attempt, and every one decodes tiled
     (split), so rank 0 answers with the tiled decode and no rank waits alone in the split's gather."""

@@ -42,7 +42,6 @@ from diffusers.hooks.first_block_cache import FBCHeadBlockHook
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, CFGParallelHook
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward
-from vllm_omni.diffusion.worker.memory_plan import untiled_decode_per_pixel
 from vllm_omni.diffusion.worker.step_cache import BranchContext, CachedForward, CacheRecord, GroupFirstBlockHook
 from vllm_omni.diffusion.worker.vae_parallel import (
     DecoderCalls,
@@ -196,17 +195,15 @@ def load_decode_split_vae(path: str | Path, dtype: torch.dtype, world: int, enab
     (the pipeline loads its own). The pipeline is then loaded with it as its `vae`."""
     entry = json.loads((Path(path) / "model_index.json").read_text()).get("vae")
     vae_class = getattr(diffusers, entry[1], None) if isinstance(entry, list) and entry[0] == "diffusers" else None
-    if vae_class is None or not _may_tile(vae_class, world, enabled):
+    if vae_class is None or not _may_tile(vae_class, enabled):
         return None
     return decode_split_class(vae_class).from_pretrained(path, subfolder="vae", dtype=dtype)
 
 
-def _may_tile(vae_class: type, world: int, enabled: bool | None) -> bool:
-    """Whether the decode may be tiled: a VAE diffusers can tile, not turned off, and split over several ranks,
-    or asked for, or one whose untiled peak is known (tiled when it would not fit, VAEDecodeSplit)."""
-    if enabled is False or not hasattr(vae_class, "tiled_decode"):
-        return False
-    return world > 1 or enabled is True or untiled_decode_per_pixel(vae_class) is not None
+def _may_tile(vae_class: type, enabled: bool | None) -> bool:
+    """Whether the decode may be tiled: a VAE diffusers can tile, and not turned off. Split over several ranks or
+    asked for, it is; by default, where the untiled decode would not fit or ran out of memory (VAEDecodeSplit)."""
+    return enabled is not False and hasattr(vae_class, "tiled_decode")
 
 
 def install_decode_split(
@@ -223,11 +220,7 @@ def install_decode_split(
     `vae.decode` decides, per latent, and `vae.tiled_decode` splits. None where it does not apply (`_may_tile`;
     on one rank the decode is tiled, not split). `fits(nbytes)`: whether the rank can allocate that much now
     (memory_guard.allocation_check), for the default's rule."""
-    if (
-        not isinstance(vae, DecodeSplitVAE)
-        or not hasattr(vae, "use_tiling")
-        or not _may_tile(type(vae), world, enabled)
-    ):
+    if not isinstance(vae, DecodeSplitVAE) or not hasattr(vae, "use_tiling") or not _may_tile(type(vae), enabled):
         return None
     registry = HookRegistry.check_if_exists_or_initialize(vae.decoder)
     if registry.get_hook(DecoderCalls.NAME) is None:
