@@ -860,9 +860,7 @@ def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold
             options = dict(variants[0].omni)
             if options.get("lora_modules") == LORA_NAME:
                 options["lora_modules"] = {LORA_NAME: str(write_lora(settings.folder))}
-            if GPU_GIB in options:  # the card's size, as a share of this one
-                total = torch.cuda.mem_get_info()[1] if scale.device == "cuda" else 2**40
-                options["gpu_memory_utilization"] = min(1.0, options.pop(GPU_GIB) * 2**30 / total)
+            options = as_card_of(options, scale.device)
             omni = Omni(str(settings.folder), device=scale.device, dtype=scale.dtype, **options)
             ready_s = time.perf_counter() - start
             try:
@@ -928,6 +926,17 @@ def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold
         "nvsmi_peak_gib": sampler.peaks_gib(variants[0].gpus),
     }
     return [summarize(variant, settings, runs, peaks, {**engine, **extra}) for variant, runs, peaks, extra in rows]
+
+
+def as_card_of(options: dict[str, Any], device: str) -> dict[str, Any]:
+    """Omni options with GPU_GIB (a smaller card's size) given as gpu_memory_utilization, its share of this
+    device (which the engine also applies with torch.cuda.set_per_process_memory_fraction)."""
+    if GPU_GIB not in options:
+        return options
+    options = dict(options)
+    total = torch.cuda.mem_get_info()[1] if device == "cuda" else 2**40
+    options["gpu_memory_utilization"] = min(1.0, options.pop(GPU_GIB) * 2**30 / total)
+    return options
 
 
 def write_lora(folder: Path) -> Path:

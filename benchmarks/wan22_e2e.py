@@ -21,7 +21,8 @@ Variants, by phase:
     ours       ours-default: Omni(folder) (compiled blocks, CUDA graphs, its warm-up requests);
                ours-eager: Omni(folder, enforce_eager=True);
                ours-fp8-attention: FP8 attention (cudnn_fp8) in every step (issue 33);
-               ours-fp8-levers: the same and FP8 matmuls (quantization="fp8").
+               ours-fp8-levers: the same and FP8 matmuls (quantization="fp8");
+               ours-layerwise-48g: layerwise offload within 48 GiB (issue 31; not in the calls below).
                Every ours variant passes warmup_size=(width, height): the engine's warm-up request runs
                at the measured size, 2 steps, one on each expert. Each variant run in the same call as
                ours-default gets the PSNR of its frames against ours-default's.
