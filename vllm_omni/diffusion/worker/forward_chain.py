@@ -190,7 +190,7 @@ def install_step_report(pipe: Any, has_step_callback: bool) -> StepReportingSche
 # ---- the VAE decode -------------------------------------------------------------------------------
 
 
-def load_decode_split_vae(path: str | Path, dtype: torch.dtype, world: int, enabled: bool | None) -> Any:
+def load_decode_split_vae(path: str | Path, dtype: torch.dtype, enabled: bool | None) -> Any:
     """The checkpoint's VAE as its DecodeSplitVAE subclass where the split or tiling can apply, else None
     (the pipeline loads its own). The pipeline is then loaded with it as its `vae`."""
     entry = json.loads((Path(path) / "model_index.json").read_text()).get("vae")

@@ -280,22 +280,11 @@ def plan_for_checkpoint(
     )
 
 
-def untiled_decode_per_pixel(vae_class: type) -> int | None:
-    """UNTILED_DECODE_BYTES_PER_PIXEL of a VAE class (a DecodeSplitVAE subclass: of its VAE class), or None."""
-    return next(
-        (
-            UNTILED_DECODE_BYTES_PER_PIXEL.get(cls.__name__)
-            for cls in vae_class.__mro__
-            if cls.__name__ in UNTILED_DECODE_BYTES_PER_PIXEL
-        ),
-        None,
-    )
-
-
 def untiled_decode_bytes(vae: Any, latent_shape: tuple[int, ...]) -> int | None:
     """The untiled decode's peak activations for a latent [B, C, (T,) H, W] by the VAE module `vae`
     (UNTILED_DECODE_BYTES_PER_PIXEL, at its parameters' dtype); None where its class was not measured."""
-    per_pixel = untiled_decode_per_pixel(type(vae))
+    names = [cls.__name__ for cls in type(vae).__mro__]  # a DecodeSplitVAE subclass: its VAE class's figure
+    per_pixel = next((UNTILED_DECODE_BYTES_PER_PIXEL[n] for n in names if n in UNTILED_DECODE_BYTES_PER_PIXEL), None)
     if per_pixel is None:
         return None
     config = vae.config

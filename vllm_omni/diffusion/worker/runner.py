@@ -116,7 +116,7 @@ class PipelineRunner:
         # The VAE decode, tiled and split over every rank of the group (SP and CFG ranks hold the same latents).
         world = state.world_size if state is not None else 1
         vae_parallel = state.config.vae_parallel if state is not None else None
-        vae = load_decode_split_vae(path, dtype, world, vae_parallel)
+        vae = load_decode_split_vae(path, dtype, vae_parallel)
         pipeline_class = getattr(diffusers, spec.diffusers_class)
         self.pipe = pipeline_class.from_pretrained(
             path,

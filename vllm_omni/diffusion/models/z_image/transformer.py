@@ -256,7 +256,8 @@ class ZImageTransformer2DModel(SequenceParallelTransformer, reference.ZImageTran
         if min(real_lens) == seq_len:
             return x
         positions = shard_with_auto_pad(torch.arange(seq_len, device=x.device), 0, stream)
-        pads = positions >= torch.tensor(real_lens, device=x.device)[:, None]  # [1 or B, local length]
+        # [1 or B, local length], compared with host ints: no copy to the device (inside a CUDA graph's capture).
+        pads = torch.stack([positions >= n for n in real_lens])
         return torch.where(pads.unsqueeze(-1), pad_token, x)
 
 
