@@ -47,6 +47,7 @@ from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_
 from vllm_omni.diffusion.worker.quantization import (  # noqa: E402
     FP8_RULE,
     check_quantization,
+    converted_weight,
     fp8_quantize,
     quantize_denoiser,
     quantize_denoisers,
@@ -258,6 +259,19 @@ def test_fp8_needs_bfloat16_and_torchao(monkeypatch):
         check_quantization("fp8", "cuda", "bfloat16")
     with pytest.raises(ImportError, match=r"pip install 'vllm_omni\[fp8\]'"):
         fp8_quantize(torch.nn.Sequential(torch.nn.Linear(16, 16)), ["0"])
+
+
+def test_fp8_checks_the_dtype_of_the_layers_it_converts_not_of_modules_kept_in_float32():
+    # diffusers loads Wan in bf16 but keeps `_keep_in_fp32_modules` (its modulation table comes first) in
+    # float32; the FP8 check on the model's first parameter refused every Wan2.2 deploy.
+    cls = TINY_MODELS["tiny/wan2.2-t2v"].family_pipeline().denoisers["transformer"]
+    with torch.device("meta"):
+        model = cls(**WAN22_REAL).to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        if any(part in cls._keep_in_fp32_modules for part in name.split(".")):
+            param.data = param.data.float()
+    assert next(model.parameters()).dtype == torch.float32
+    assert converted_weight(model, FP8_RULE.fp8_layers(model)).dtype == torch.bfloat16
 
 
 def test_a_worker_refuses_to_convert_a_cpu_model():

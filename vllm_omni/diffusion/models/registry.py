@@ -285,9 +285,11 @@ def _wan22(diffusers_class: str, max_input_images: int, five_b: bool = False) ->
         source_area=832 * 480,
         # UMT5 reads 512 tokens, the closing </s> included (max_sequence_length).
         max_prompt_tokens=511,
-        # 2**17, as HunyuanVideo 1.5: admits A14B's 1280x720 x 81 frames (80 x 45 x 21 = 75600 tokens) and
-        # up to 141 frames at 720p; TI2V-5B's 1280x704 x 121 frames is 27280.
-        max_tokens_per_step=131072,
+        # A14B: 76800 admits its released 1280x720 x 81 frames (80 x 45 x 21 = 75600 tokens) and 832x480 up
+        # to 193 frames, and lets both experts serve from one H200 at the default --gpu-memory-utilization
+        # (the memory plan refuses one at 2**17: a step there needs 100 GiB beside 64 GiB of weights).
+        # TI2V-5B (one 5B transformer): 2**17, as HunyuanVideo 1.5; its 1280x704 x 121 frames is 27280.
+        max_tokens_per_step=131072 if five_b else 76800,
         cfg_parallel=True,
         model_index=(("expand_timesteps", True),) if five_b else (),
     )

@@ -133,9 +133,9 @@ def quantize_denoiser(model: torch.nn.Module, method: str) -> list[str]:
 
     Raises ValueError on a device or dtype that cannot run it, ImportError without torchao.
     """
-    param = next(model.parameters())
-    dtype = str(param.dtype).removeprefix("torch.")
-    check_quantization(method, param.device.type, dtype)
+    layers = FP8_RULE.fp8_layers(model)
+    param = converted_weight(model, layers)
+    check_quantization(method, param.device.type, str(param.dtype).removeprefix("torch."))
     capability = torch.cuda.get_device_capability(param.device)
     if capability < MIN_CAPABILITY:
         raise ValueError(
@@ -143,7 +143,14 @@ def quantize_denoiser(model: torch.nn.Module, method: str) -> list[str]:
             f"(FP8 tensor cores: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(param.device)} "
             f"({param.device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
         )
-    return fp8_quantize(model, FP8_RULE.fp8_layers(model))
+    return fp8_quantize(model, layers)
+
+
+def converted_weight(model: torch.nn.Module, layers: list[str]) -> torch.nn.Parameter:
+    """The weight whose device and dtype FP8 is checked against: the first layer to convert's, not the model's
+    first parameter, which diffusers may keep in float32 (`_keep_in_fp32_modules`: Wan's modulation table
+    and time embedder, which the rule leaves unconverted anyway)."""
+    return model.get_submodule(layers[0]).weight if layers else next(model.parameters())
 
 
 def fp8_quantize(model: torch.nn.Module, layers: Iterable[str]) -> list[str]:
