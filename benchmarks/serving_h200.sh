@@ -4,8 +4,9 @@
 # Builds the real-size random-weight Qwen-Image checkpoint (qwen_image_e2e.py's build, 75 s), then
 # for --max-batch-size 1 (off) and 4 (on) starts one server and runs benchmarks/serving.py at
 # concurrency 1, 4 and 8 on the mix workload's sizes, and at 1328x1328 (concurrency 1 and 8). The step counts are the
-# workloads' divided by 5 (a whole sweep must fit one 10-minute call; the time per step is what
-# batching changes), and there is no negative prompt (one forward per step). Results merge into
+# workloads' divided by 5 (a whole sweep must fit one 10-minute call; the time per step is what batching changes),
+# there is no negative prompt (one forward per step), and the queue runs in arrival order (fcfs, the default when the
+# table was measured). Results merge into
 # $1/serving.json and $1/benchmarks.md (copy them to benchmarks/results/ and docs/ here).
 set -euo pipefail
 out=${1:?usage: serving_h200.sh OUT_DIR}
@@ -20,7 +21,7 @@ cp docs/benchmarks.md "$out/benchmarks.md"
 for batch in 1 4; do
   port=$((8100 + batch))
   python3 -m vllm_omni.entrypoints.cli.main serve /tmp/qwen-image-e2e --port "$port" --max-batch-size "$batch" \
-    >"$out/server-b$batch.log" 2>&1 &
+    --scheduling-policy fcfs >"$out/server-b$batch.log" 2>&1 &
   server=$!
   until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
     kill -0 "$server" 2>/dev/null || { tail -50 "$out/server-b$batch.log"; exit 1; }

@@ -654,7 +654,21 @@ def docs_section(family: VideoFamily, results: dict[str, Any]) -> str:
             frames = next((row.get("frames") for row in by_name.values() if row.get("frames")), "n/a")
             lines += [f"### {size}, {frames} frames", ""]
         lines += [*size_tables(family, size, by_name), ""]
+    measured = {row_key(family, row) for row in done}
+    missing = [
+        f"{v.name}{' ' + scale.size if family.several_sizes else ''}"
+        for scale in family.sizes
+        for v in family.variants
+        if row_key(family, {"variant": v.name, "size": scale.size}) not in measured
+    ]
+    if missing:
+        lines += [f"Not measured yet (no row in {family.default_out.name}): {', '.join(missing)}.", ""]
     notes = {row["mp4_note"] for row in done if row.get("mp4_note")}
+    calls: dict[str, list[str]] = {}
+    for row in done:
+        calls.setdefault(row.get("call", "not recorded"), []).append(
+            f"{row['variant']}{' ' + row['size'] if family.several_sizes else ''}"
+        )
     hosts = sorted({row.get("host") for row in rows} - {None})
     caches = ", ".join(
         f"{row['variant']}{' ' + row['size'] if family.several_sizes else ''} "
@@ -685,7 +699,10 @@ def docs_section(family: VideoFamily, results: dict[str, Any]) -> str:
             if caches
             else ""
         )
-        + f"Rows from: {', '.join(hosts) or 'n/a'}.",
+        + f"Rows from: {', '.join(hosts) or 'n/a'}; the calls that measured them (when each started; a ratio "
+        "between rows of different calls compares separate starts of the machine): "
+        + "; ".join(f"{when}: {', '.join(names)}" for when, names in sorted(calls.items()))
+        + ".",
     ]
     return "\n".join(lines)
 
@@ -745,6 +762,7 @@ def main(family: VideoFamily, description: str, argv: list[str] | None = None) -
 
     settings = Settings(family, scale, folder, args.runs, args.warmup_steps)
     results = load_results(out)
+    call = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())  # rows of one call compare side by side
 
     def save() -> None:
         save_results(results, out, docs, key=family.key, section=lambda results: docs_section(family, results))
@@ -752,6 +770,7 @@ def main(family: VideoFamily, description: str, argv: list[str] | None = None) -
 
     def keep(row: dict[str, Any]) -> None:
         row.setdefault("size", scale.size)  # a failed row's too: it is kept under its size
+        row["call"] = call
         results["variants"][row_key(family, row)] = row
         this_size = {r["variant"]: r for r in results["variants"].values() if r.get("size") == scale.size}
         add_agreement(this_size, FRAMES)  # FRAMES holds this call's variants, all at this size

@@ -72,10 +72,9 @@ def _one_inside_the_other(omni: Omni, outer: GenerationParams, inner: Generation
 
 @pytest.fixture(scope="module")
 def fair():
-    """Ulysses 2 with the step cache (its per-context states must not mix) and the fair policy."""
-    with Omni(
-        MODEL, ulysses_degree=2, cache="first_block", cache_threshold=0.55, scheduling_policy="fair", max_num_seqs=4
-    ) as omni:
+    """Ulysses 2 with the step cache (its per-context states must not mix) and the default policy, fair."""
+    with Omni(MODEL, ulysses_degree=2, cache="first_block", cache_threshold=0.55, max_num_seqs=4) as omni:
+        assert omni.scheduler.policy.name == "fair"
         yield omni
 
 

@@ -393,7 +393,7 @@ class EngineArgs:
         "also run such a request inside the running one, from its next step; YAML stages[0].scheduling_policy",
         QUEUE,
         choices=SCHEDULING_POLICIES,
-        default_text="fcfs",
+        default_text="fair",
     )
     max_num_seqs: int = option(
         "engine",
