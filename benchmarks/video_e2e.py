@@ -64,8 +64,16 @@ COMPARISONS = (
     ("ours-fp8-attention", "ours-default"),
     ("ours-fp8-levers", "diffusers-eager"),
     ("ours-fp8-levers", "ours-default"),
+    ("ours-fp8-levers-cache", "diffusers-eager"),
+    ("ours-fp8-levers-cache", "ours-default"),
+    ("ours-cache", "ours-default"),
     ("ours-layerwise-48g", "ours-default"),
 )
+STEP_CACHE = {"cache": "first_block"}
+# A reference saved by one call for the agreement of another (--save-reference, --reference): ours-default's
+# frames 0, 16, 32, ... (a Wan clip's 6 of 81 frames, a HunyuanVideo clip's 8 of 121: under 10 MB, which a
+# device call returns and carries).
+REFERENCE_STRIDE = 16
 # How each side decodes, for the docs (a family may add where ours tiles).
 DECODE_TEXT = (
     "diffusers: untiled; ours: tiled where the rank cannot allocate the untiled decode within its cap, 0.9 of the "
@@ -101,6 +109,10 @@ class Variant:
     gpus: int
     what: str
     omni: dict[str, Any] | None = None  # Omni keyword arguments (ours)
+    # The step cache at its median-change threshold: what a cache skips depends on the whole schedule, so both
+    # requests run the full steps (nothing extrapolated); the warm-up, at the cache's default threshold, measures
+    # the first block's median change, and the timed request takes it as its `cache_threshold`.
+    cache_at_median: bool = False
 
 
 def make_variants(pipeline: str) -> list[Variant]:
@@ -128,6 +140,26 @@ def make_variants(pipeline: str) -> list[Variant]:
             1,
             "Omni(folder, attention_backend='cudnn_fp8', fp8_attention_full_steps=0, quantization='fp8')",
             {"attention_backend": "cudnn_fp8", "fp8_attention_full_steps": 0, "quantization": "fp8"},
+        ),
+        # The levers together with the step cache (issue 33): FP8 attention in every step, FP8 matmuls, and
+        # First-Block-Cache at the median change its full-length warm-up measured.
+        Variant(
+            "ours-fp8-levers-cache",
+            "ours",
+            1,
+            "Omni(folder, attention_backend='cudnn_fp8', fp8_attention_full_steps=0, quantization='fp8', "
+            "cache='first_block'), cache_threshold the median change (full-length requests)",
+            {"attention_backend": "cudnn_fp8", "fp8_attention_full_steps": 0, "quantization": "fp8", **STEP_CACHE},
+            cache_at_median=True,
+        ),
+        # The step cache alone, as above (what it buys without FP8; the one cache row a CPU smoke run can make).
+        Variant(
+            "ours-cache",
+            "ours",
+            1,
+            "Omni(folder, cache='first_block'), cache_threshold the median change (full-length requests)",
+            STEP_CACHE,
+            cache_at_median=True,
         ),
         # A 48 GiB card (issue 31): the denoisers' blocks streamed from pinned memory (those the memory plan keeps
         # resident aside), the cap the card's size; the decode tiles where the untiled one would not fit.
@@ -210,8 +242,12 @@ class Settings:
         size = dict(height=s.height, width=s.width, num_frames=s.frames, num_inference_steps=steps)
         return {**size, **self.family.request_fields}
 
-    def requests(self) -> list[tuple[str, int, int]]:
-        """(label, seed, steps): the untimed warm-up request (unless --warmup-steps 0), then the timed ones."""
+    def requests(self, variant: Variant | None = None) -> list[tuple[str, int, int]]:
+        """(label, seed, steps): the untimed warm-up request (unless --warmup-steps 0), then the timed ones; for a
+        variant with the cache at its median change, both at the full steps, the warm-up always."""
+        if variant is not None and variant.cache_at_median:
+            full = self.family.full_steps
+            return [("warm-up", WARMUP_SEED, full)] + [(f"run {i}", SEED, full) for i in range(self.runs)]
         warmup = [("warm-up", WARMUP_SEED, self.warmup_steps)] if self.warmup_steps > 0 else []
         return warmup + [(f"run {i}", SEED, self.scale.steps) for i in range(self.runs)]
 
@@ -307,9 +343,9 @@ def summarize(variant: Variant, settings: Settings, runs: list[dict], peaks: lis
         "scale": settings.scale.name,
         "size": settings.scale.size,
         "frames": settings.scale.frames,
-        "steps": settings.scale.steps,
+        "steps": timed[0]["steps"] if timed else settings.scale.steps,
         "extrapolated_steps": settings.family.full_steps,
-        "warmup_steps": settings.warmup_steps,
+        "warmup_steps": warm.get("steps", 0),
         "host": socket.gethostname(),
         "torch": torch.__version__,
         "diffusers": __import__("diffusers").__version__,
@@ -416,9 +452,14 @@ def run_ours(settings: Settings, variant: Variant, probe_root: Path) -> dict[str
                 engine_warmup_s = omni.engine.warmup_s or 0.0
                 # The engine's own warm-up requests (engine.warmup_requests: two with compiled blocks).
                 warmup_records = [probe_records(probe_dir, id_).get(0, {}) for id_ in ("warm-up", "warm-up-2")]
-                for label, seed, steps in settings.requests():
+                median_change = None
+                for label, seed, steps in settings.requests(variant):
                     start = time.perf_counter()
                     kwargs = settings.call_kwargs(steps)
+                    if variant.cache_at_median and label != "warm-up":
+                        if median_change is None:
+                            raise RuntimeError(f"{variant.name}: its warm-up request measured no change")
+                        kwargs["cache_threshold"] = median_change
                     videos = omni.generate(family.prompt, seed=seed, output_type="uint8", **kwargs)
                     e2e_s = time.perf_counter() - start
                     records = probe_records(probe_dir, omni.last_output.request_id)
@@ -428,6 +469,12 @@ def run_ours(settings: Settings, variant: Variant, probe_root: Path) -> dict[str
                         )
                     worker = records[0]
                     run = dict(split_run(worker, e2e_s, steps, family.full_steps), label=label, seed=seed)
+                    cache = omni.last_output.step_cache
+                    if cache is not None:
+                        run["step_cache"] = {k: cache[k] for k in ("threshold", "forwards_skipped", "median_change")}
+                        run["step_cache"]["forwards"] = cache["forwards_computed"] + cache["forwards_skipped"]
+                        if label == "warm-up":
+                            median_change = cache["median_change"]
                     if label != "warm-up":
                         peaks.append([records[r]["peak_alloc_gib"] for r in sorted(records)])
                         run.update(time_mp4(videos[0], omni.last_output.fps or family.fps))
@@ -454,8 +501,43 @@ def run_ours(settings: Settings, variant: Variant, probe_root: Path) -> dict[str
         "engine_warmup_captures": warmup_total("captures"),
         "inductor_cache_files_before": cache_files,
         "nvsmi_peak_gib": sampler.peaks_gib(variant.gpus),
+        "step_cache": next(
+            (run["step_cache"] for run in runs if run["label"] != "warm-up" and "step_cache" in run), None
+        ),
     }
     return summarize(variant, settings, runs, peaks, extra)
+
+
+def save_reference(path: Path, frames: np.ndarray, row: dict[str, Any], call: str) -> None:
+    """ours-default's frames 0, REFERENCE_STRIDE, ... and what they were made of, for another call's agreement."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:  # an open file: np.savez would append .npz to a name without it
+        np.savez_compressed(
+            f, frames=frames[::REFERENCE_STRIDE], size=row["size"], steps=row["steps"], seed=SEED, call=call
+        )
+
+
+def load_reference(path: Path) -> dict[str, Any]:
+    with np.load(path) as data:
+        reference = {key: data[key] if key == "frames" else data[key].item() for key in data.files}
+    if reference["seed"] != SEED:
+        raise SystemExit(f"{path}: its frames are of seed {reference['seed']}, the timed requests' is {SEED}")
+    return reference
+
+
+def agree_with_reference(rows: dict[str, dict[str, Any]], frames: dict[str, np.ndarray], reference: dict) -> None:
+    """PSNR of this call's variants against a reference from another call (`load_reference`), over the frames it
+    holds, for rows of its size and steps."""
+    for name, video in frames.items():
+        row = rows.get(name)
+        if (
+            row is None
+            or row.get("error")
+            or (row.get("size"), row.get("steps")) != (reference["size"], reference["steps"])
+        ):
+            continue
+        add_agreement({name: row}, {"ours-default": reference["frames"], name: video[::REFERENCE_STRIDE]})
+        row["psnr_reference"] = f"ours-default of the call at {reference['call']}, frames 0, {REFERENCE_STRIDE}, ..."
 
 
 def install_probe_in_worker(family: VideoFamily, module_name: str) -> None:
@@ -560,7 +642,8 @@ def _psnr_cell(row: dict[str, Any]) -> str:
     if row["variant"] == "ours-default":
         return "reference"
     value = row.get("psnr_vs_ours_default_db")
-    return f"{value} dB" if isinstance(value, float) else value or "not run with it"
+    cell = f"{value} dB" if isinstance(value, float) else value or "not run with it"
+    return f"{cell} (against {row['psnr_reference']})" if value and row.get("psnr_reference") else cell
 
 
 def size_tables(family: VideoFamily, size: str, by_name: dict[str, dict[str, Any]]) -> list[str]:
@@ -611,6 +694,16 @@ def size_tables(family: VideoFamily, size: str, by_name: dict[str, dict[str, Any
             f"| {row['variant']} | {_cell(row.get('nvsmi_peak_gib'), 1)} | {_cell(row.get('captures'))} | "
             f"{_cell(row.get('compile_s'), 1)} | {warm} | {start} | {_psnr_cell(row)} |"
         )
+    for row in rows:
+        cache = row.get("step_cache")
+        if cache and not row.get("error"):
+            lines += [
+                "",
+                f"{row['variant']}: requests of the full {row['steps']} steps (nothing extrapolated); the step cache's "
+                f"threshold {_cell(cache['threshold'], 4)} is the median change of the first block that its warm-up "
+                f"request (the same size and steps, the default threshold) measured; the timed request skipped "
+                f"{cache['forwards_skipped']} of {cache['forwards']} forwards.",
+            ]
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
     for what, value, target in ratios(family, by_name, size):
         lines.append(f"| {what} | {_cell(value, 3)} | {target}{_verdict(value, target)} |")
@@ -738,6 +831,18 @@ def main(family: VideoFamily, description: str, argv: list[str] | None = None) -
     parser.add_argument("--out", type=Path, help=f"results JSON (default {default_out.relative_to(ROOT)})")
     parser.add_argument("--docs", type=Path, help=f"docs page (default {DEFAULT_DOCS.relative_to(ROOT)})")
     parser.add_argument("--copy-to", type=Path, help="also copy the JSON and the docs page here after each save")
+    parser.add_argument(
+        "--save-reference",
+        type=Path,
+        help=f"write ours-default's frames 0, {REFERENCE_STRIDE}, ... (its size, steps, call) to this .npz when it "
+        "runs, for --reference in another call",
+    )
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        help="an .npz from --save-reference: the agreement of this call's variants where ours-default does not run "
+        "in it (at the reference's size and steps)",
+    )
     args = parser.parse_args(argv)
 
     size = getattr(args, "size", None)
@@ -763,6 +868,7 @@ def main(family: VideoFamily, description: str, argv: list[str] | None = None) -
     settings = Settings(family, scale, folder, args.runs, args.warmup_steps)
     results = load_results(out)
     call = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())  # rows of one call compare side by side
+    reference = load_reference(args.reference) if args.reference else None
 
     def save() -> None:
         save_results(results, out, docs, key=family.key, section=lambda results: docs_section(family, results))
@@ -773,7 +879,13 @@ def main(family: VideoFamily, description: str, argv: list[str] | None = None) -
         row["call"] = call
         results["variants"][row_key(family, row)] = row
         this_size = {r["variant"]: r for r in results["variants"].values() if r.get("size") == scale.size}
-        add_agreement(this_size, FRAMES)  # FRAMES holds this call's variants, all at this size
+        # FRAMES holds this call's variants, all at this size; only those of ours-default's steps compare with it.
+        steps = this_size.get("ours-default", {}).get("steps")
+        add_agreement({name: r for name, r in this_size.items() if r.get("steps") == steps}, FRAMES)
+        if reference is not None and "ours-default" not in FRAMES:
+            agree_with_reference(this_size, FRAMES, reference)
+        if args.save_reference and row["variant"] == "ours-default" and "ours-default" in FRAMES:
+            save_reference(args.save_reference, FRAMES["ours-default"], row, call)
         save()  # after each variant: a call cut short keeps what it measured
 
     for phase in args.phase:

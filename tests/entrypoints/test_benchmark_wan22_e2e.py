@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks/wan22_e2e.py"
 
@@ -28,8 +30,8 @@ def test_tiny_smoke_run_links_the_experts_reports_every_phase_and_keeps_other_si
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_OMNI_CPU_THREADS="1")
     folder = tmp_path / "model"
     command = [sys.executable, str(SCRIPT), "--tiny", "--phase", "build", "diffusers", "ours"]
-    command += ["--variants", "diffusers-eager", "ours-default", "--folder", str(folder)]
-    command += ["--out", str(out), "--docs", str(docs)]
+    command += ["--variants", "diffusers-eager", "ours-default", "ours-cache", "--folder", str(folder)]
+    command += ["--out", str(out), "--docs", str(docs), "--save-reference", str(tmp_path / "ref.npz")]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
@@ -59,12 +61,59 @@ def test_tiny_smoke_run_links_the_experts_reports_every_phase_and_keeps_other_si
     agreement = results["variants"]["diffusers-eager 96x64"]["psnr_vs_ours_default_db"]
     assert agreement == "identical" or agreement > 30  # the same pipeline, seed and prompt on CPU
 
+    # The step cache at its median change: both requests of the full 40 steps; the timed one's threshold is
+    # the change its warm-up (at the default threshold) measured. Not compared with ours-default's 2 steps.
+    cached = results["variants"]["ours-cache 96x64"]
+    assert cached["error"] is None, cached["error"]
+    warm, timed = cached["runs"]
+    assert (warm["label"], warm["steps"], timed["steps"], cached["steps"]) == ("warm-up", 40, 40, 40)
+    assert warm["step_cache"]["threshold"] != timed["step_cache"]["threshold"] == warm["step_cache"]["median_change"]
+    assert cached["step_cache"] == timed["step_cache"] and timed["step_cache"]["forwards"] == 80  # 40 x CFG
+    assert abs(cached["extrapolated_s"] - cached["e2e_s"]) < 0.01
+    assert "psnr_vs_ours_default_db" not in cached
+    reference = script_module().load_reference(tmp_path / "ref.npz")
+    assert (reference["size"], reference["steps"], reference["frames"].shape) == ("96x64", 2, (1, 64, 96, 3))
+
     text = docs.read_text()
     assert "<!-- BEGIN wan22_e2e" in text and "<!-- END wan22_e2e -->" in text
     assert "these numbers mean nothing" in text and "extrapolated 40-step total" in text
     assert text.index("### 832x480") < text.index("### 96x64")  # sizes in the family's order, the tiny last
     for cell in ("| diffusers-eager | 2 |", "| ours-default | 2 |", "| ours-eager | error: kept", "| reference |"):
         assert cell in text
+    assert "| ours-cache | 40 |" in text and "ours-cache: requests of the full 40 steps" in text
+
+
+def script_module():
+    from benchmarks import video_e2e
+
+    return video_e2e
+
+
+def test_a_reference_from_another_call_gives_the_agreement_of_rows_of_its_size_and_steps(tmp_path):
+    video_e2e = script_module()
+    rng = np.random.default_rng(0)
+    video = rng.integers(0, 256, (33, 8, 12, 3), dtype=np.uint8)
+    ours_default = {"variant": "ours-default", "size": "12x8", "steps": 40}
+    video_e2e.save_reference(tmp_path / "ref", video, ours_default, "2026-12-04 19:00 UTC")
+    reference = video_e2e.load_reference(tmp_path / "ref")
+    assert reference["frames"].shape == (3, 8, 12, 3) and reference["call"] == "2026-12-04 19:00 UTC"
+
+    noisy = video.copy()
+    noisy[16, 0, 0, 0] ^= 1  # one value of a frame the reference holds
+    off_frame = video.copy()
+    off_frame[1] = 0  # a frame it does not hold
+    rows = {
+        name: {"variant": name, "size": "12x8", "steps": steps, "error": None}
+        for name, steps in (("same", 40), ("noisy", 40), ("off-frame", 40), ("other-steps", 3))
+    }
+    frames = {"same": video, "noisy": noisy, "off-frame": off_frame, "other-steps": video}
+    video_e2e.agree_with_reference(rows, frames, reference)
+    assert rows["same"]["psnr_vs_ours_default_db"] == rows["off-frame"]["psnr_vs_ours_default_db"] == "identical"
+    mse = 1 / (3 * 8 * 12 * 3)
+    assert rows["noisy"]["psnr_vs_ours_default_db"] == round(10 * np.log10(255.0**2 / mse), 2)
+    assert "psnr_vs_ours_default_db" not in rows["other-steps"]
+    assert rows["noisy"]["psnr_reference"].startswith("ours-default of the call at 2026-12-04 19:00 UTC")
+    assert "(against ours-default of the call" in video_e2e._psnr_cell(rows["noisy"])
 
 
 def load_script(monkeypatch):
