@@ -10,6 +10,7 @@ against what the runner really loads, and a deploy too large for a (simulated) d
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import numpy as np
 import pytest
@@ -117,9 +118,11 @@ def test_the_plans_weights_are_what_the_runner_loads(path, reference):
     assert nested.need == plan.need + nested.suspended_bytes and "requests run inside others" in nested.line()
 
 
-def test_fp8_with_offload_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="FP8 conversion runs on the GPU while offloaded weights load onto the CPU"):
-        EngineArgs(MODEL, quantization="fp8", cpu_offload="model").validate()
+@pytest.mark.parametrize("mode", ["model", "layerwise"])
+def test_fp8_composes_with_offload_and_lora_with_neither(mode):
+    EngineArgs(MODEL, quantization="fp8", cpu_offload=mode).validate()  # each layer converted on the GPU (below)
+    with pytest.raises(ValueError, match=f"LoRA adapters with --cpu-offload {mode}"):
+        EngineArgs(MODEL, cpu_offload=mode, lora_modules="a=/x").validate()
 
 
 def test_offload_modes_hold_one_component_or_two_of_its_blocks():
@@ -192,3 +195,37 @@ def test_on_a_gpu_offloaded_weights_wait_on_the_cpu_and_compiled_blocks_give_the
     assert {p.device.type for p in blocks[1].parameters()} == ({"cuda"} if resident else {"cpu"})
     assert PipelineRunner.compiles() > 0
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)  # inductor's fused norms round as in test_runner_cuda
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None
+    or not torch.cuda.is_available()
+    or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs torchao and a CUDA GPU of compute capability 8.9+",
+)
+@pytest.mark.parametrize("mode", ["model", "layerwise"])
+def test_on_a_gpu_fp8_weights_are_converted_there_wait_on_the_cpu_and_give_the_fp8_image(path, mode, monkeypatch):
+    from torchao.utils import TorchAOBaseTensor
+
+    from vllm_omni.diffusion.worker import quantization
+
+    # The tiny model's layers are below the rule's size floor: the same names at its widths.
+    monkeypatch.setattr(quantization, "FP8_RULE", dataclasses.replace(quantization.FP8_RULE, min_features=16))
+    device = torch.device("cuda", 0)
+    spec = read_pipeline_spec(path)
+    resident = PipelineRunner(path, spec, device, torch.bfloat16, 0, quantization="fp8")  # compiled, graphs
+    want = resident.run(_request(), lambda step: None)
+    del resident
+    torch.cuda.empty_cache()
+    runner = PipelineRunner(path, spec, device, torch.bfloat16, 0, quantization="fp8", cpu_offload=mode)
+    got = runner.run(_request(), lambda step: None)
+    again = runner.run(_request(), lambda step: None)  # the FP8 weights went to the CPU and came back
+    fp8 = [m.weight for m in runner.denoisers["transformer"].modules() if isinstance(getattr(m, "weight", None),
+           TorchAOBaseTensor)]  # fmt: skip
+    assert fp8, "no layer was converted"
+    # Between requests the FP8 weights wait on the CPU, their FP8 data and scales with them.
+    assert {t.device.type for w in fp8 for t in (w, w.qdata, w.scale)} == {"cpu"}
+    assert np.array_equal(got, again)
+    # Offload moves the FP8 weights, it does not change them: the image is the resident FP8 one, up to the
+    # difference between a compiled block replayed in a CUDA graph and the same block run without one.
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)

@@ -253,7 +253,8 @@ class EngineArgs:
         "where weights wait between their phases: none (on the GPU); model (each component, the text encoders, "
         "the VAE, each denoiser, on the CPU until its phase: diffusers' model offload); layerwise (the blocks of "
         "every component streamed from pinned CPU memory, the next one prefetched on a side stream: diffusers' "
-        "group offloading). Either turns CUDA graphs off (the weights move); YAML stages[0].cpu_offload",
+        "group offloading). Either turns CUDA graphs off (the weights move) and composes with --quantization fp8 "
+        "(each layer converted on the GPU, then offloaded); YAML stages[0].cpu_offload",
         ENGINE,
         choices=CPU_OFFLOAD_MODES,
         default_text="none",
@@ -506,12 +507,6 @@ class EngineArgs:
             raise ValueError(
                 "--cache-threshold needs a cache: give --cache first_block (or stages[0].cache, or Omni's "
                 'cache="first_block")'
-            )
-        if self.quantization is not None and self.cpu_offload != "none":
-            raise ValueError(
-                f"--quantization {self.quantization} with --cpu-offload {self.cpu_offload}: the FP8 conversion runs on "
-                "the GPU while offloaded weights load onto the CPU (a conversion block by block on the GPU is not "
-                "built); use one of them"
             )
         if self.lora_modules or self.allow_runtime_lora:
             for other, value, off in (

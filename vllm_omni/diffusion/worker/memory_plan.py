@@ -381,12 +381,14 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
     if chosen.fits:
         return chosen
     alternatives: dict[str, MemoryPlan] = {}
-    # FP8 and offload do not combine (EngineArgs.validate): each is suggested only where the other is off.
-    if config.quantization is None and dtype_bytes == 2 and config.cpu_offload == "none":
+    fp8 = config.quantization is None and dtype_bytes == 2  # FP8 converts bf16 weights
+    if fp8:
         alternatives["--quantization fp8"] = plan(fp8=True)
     for mode in ("model", "layerwise"):
-        if mode != config.cpu_offload and config.quantization is None:
-            alternatives[f"--cpu-offload {mode}"] = plan(offload=mode)
+        if mode != config.cpu_offload:
+            alternatives[f"--cpu-offload {mode}"] = alone = plan(offload=mode)
+            if fp8 and not alone.fits and not alternatives["--quantization fp8"].fits:  # both together
+                alternatives[f"--quantization fp8 --cpu-offload {mode}"] = plan(fp8=True, offload=mode)
     if in_flight > 1:
         alternatives["--max-num-seqs 1"] = plan(seqs=1)
     heads = [attention_heads(_config(path / name)) for name in denoisers]

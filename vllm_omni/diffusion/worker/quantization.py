@@ -5,8 +5,10 @@ is stored as e4m3 with its own scale, and each token's activations are quantized
 at every call, so a token's output depends on no other token and the SP properties (trim equals U1,
 padding content never reaches real tokens) hold as in bf16. `FP8Rule` picks the linear layers it
 converts; the rest stay bf16. The runner converts each denoiser right after loading it, before its
-blocks are compiled and graphs captured (`quantize_denoisers`); the engine refuses a device that
-cannot run FP8 before any worker starts (`check_quantization`). torchao is optional
+blocks are compiled and graphs captured (`quantize_denoisers`); under CPU offload the weights wait on the
+CPU, where torchao cannot convert them, so each layer visits the GPU to be converted and goes back (offload
+then moves the FP8 tensors as it moves any weight). The engine refuses a device that cannot run FP8 before
+any worker starts (`check_quantization`). torchao is optional
 (`pip install 'vllm_omni[fp8]'`) and is imported only when FP8 is asked for.
 """
 
@@ -103,12 +105,15 @@ def check_quantization(method: str | None, device: str | None, dtype: str | None
         raise ImportError(f"quantization={method!r} needs torchao: pip install 'vllm_omni[fp8]' ({TORCHAO_PIN})")
 
 
-def quantize_denoisers(denoisers: Mapping[str, torch.nn.Module], method: str | None) -> None:
-    """Convert every denoiser with `method` (None: nothing changes); the runner calls it once, after loading."""
+def quantize_denoisers(
+    denoisers: Mapping[str, torch.nn.Module], method: str | None, device: torch.device | None = None
+) -> None:
+    """Convert every denoiser with `method` (None: nothing changes); the runner calls it once, after loading.
+    `device`: where they run, when they wait elsewhere (offload loads them onto the CPU)."""
     if method is None:
         return
     for name, model in denoisers.items():
-        converted = set(quantize_denoiser(model, method))
+        converted = set(quantize_denoiser(model, method, device))
         if not converted:  # a run that claims FP8 and has none
             raise ValueError(
                 f"quantization={method!r}: no linear layer of {name} is large enough for FP8 (the rule keeps layers "
@@ -128,22 +133,24 @@ def quantize_denoisers(denoisers: Mapping[str, torch.nn.Module], method: str | N
         )
 
 
-def quantize_denoiser(model: torch.nn.Module, method: str) -> list[str]:
-    """Convert `model` in place with `method` by `FP8_RULE`, on its device; returns the converted layers.
+def quantize_denoiser(model: torch.nn.Module, method: str, device: torch.device | None = None) -> list[str]:
+    """Convert `model` in place with `method` by `FP8_RULE` on `device` (default: its own), each layer left where
+    it was; returns the converted layers.
 
     Raises ValueError on a device or dtype that cannot run it, ImportError without torchao.
     """
     layers = FP8_RULE.fp8_layers(model)
     param = converted_weight(model, layers)
-    check_quantization(method, param.device.type, str(param.dtype).removeprefix("torch."))
-    capability = torch.cuda.get_device_capability(param.device)
+    device = device or param.device
+    check_quantization(method, device.type, str(param.dtype).removeprefix("torch."))
+    capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
         raise ValueError(
             f"quantization={method!r} needs compute capability {'.'.join(map(str, MIN_CAPABILITY))} or newer "
-            f"(FP8 tensor cores: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(param.device)} "
-            f"({param.device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
+            f"(FP8 tensor cores: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} "
+            f"({device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
         )
-    return fp8_quantize(model, layers)
+    return fp8_quantize(model, layers, device)
 
 
 def converted_weight(model: torch.nn.Module, layers: list[str]) -> torch.nn.Parameter:
@@ -153,22 +160,27 @@ def converted_weight(model: torch.nn.Module, layers: list[str]) -> torch.nn.Para
     return model.get_submodule(layers[0]).weight if layers else next(model.parameters())
 
 
-def fp8_quantize(model: torch.nn.Module, layers: Iterable[str]) -> list[str]:
+def fp8_quantize(model: torch.nn.Module, layers: Iterable[str], device: torch.device | None = None) -> list[str]:
     """torchao's FP8 conversion of the linear layers named `layers`, in place, without the device checks
-    (the CPU tests and the benchmark's per-rule ablation call it directly); returns the names."""
+    (the CPU tests and the benchmark's per-rule ablation call it directly); returns the names. With `device`,
+    each layer is converted there and moved back: one layer at a time on the GPU (offloaded weights wait on
+    the CPU, where torchao converts nothing, and a denoiser may not fit the GPU whole in bf16)."""
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
         from torchao.utils import TorchAOBaseTensor
     except ImportError as exc:
         raise ImportError(f"FP8 needs torchao: pip install 'vllm_omni[fp8]' ({TORCHAO_PIN}): {exc}") from exc
     names = list(layers)
-    chosen = set(names)
-    for name in names:
-        move_bias_out(model.get_submodule(name))
     # set_inductor_config=False: compile with the engine's inductor settings, not torchao's (its
     # coordinate-descent tuning lengthens every compile, and bf16 and FP8 should compile alike).
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
-    quantize_(model, config, filter_fn=lambda module, name: name in chosen)
+    for name in names:
+        layer = model.get_submodule(name)
+        move_bias_out(layer)
+        home = layer.weight.device
+        layer.to(device or home)
+        quantize_(layer, config, filter_fn=lambda module, fqn: fqn == "")  # the layer itself (its fqn is "")
+        layer.to(home)  # a torchao tensor moves whole (nn.Module.to swaps it in)
     missed = [name for name in names if not isinstance(model.get_submodule(name).weight, TorchAOBaseTensor)]
     if missed:  # torchao skips some layers silently: never claim FP8 for a layer that runs bf16
         raise RuntimeError(f"torchao left {len(missed)} layer(s) unconverted that were to run FP8: {missed[:5]}")

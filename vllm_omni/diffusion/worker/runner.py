@@ -107,7 +107,9 @@ class PipelineRunner:
             name: self.family.denoisers[name].from_pretrained(path, subfolder=name, dtype=dtype, device_map=str(home))
             for name in present_components(path, self.family.denoisers)
         }
-        quantize_denoisers(self.denoisers, quantization)  # before compile and graphs: they see the FP8 layers
+        # Before compile and graphs (they see the FP8 layers); offloaded denoisers wait on the CPU and are converted on
+        # `device` a layer at a time.
+        quantize_denoisers(self.denoisers, quantization, device)
         # Text encoded once per SP group: its rank 0 encodes and broadcasts the embeddings; its peers
         # load the pipeline without the text encoder(s).
         state = get_parallel_state()
