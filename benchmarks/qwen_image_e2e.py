@@ -21,6 +21,9 @@ and for ours the time from `Omni(folder)` to ready. Variants, by phase:
                (cache="first_block" at its default threshold), each followed on the same engine by its
                -auto variant (the threshold: the median change the default's run measured). Each row gives
                the forwards skipped and the PSNR of its image against ours-default's (run in the same call)
+    offload    a smaller card (issue 31; the cap is the card's size): ours-fp8-model-24g (FP8 and model offload
+               within 24 GiB, against ours-fp8), ours-model-48g, ours-layerwise-24g and -48g (bf16)
+    lora       ours-lora-50 and ours-lora-8: a served rank-64 adapter (issue 29)
 
 Each phase merges its rows into the JSON (keyed by variant) and rewrites the docs section from
 every row there, so phases can run in separate calls; `--phase docs` only rewrites the docs from
@@ -33,6 +36,7 @@ nvidia-h200-x2 kind; for side-by-side ratios run diffusers-eager there too:
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --phase build diffusers ours
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --phase build diffusers ours2 --variants diffusers-eager ours-u2 ours-cfg2
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build diffusers ours levers --variants diffusers-eager ours-default ours-fp8 ours-fp8-cache ours-fp8-cache-auto ours-cache ours-cache-auto
+    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build levers offload --variants ours-fp8 ours-fp8-model-24g
 
 (the first line starts every call, `.whl` carried). `build` is a no-op when --folder (default
 /tmp/qwen-image-e2e) already holds the checkpoint, so every call names it: a machine given back

@@ -223,8 +223,9 @@ def test_on_a_gpu_fp8_weights_are_converted_there_wait_on_the_cpu_and_give_the_f
     fp8 = [m.weight for m in runner.denoisers["transformer"].modules() if isinstance(getattr(m, "weight", None),
            TorchAOBaseTensor)]  # fmt: skip
     assert fp8, "no layer was converted"
-    # Between requests the FP8 weights wait on the CPU, their FP8 data and scales with them.
-    assert {t.device.type for w in fp8 for t in (w, w.qdata, w.scale)} == {"cpu"}
+    # Between requests the FP8 weights wait on the CPU: their 8-bit data and scales (group offloading restores
+    # those in place, leaving the wrapper's own device attribute as it was on the GPU).
+    assert {t.device.type for w in fp8 for t in (w.qdata, w.scale)} == {"cpu"}
     assert np.array_equal(got, again)
     # Offload moves the FP8 weights, it does not change them: the image is the resident FP8 one, up to the
     # difference between a compiled block replayed in a CUDA graph and the same block run without one.

@@ -108,6 +108,7 @@ class FakeEngine:
 
 
 def scheduler_for(engine: FakeEngine, max_queue: int = 4, **kwargs) -> Scheduler:
+    kwargs.setdefault("scheduling_policy", "fcfs")  # arrival order, unless a test is about another policy
     return Scheduler(lambda replica: engine, EngineLimits(max_queue=max_queue), **kwargs)
 
 
@@ -395,7 +396,9 @@ def test_a_model_that_cannot_load_ends_the_server_with_a_one_line_reason():
         def broken_engine(replica):
             raise OSError("no file named model_index.json\n  File ...")
 
-        scheduler = Scheduler(broken_engine, EngineLimits(), on_fatal=lambda r: (reasons.append(r), lost.set()))
+        scheduler = Scheduler(
+            broken_engine, EngineLimits(), on_fatal=lambda r: (reasons.append(r), lost.set()), scheduling_policy="fcfs"
+        )
         await scheduler.start()
         await asyncio.wait_for(lost.wait(), WAIT_S)
         assert reasons == ["OSError: no file named model_index.json"]
@@ -410,7 +413,9 @@ def test_replicas_run_jobs_at_once_and_one_failing_leaves_the_other_serving():
 
     async def scenario():
         engines = [FakeEngine(), FakeEngine()]
-        scheduler = Scheduler(lambda replica: engines[replica], EngineLimits(max_queue=4), replicas=2)
+        scheduler = Scheduler(
+            lambda replica: engines[replica], EngineLimits(max_queue=4), replicas=2, scheduling_policy="fcfs"
+        )
         await scheduler.start()
         for engine in engines:
             engine.loaded.set()

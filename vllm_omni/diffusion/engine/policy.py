@@ -30,7 +30,7 @@ class QueuePolicy:
     the same priority and work), and under fair a batch takes no job that would overtake one past the bound.
     """
 
-    def __init__(self, name: str = "fcfs") -> None:
+    def __init__(self, name: str) -> None:
         if name not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}")
         self.name = name

@@ -180,7 +180,7 @@ class Scheduler:
         observer: Observer | None = None,
         replicas: int = 1,
         batching: BatchingConfig | None = None,
-        scheduling_policy: str = "fcfs",
+        scheduling_policy: str,  # no default here: the engine's (config.py) is the one default
         max_num_seqs: int = 1,
     ) -> None:
         self.limits = limits
