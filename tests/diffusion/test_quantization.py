@@ -49,6 +49,7 @@ from vllm_omni.diffusion.worker.quantization import (  # noqa: E402
     check_quantization,
     converted_weight,
     fp8_quantize,
+    grad_mode,
     quantize_denoiser,
     quantize_denoisers,
     stored_bytes,
@@ -424,6 +425,45 @@ def test_fp8_weights_are_counted_at_their_stored_size():
     # One byte a weight plus a float32 scale a row, where bf16 took two bytes a weight.
     saved = sum(w.numel() - 4 * w.shape[0] for w in fp8_weights)
     assert sizes[False] - sizes[True] == saved
+
+
+@needs_torchao
+def test_offload_moves_fp8_weights_whole_in_the_mode_requests_run_in():
+    """The offload hooks move weights during a request (accelerate's for model offload, diffusers' groups for
+    layerwise: both call `tensor.to(device)`), so in the runner's grad mode. The meta device stands in for the
+    GPU. Under inference mode a torchao tensor moved there keeps the old device on its wrapper while its data
+    moves (what made the H200's FP8 GEMM find its weight "on cpu"); in the mode FP8 with offload runs in, the
+    wrapper, the FP8 data and the scales move together, and the moved layers run there."""
+    from accelerate import cpu_offload_with_hook
+
+    meta = torch.device("meta")
+    assert grad_mode("fp8", "none") is torch.inference_mode and grad_mode(None, "model") is torch.inference_mode
+    with torch.inference_mode():
+        assert _moved_devices(_fp8_layers()[0].weight, meta) != {"meta"}  # why FP8 offload has a mode of its own
+    for offload in ("model", "layerwise"):
+        with grad_mode("fp8", offload)():
+            model = _fp8_layers()
+            assert _moved_devices(model[0].weight, meta) == {"meta"}  # a group's move (then swapped in)
+            seen = []
+            for layer in model:
+                layer.register_forward_pre_hook(lambda m, args: seen.append(_moved_devices(m.weight, None)))
+            cpu_offload_with_hook(model, meta)  # what enable_model_cpu_offload puts on a component
+            assert model(torch.zeros(2, 64, dtype=torch.bfloat16, device=meta)).device == meta
+            assert seen == [{"meta"}, {"meta"}]  # (the way back, to the CPU, cannot copy out of meta: GPU test)
+
+
+def _fp8_layers() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).bfloat16()
+    with fp8_on_cpu():
+        fp8_quantize(model, ["0", "1"])
+    return model
+
+
+def _moved_devices(weight: torch.Tensor, device: torch.device | None) -> set[str]:
+    """The device types of an FP8 weight moved to `device` (None: as it is): its wrapper, data and scales."""
+    moved = weight if device is None else weight.to(device)
+    return {t.device.type for t in (moved, moved.qdata, moved.scale)}
 
 
 # ---- on a GPU with FP8 (skipped elsewhere): the engine's conversion, then compile and graphs ----------

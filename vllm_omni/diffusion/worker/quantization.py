@@ -18,7 +18,8 @@ import dataclasses
 import importlib.util
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -151,6 +152,17 @@ def quantize_denoiser(model: torch.nn.Module, method: str, device: torch.device 
             f"({device}) has {'.'.join(map(str, capability))}. Leave quantization unset on this GPU."
         )
     return fp8_quantize(model, layers, device)
+
+
+def grad_mode(method: str | None, cpu_offload: str) -> Callable[[], AbstractContextManager]:
+    """The autograd mode a request runs in: inference mode, but no_grad where offload moves FP8 weights.
+
+    Under inference mode a torchao tensor's `.to(device)` (aten.to.dtype_layout, which the offload hooks of
+    accelerate and diffusers call) moves the FP8 data and scales but returns a wrapper that still says the old
+    device (torchao 0.18.0: its handler "corrects" the output to alias the input); the FP8 GEMM then finds its
+    weight on the CPU ("mat2 is on cpu", on an H200). Under no_grad the same call is a copy, moved whole.
+    """
+    return torch.no_grad if method is not None and cpu_offload != "none" else torch.inference_mode
 
 
 def converted_weight(model: torch.nn.Module, layers: list[str]) -> torch.nn.Parameter:

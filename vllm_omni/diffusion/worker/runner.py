@@ -50,7 +50,7 @@ from vllm_omni.diffusion.worker.interleave import put_aside
 from vllm_omni.diffusion.worker.lora import LoraAdapters
 from vllm_omni.diffusion.worker.memory_guard import GroupOutOfMemory, allocation_check, is_out_of_memory
 from vllm_omni.diffusion.worker.offload import apply_offload
-from vllm_omni.diffusion.worker.quantization import quantize_denoisers, stored_bytes
+from vllm_omni.diffusion.worker.quantization import grad_mode, quantize_denoisers, stored_bytes
 from vllm_omni.diffusion.worker.step_cache import CacheRecord
 from vllm_omni.logger import init_logger
 
@@ -110,6 +110,7 @@ class PipelineRunner:
         # Before compile and graphs (they see the FP8 layers); offloaded denoisers wait on the CPU and are converted on
         # `device` a layer at a time.
         quantize_denoisers(self.denoisers, quantization, device)
+        self.grad_mode = grad_mode(quantization, cpu_offload)  # what a request runs under: inference mode, mostly
         # Text encoded once per SP group: its rank 0 encodes and broadcasts the embeddings; its peers
         # load the pipeline without the text encoder(s).
         state = get_parallel_state()
@@ -269,7 +270,7 @@ class PipelineRunner:
 
         self._on_decode_tile = on_decode_tile
         try:
-            with self._per_step_hook(kwargs, step_end), torch.inference_mode():
+            with self._per_step_hook(kwargs, step_end), self.grad_mode():
                 result = self.family.pipeline_for(self.pipe, request)(**kwargs)
         finally:
             self._on_decode_tile = None
@@ -346,7 +347,7 @@ class PipelineRunner:
             try:
                 if on_start is not None:
                     on_start()
-                with torch.inference_mode():
+                with self.grad_mode():
                     embeds = self.family.encode_text(self.pipe, kwargs, progress=progress)
                 if not embeds:
                     raise RuntimeError(f"{self.spec.family} gave no embeddings to share; its SP peers cannot encode")
