@@ -446,7 +446,7 @@ def test_offload_moves_fp8_weights_whole_in_the_mode_requests_run_in():
             assert _moved_devices(model[0].weight, meta) == {"meta"}  # a group's move (then swapped in)
             seen = []
             for layer in model:
-                layer.register_forward_pre_hook(lambda m, args: seen.append(_moved_devices(m.weight, None)))
+                layer.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(_moved_devices(m.weight, None)))
             cpu_offload_with_hook(model, meta)  # what enable_model_cpu_offload puts on a component
             assert model(torch.zeros(2, 64, dtype=torch.bfloat16, device=meta)).device == meta
             assert seen == [{"meta"}, {"meta"}]  # (the way back, to the CPU, cannot copy out of meta: GPU test)
