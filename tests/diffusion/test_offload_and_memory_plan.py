@@ -168,6 +168,32 @@ def test_a_deploy_too_large_for_the_device_is_refused_at_start_naming_the_number
     assert "would fit: --max-num-seqs 1 (25.8 MiB)" in message, message
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+@pytest.mark.parametrize("mode", ["model", "layerwise"])
+def test_fp8_with_offload_converts_on_the_device_and_keeps_the_fp8_image(path, mode, monkeypatch):
+    """The runner's FP8-with-offload path on CPU, the CPU as both sides: each FP8 layer converted on the device
+    while its denoiser waits on the CPU, the offload hooks over FP8 weights, the request in the grad mode FP8
+    offload runs in, and the image of FP8 without offload, bit for bit. Test doubles stand in for what only a GPU
+    has (torchao's and our capability checks; the tiny model's widths below the rule's floor); that the weights
+    really travel is the GPU test below and, with the meta device as the GPU, test_quantization.py's."""
+    from torchao.quantization import quant_api
+    from torchao.utils import TorchAOBaseTensor
+
+    from vllm_omni.diffusion.worker import quantization
+
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    monkeypatch.setattr(quantization, "check_quantization", lambda method, device, dtype: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: quantization.MIN_CAPABILITY)
+    monkeypatch.setattr(quantization, "FP8_RULE", dataclasses.replace(quantization.FP8_RULE, min_features=16))
+    cpu, spec = torch.device("cpu"), read_pipeline_spec(path)
+    want = PipelineRunner(path, spec, cpu, torch.bfloat16, 0, quantization="fp8").run(_request(), lambda step: None)
+    runner = PipelineRunner(path, spec, cpu, torch.bfloat16, 0, quantization="fp8", cpu_offload=mode)
+    layers = runner.denoisers["transformer"].modules()
+    converted = [m for m in layers if isinstance(getattr(m, "weight", None), TorchAOBaseTensor)]
+    assert len(converted) == 24 and runner.grad_mode is torch.no_grad
+    np.testing.assert_array_equal(runner.run(_request(), lambda step: None), want)
+
+
 # ---- on a GPU (skipped elsewhere): the weights really leave it, compiled blocks stay, the image is kept -------
 
 
