@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from vllm_omni.diffusion.config import (
+    Admission,
     BatchingConfig,
     DiffusionParallelConfig,
     EngineLimits,
@@ -137,8 +138,8 @@ def test_the_defaults_are_the_configs_own():
     args = EngineArgs(MODEL)
     assert args.parallel_config == DiffusionParallelConfig() and args.limits == EngineLimits()
     assert args.batching == BatchingConfig() and args.step_cache is None
-    # The memory plan's largest request: the model's token limit (resolved by the engine) and max_n rows.
-    assert args.engine_config() == OmniDiffusionConfig(MODEL, largest_request=(None, EngineLimits().max_n))
+    # The rows a forward may hold (max_n); the engine adds the tokens it must admit.
+    assert args.engine_config() == OmniDiffusionConfig(MODEL, admission=Admission(0, 0, EngineLimits().max_n))
     assert args.engine_config(replica=1).replica == 1
 
 

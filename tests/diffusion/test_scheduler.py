@@ -33,6 +33,7 @@ class FakeEngine:
     """Each request runs until the test calls `finish(id)` (or cancels it); it reports half its steps first."""
 
     spec = SimpleNamespace(task="generate")
+    envelope = None  # not sized by a GPU's memory
 
     def __init__(self) -> None:
         self.loaded = threading.Event()

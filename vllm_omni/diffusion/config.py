@@ -183,6 +183,51 @@ def parse_lora_module(item: str) -> tuple[str, str]:
     return name.strip(), path.strip()
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What the engine asks each rank's memory plan to admit (worker/memory_plan.py): one row of `default_tokens`
+    image (video) tokens a step, the model's default request, must fit, and of `max_tokens` too where the user set
+    that limit (`max_tokens_set`); beyond them a forward holds what fits, up to `max_tokens` a row and `max_rows`
+    rows."""
+
+    default_tokens: int
+    max_tokens: int
+    max_rows: int
+    max_tokens_set: bool = False
+
+    @property
+    def required_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens_set else min(self.default_tokens, self.max_tokens)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What one denoising forward of a deploy holds, as its ranks' memory plans found it fits: rows of at most
+    `max_tokens_per_step` image (video) tokens each, and `forward_tokens` tokens in all (each row's text allowance,
+    `text_tokens`, counted), up to `max_rows` rows. A request of more images than fit one forward runs them as
+    consecutive forwards (worker/runner.py); a batch holds no more rows than fit (engine/scheduler.py)."""
+
+    max_tokens_per_step: int
+    forward_tokens: int
+    max_rows: int
+    text_tokens: int
+
+    def rows_for(self, tokens: int) -> int:
+        """Rows of `tokens` image tokens each that one forward holds (at least one)."""
+        return max(1, min(self.max_rows, self.forward_tokens // max(1, tokens + self.text_tokens)))
+
+    def narrowest(self, other: Envelope | None) -> Envelope:
+        """What fits on both (a group's ranks hold different components: the narrowest rank decides)."""
+        if other is None:
+            return self
+        return Envelope(
+            min(self.max_tokens_per_step, other.max_tokens_per_step),
+            min(self.forward_tokens, other.forward_tokens),
+            min(self.max_rows, other.max_rows),
+            max(self.text_tokens, other.text_tokens),
+        )
+
+
 @dataclass
 class OmniDiffusionConfig:
     """Everything a worker needs to load a model: where from, on what, how split."""
@@ -219,9 +264,9 @@ class OmniDiffusionConfig:
     cpu_offload: Literal["none", "model", "layerwise"] = "none"
     # The share of each GPU the engine plans to use and may allocate (vLLM's --gpu-memory-utilization).
     gpu_memory_utilization: float = 0.9
-    # (tokens per step, rows) of the largest request the limits admit: what the memory plan sizes one
-    # step for (worker/memory_plan.py). Set by the engine from its limits; None: the model's default, 1 row.
-    largest_request: tuple[int, int] | None = None
+    # What the memory plan must admit and may widen to (worker/memory_plan.py). Set by the engine from its limits
+    # and the model's default request; None: the model's cap, one row.
+    admission: Admission | None = None
     # LoRA adapters (engine/adapters.py, worker/lora.py): name -> folder or .safetensors file, served from the start;
     # how many keep their factors on each GPU and on the CPU; the largest rank accepted; whether
     # /v1/load_lora_adapter and /v1/unload_lora_adapter may change them while serving.

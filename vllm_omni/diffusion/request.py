@@ -77,6 +77,11 @@ class DiffusionRequest:
     priority: int = 0  # the queue's order under the priority policy (engine/policy.py), lower first
     # Its estimated work, denoising steps x tokens per step x images (the fair policy's order); 0: not estimated.
     work: int = 0
+    tokens: int = 0  # image (video) tokens of one row's denoising step (PipelineSpec.tokens_per_step); 0: not known
+    # Rows one pipeline call may hold (the deploy's envelope, config.Envelope): more images run as consecutive
+    # calls inside this request, each image from its own generator; 0: all in one call.
+    rows_per_forward: int = 0
+    profile: bool = False  # the warm-up's measured step: the denoising alone (no decode), its peak memory reported
     cancel_token: int = 0  # the executor's number for this request; cancelling flags it
     output_type: OutputType = "pil"
     preprocess_ms: float = 0.0  # time validation took (the server validates before queueing)
@@ -88,6 +93,20 @@ class DiffusionRequest:
     def rows(self) -> list[DiffusionRequest]:
         """This request and those batched with it, in row order."""
         return [self, *self.batch]
+
+    @property
+    def image_seeds(self) -> list[int]:
+        """Each image's seed: a request's n images are drawn from seed, seed + 1, ... (each one reproduced alone
+        by a request of n=1 at its seed)."""
+        return [self.seed + i for i in range(self.num_images)]
+
+    @property
+    def forward_chunks(self) -> list[int]:
+        """The images of each consecutive pipeline call (`rows_per_forward`; one call for a batch)."""
+        rows = self.rows_per_forward
+        if not rows or self.batch or self.num_images <= rows:
+            return [self.num_images]
+        return [min(rows, self.num_images - start) for start in range(0, self.num_images, rows)]
 
 
 @dataclass
@@ -108,6 +127,7 @@ class DiffusionOutput:
     timings_ms: dict[str, float] = field(default_factory=dict)
     batch_size: int = 1  # requests that shared its pipeline call (request batching), itself included
     step_cache: dict[str, Any] | None = None  # step_cache_report: forwards computed and skipped; None: no cache
+    seeds: list[int] = field(default_factory=list)  # each image's own seed (DiffusionRequest.image_seeds)
 
 
 class RequestError(ValueError):

@@ -2,6 +2,8 @@
 
 VLLM_OMNI_TEST_GPU_MEMORY='TOTAL[,FREE]' (bytes, or with a KiB/MiB/GiB suffix) makes every rank plan
 against a device of that size, on a CPU too, so a deploy that cannot fit is refused there as on a GPU.
+VLLM_OMNI_TEST_MEASURED_STEP='FACTOR' stands in for the warm-up's measured step where no GPU measures one
+(worker.py): the step measures FACTOR times the plan's estimate.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import os
 
 TEST_GPU_MEMORY_ENV = "VLLM_OMNI_TEST_GPU_MEMORY"
+TEST_MEASURED_STEP_ENV = "VLLM_OMNI_TEST_MEASURED_STEP"
 _UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -27,3 +30,9 @@ def simulated_device_memory() -> tuple[int, int] | None:
         return None
     total, _, free = text.partition(",")
     return _bytes(total), _bytes(free) if free else _bytes(total)
+
+
+def simulated_step_bytes(estimate: int) -> int | None:
+    """A measured step of VLLM_OMNI_TEST_MEASURED_STEP times `estimate` bytes; None when it is not set."""
+    text = os.environ.get(TEST_MEASURED_STEP_ENV)
+    return None if not text else int(float(text) * estimate)

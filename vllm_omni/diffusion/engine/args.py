@@ -24,6 +24,7 @@ from vllm_omni.diffusion.config import (
     MAX_NUM_SEQS,
     QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
+    Admission,
     BatchingConfig,
     DiffusionParallelConfig,
     EngineLimits,
@@ -485,7 +486,8 @@ class EngineArgs:
             parallel_config=self.parallel_config,
             cache=self.step_cache,
             replica=replica,
-            largest_request=(self.limits.max_tokens_per_step, max(self.limits.max_n, self.batching.max_batch_size)),
+            # The rows a forward may hold; the engine adds the tokens (the model's default request, the token limit).
+            admission=Admission(0, 0, max(self.limits.max_n, self.batching.max_batch_size)),
             **self._config_values("engine"),
         )
 

@@ -10,7 +10,6 @@ class and by the HTTP server's scheduler, which reads the workers' state only th
 from __future__ import annotations
 
 import dataclasses
-import io
 import itertools
 import threading
 import time
@@ -20,7 +19,8 @@ from typing import Any, Literal
 import numpy as np
 
 from vllm_omni.diffusion.attention.backends import check_attention_backend
-from vllm_omni.diffusion.config import EngineLimits, OmniDiffusionConfig
+from vllm_omni.diffusion.config import EngineLimits, Envelope, OmniDiffusionConfig
+from vllm_omni.diffusion.engine import admission
 from vllm_omni.diffusion.engine.adapters import LoraRegistry
 from vllm_omni.diffusion.engine.batching import batch_key
 from vllm_omni.diffusion.engine.health import HealthState
@@ -29,7 +29,13 @@ from vllm_omni.diffusion.executor.base import WorkerGroupExecutor
 from vllm_omni.diffusion.executor.multiproc import MultiprocExecutor
 from vllm_omni.diffusion.executor.protocol import ProgressCallback
 from vllm_omni.diffusion.models.registry import PipelineSpec
-from vllm_omni.diffusion.request import DiffusionOutput, DiffusionRequest, GenerationParams, RequestCancelled
+from vllm_omni.diffusion.request import (
+    DiffusionOutput,
+    DiffusionRequest,
+    GenerationParams,
+    RequestCancelled,
+    RequestError,
+)
 from vllm_omni.diffusion.worker.loader import check_ulysses_degree, read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.worker.quantization import check_quantization
 from vllm_omni.diffusion.worker.step_cache import step_cache_report
@@ -78,19 +84,11 @@ def warmup_requests(spec: PipelineSpec, size: tuple[int, int] | None, dynamic: b
         if shape is not None and spec.takes("height"):
             values.update(width=shape[0], height=shape[1])
         if spec.input_image_required:
-            values["image"] = _gray_png(*(shape or (1024, 1024)))
+            values["image"] = admission.gray_png(*(shape or (1024, 1024)))
         if frames is not None:
             values["num_frames"] = frames
         requests.append(GenerationParams(prompt=prompt, output_type="uint8", **values))
     return requests
-
-
-def _gray_png(width: int, height: int) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), (128, 128, 128)).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def _join_ray(config: OmniDiffusionConfig):
@@ -133,9 +131,6 @@ class DiffusionEngine:
             if ray_session is not None:
                 ray_session.release()
             raise
-        # The memory plan sizes one step for the largest request these limits admit (worker/memory_plan.py).
-        tokens, rows = config.largest_request or (None, self.limits.max_n)
-        config.largest_request = (tokens or self.limits.for_model(self.spec).max_tokens_per_step, rows)
         self.config = config
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
@@ -155,6 +150,12 @@ class DiffusionEngine:
         self._preprocessor = RequestPreprocessor(
             self.spec, self.limits, self.model_path, config.cache, self.adapters.resolve
         )
+        # Each rank's memory plan must fit the model's default request (or the user's token limit) and finds what
+        # more fits: the envelope (admission.py). EngineArgs gives the rows the limits allow (max_n, max_batch_size).
+        rows = config.admission.max_rows if config.admission is not None else self.limits.max_n
+        target = self._preprocessor.target_size
+        config.admission = admission.admission(self.spec, self.limits, target, rows)
+        self._default_tokens = admission.default_request_tokens(self.spec, target)
         self._stopping = False
         logger.info(
             "Starting %d worker(s) for %s (%s) on %s, %s, quantization=%s, cache=%s, cpu_offload=%s, "
@@ -186,6 +187,8 @@ class DiffusionEngine:
             self._stop_prefetch()
             raise
         self.executor.warmup_requests = self._warmup_requests()
+        self.executor.profile_request = self._profile_request
+        self._preprocessor.envelope = lambda: self.executor.envelope
 
     @staticmethod
     def _configure_device(config: OmniDiffusionConfig, ray_session) -> None:
@@ -208,6 +211,39 @@ class DiffusionEngine:
             self.executor.wait_until_ready(timeout)
         finally:
             self._stop_prefetch()  # every rank has loaded (or failed): the page cache has done its part
+        if self.envelope is not None:
+            logger.info("Serving %s", self.envelope_text())
+
+    @property
+    def envelope(self) -> Envelope | None:
+        """What one forward holds on this deploy's GPUs (None: no device memory to size it by, as on a CPU)."""
+        return self.executor.envelope
+
+    def envelope_text(self) -> str | None:
+        """The envelope in a user's terms ("up to 1 image of 2048x2048, or 4 of 1024x1024, per forward")."""
+        envelope = self.envelope
+        if envelope is None:
+            return None
+        limits = self.limits.for_model(self.spec)
+        return admission.describe(envelope, self.spec, limits, self._default_tokens, self._preprocessor.target_size)
+
+    def _profile_request(self, envelope: Envelope) -> DiffusionRequest | None:
+        """The warm-up's measured step: the largest row the envelope holds that the limits accept (a family with an
+        encode stage that grows with the size, as an autoregressive one, at its default size), two steps."""
+        steps = max(self.spec.min_steps, 2)
+        limits = self.limits.for_model(self.spec)
+        if self.spec.family_pipeline().encodes_first:
+            candidates = [GenerationParams("a measured warm-up step", num_inference_steps=steps, output_type="uint8")]
+        else:
+            candidates = admission.profile_params(self.spec, limits, envelope, self._preprocessor.target_size, steps)
+        for params in candidates:
+            try:
+                request = self.preprocess(params)
+            except RequestError:
+                continue
+            return dataclasses.replace(request, profile=True, request_id="warm-up-measured")
+        logger.warning("No measured step: no request of the envelope's largest row is accepted (%s)", envelope)
+        return None
 
     def _warmup_requests(self) -> list[DiffusionRequest]:
         """The checked warm-up requests (`warmup_requests`) that every worker group runs once it has
@@ -363,6 +399,7 @@ class DiffusionEngine:
         self, request: DiffusionRequest, on_progress: ProgressCallback | None, interleave: bool = False
     ) -> list[DiffusionOutput]:
         preprocessed = time.perf_counter()
+        request = admission.fit(request, self.envelope)  # more images than one forward holds: forwards in a row
         ids = [row.request_id for row in request.rows]
         with self._id_lock:
             if self._stopping:
@@ -431,4 +468,5 @@ class DiffusionEngine:
             width,
             num_frames=int(frames.shape[1]) if video else None,
             fps=request.fps if video else None,
+            seeds=request.image_seeds,
         )

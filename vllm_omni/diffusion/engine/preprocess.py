@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.config import EngineLimits, StepCacheConfig
+from vllm_omni.diffusion.config import EngineLimits, Envelope, StepCacheConfig
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.diffusion.images import inspect_image
 from vllm_omni.diffusion.models.registry import PipelineSpec
@@ -120,6 +120,8 @@ class RequestPreprocessor:
         self.tokens = PromptTokenCounter(model_path)
         self.max_prompt_tokens = min(limits.max_prompt_tokens, spec.max_prompt_tokens or limits.max_prompt_tokens)
         self.target_size = bucket_target_size(model_path) if spec.size_buckets else None
+        # The deploy's envelope once its ranks found it (admission.py; the engine sets it): a row holds no more.
+        self.envelope: Callable[[], Envelope | None] = lambda: None
 
     def __call__(self, params: GenerationParams, request_id: str, cancel_token: int) -> DiffusionRequest:
         start = time.perf_counter()
@@ -202,6 +204,7 @@ class RequestPreprocessor:
             priority=priority,
             # Classifier-free guidance (two forwards a step for some requests) is left out: the family decides it.
             work=steps * tokens * n,
+            tokens=tokens,
             cancel_token=cancel_token,
             output_type=params.output_type,
         )
@@ -344,6 +347,9 @@ class RequestPreprocessor:
         if width is None or height is None:
             return 0  # a size the pipeline picks that is not restated here (none of the served pipelines)
         tokens = spec.tokens_per_step(width, height, num_frames, source_sizes)
+        envelope = self.envelope()
+        fits = envelope is not None and envelope.max_tokens_per_step < limit
+        limit = envelope.max_tokens_per_step if fits else limit
         if tokens <= limit:
             return tokens
         output = spec.tokens_per_step(width, height, num_frames, [])
@@ -360,8 +366,9 @@ class RequestPreprocessor:
             param, fix = "width", "ask for a smaller size"  # over HTTP: `size`
         else:
             param, fix = "num_frames", "ask for fewer frames"
-        raise RequestError(
-            f"this request is {tokens} tokens per denoising step ({what}: {grid}); the limit is {limit}: {fix}, "
-            "or raise the limit (--max-tokens-per-step)",
-            param,
-        )
+        if fits:  # the GPU's memory binds, not the limit
+            bound, wider = "this deploy's GPU memory holds", "or serve with FP8 or a higher --ulysses-degree"
+        else:
+            bound, wider = "the limit is", "or raise the limit (--max-tokens-per-step)"
+        raise RequestError(f"this request is {tokens} tokens per denoising step ({what}: {grid}); {bound} {limit}: "
+                           f"{fix}, {wider}", param)  # fmt: skip

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from vllm_omni.diffusion.config import EngineLimits, OmniDiffusionConfig
+from vllm_omni.diffusion.config import EngineLimits, Envelope, OmniDiffusionConfig
 from vllm_omni.diffusion.engine.health import HealthState
 from vllm_omni.diffusion.executor.protocol import ProgressCallback
 from vllm_omni.diffusion.request import DiffusionRequest, GenerationParams
@@ -23,6 +23,7 @@ class Engine(Protocol):
     """What the scheduler needs of a DiffusionEngine (tests pass a fake)."""
 
     spec: Any
+    envelope: Envelope | None  # what one forward holds on its GPUs (admission.py); None: not sized (a CPU)
 
     def preprocess(self, params: GenerationParams) -> DiffusionRequest: ...
     def step(

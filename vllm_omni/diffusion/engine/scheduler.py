@@ -588,7 +588,7 @@ class Scheduler:
             head = self.policy.next_head(self._waiting)
             jobs = self._company(head)
             deadline = time.monotonic() + self.batching.batch_wait_ms / 1e3
-            while head.batch_key is not None and len(jobs) < self.batching.max_batch_size:
+            while head.batch_key is not None and len(jobs) < self._batch_rows(head):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -611,7 +611,14 @@ class Scheduler:
         if head.batch_key is None:
             return [head]
         same = [job for job in self._waiting if job.batch_key == head.batch_key]
-        return self.policy.admit(same[: self.batching.max_batch_size], self._waiting)
+        return self.policy.admit(same[: self._batch_rows(head)], self._waiting)
+
+    def _batch_rows(self, head: Job) -> int:
+        """The rows a batch led by `head` may hold: max_batch_size, and no more than one forward of the deploy's
+        envelope holds at its size (admission.py)."""
+        envelope = self.engine.envelope if self.engine is not None else None
+        rows = self.batching.max_batch_size
+        return min(rows, envelope.rows_for(head.request.tokens)) if envelope is not None else rows
 
     def _fail(self, job: Job, exc: Exception) -> None:
         """Finish `job` with what its run raised."""

@@ -27,10 +27,11 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.diffusion.config import OmniDiffusionConfig
+from vllm_omni.diffusion.config import Envelope, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.protocol import (
     CANCEL_SLOTS,
     Cancelled,
@@ -184,6 +185,12 @@ class WorkerGroupExecutor:
         self.restarts = 0
         self.last_restart_reason: str | None = None
         self.warmup_requests: list[DiffusionRequest] = []  # run by every group before its first request
+        # What one forward of this deploy holds (config.Envelope): the narrowest of the ranks' memory plans, then
+        # of their measured step (the profile request, `profile_request(envelope)`, run first in the warm-up);
+        # None where no rank plans against device memory (a CPU).
+        self.envelope: Envelope | None = None
+        self.profile_request: Callable[[Envelope], DiffusionRequest | None] | None = None
+        self._measured: Envelope | None = None  # kept across restarts: a restarted group is not measured again
         self.warmup_s: float | None = None  # the last warm-up's duration, once one ran
         self._warm = False  # this group ran its warm-up (or has none to run)
         self._last_warmup_failed = False
@@ -253,6 +260,7 @@ class WorkerGroupExecutor:
             raise _ShutDown()
         self._ready.clear()
         self._ready_ranks = set()
+        self.envelope = None
         self._group_idle = True
         self._warm = False
         self._load_deadline = time.monotonic() + self.config.load_timeout_s
@@ -308,6 +316,8 @@ class WorkerGroupExecutor:
                 self._fail_start(f"worker rank {report.rank} could not load {self.config.model}: {report.detail}")
             elif isinstance(report, Ready):
                 self._ready_ranks.add(report.rank)
+                if report.envelope is not None:
+                    self.envelope = report.envelope.narrowest(self.envelope)
                 if len(self._ready_ranks) == self.world_size:
                     self._ready.set()
                     if self.restarts:
@@ -322,6 +332,7 @@ class WorkerGroupExecutor:
         tries again.
         """
         self._warm = True
+        self._measure_step()
         if not self.warmup_requests:
             return
         if self._last_warmup_failed:
@@ -332,8 +343,7 @@ class WorkerGroupExecutor:
         self._group_idle = False
         try:
             for request in self.warmup_requests:
-                self._send_request(request)
-                self._collect(request, None)
+                self._collect(request, None)  # sends it
         except (RequestFailed, RequestCancelled, RequestError) as exc:
             logger.error("Warm-up request failed (%s: %s); serving without it", type(exc).__name__, exc)
             self._last_warmup_failed = not self._warm  # it restarted the group
@@ -342,6 +352,44 @@ class WorkerGroupExecutor:
         self.warmup_s = time.perf_counter() - start
         sizes = ", then ".join(_request_shape(request) for request in self.warmup_requests)
         logger.info("Warm-up done in %.1f s (%d request(s): %s)", self.warmup_s, len(self.warmup_requests), sizes)
+
+    def _measure_step(self) -> None:
+        """Measure one denoising step at the largest row the ranks' plans admit (the profile request) and serve
+        the envelope the narrowest rank's measurement leaves (needs self._lock). Where the profile fails, the
+        envelope narrows to the request the deploy must admit. A restarted group keeps the first measurement."""
+        if self.envelope is None or self.profile_request is None:
+            return
+        if self._measured is not None:
+            self.envelope = self._measured.narrowest(self.envelope)
+            return
+        request = self.profile_request(self.envelope)
+        if request is None:
+            return
+        planned = self.envelope
+        self._group_idle = False
+        try:
+            self._collect(request, None)  # sends it
+        except (RequestFailed, RequestCancelled, RequestError) as exc:
+            admitted = self.config.admission.required_tokens if self.config.admission else planned.max_tokens_per_step
+            self.envelope = self._measured = Envelope(
+                admitted, admitted + planned.text_tokens, 1, planned.text_tokens
+            ).narrowest(planned)
+            logger.warning(
+                "The measured step (%s) failed (%s: %s): serving only what the deploy must admit, %s",
+                _request_shape(request),
+                type(exc).__name__,
+                exc,
+                self.envelope,
+            )
+            return
+        measured = [s.envelope for s in self.rank_stats.values() if s.request_id == request.request_id]
+        if len(measured) < self.world_size or None in measured:
+            return  # no figure on some rank (no GPU, no test double): the plans' envelope stands
+        envelope = measured[0]
+        for other in measured[1:]:
+            envelope = other.narrowest(envelope)
+        self.envelope = self._measured = envelope
+        logger.info("Measured one step at %s; serving %s (planned %s)", _request_shape(request), envelope, planned)
 
     def _fail_start(self, message: str) -> None:
         with self._group_lock:
@@ -448,6 +496,7 @@ class WorkerGroupExecutor:
         self._kill_group()
         self._ready.clear()
         self._ready_ranks = set()
+        self.envelope = None
 
     # ---- requests ----------------------------------------------------------------------------
 

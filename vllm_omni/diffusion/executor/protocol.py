@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from vllm_omni.diffusion.config import MAX_NUM_SEQS
+from vllm_omni.diffusion.config import MAX_NUM_SEQS, Envelope
 from vllm_omni.diffusion.request import RequestError
 
 if TYPE_CHECKING:
@@ -48,7 +48,10 @@ class RankReport:
 
 @dataclass(frozen=True)
 class Ready(RankReport):
-    """The rank joined its process groups and loaded the pipeline."""
+    """The rank joined its process groups and loaded the pipeline; `envelope`: what its memory plan found fits
+    (None: no device memory to plan against, as on a CPU)."""
+
+    envelope: Envelope | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ class Stats(RequestReport):
     peak_memory_bytes: int | None = None  # on CUDA: peak allocated memory during the request
     allocated_memory_bytes: int | None = None  # on CUDA: allocated once the request's tensors were dropped
     reserved_memory_bytes: int | None = None  # on CUDA: held by the caching allocator then
+    # A profile request's (the warm-up's measured step): the envelope the measured step leaves on this rank.
+    envelope: Envelope | None = None
     # Test only (VLLM_OMNI_TEST_MEMORY_TRACE): what the rank held as the request arrived, after the
     # previous one (testing/memory_trace.py).
     traced_memory: dict[str, int] | None = None

@@ -19,7 +19,7 @@ ALLOCATION_MARGIN = 1.3
 
 class GroupOutOfMemory(RuntimeError):
     """`error`, an out-of-memory error, raised on every rank of an SP group at one point they all reached
-    (the prompt encoding's broadcast, runner._with_shared_text): no rank was left inside a collective."""
+    (the prompt encoding's broadcast, runner._shared_embeddings): no rank was left inside a collective."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))

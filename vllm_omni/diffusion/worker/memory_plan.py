@@ -3,9 +3,9 @@
 Weights come from the checkpoint's safetensors headers (shapes and dtypes, no tensor read), per
 component, at the dtype the rank serves them in, without what text-once leaves out (an SP peer
 loads no text encoder) and with FP8's one byte per converted weight (the same `FP8_RULE` that
-converts them). One denoising step's activations are estimated at the largest request the limits
-admit (`--max-tokens-per-step` tokens, `max(max_n, max_batch_size)` rows, this rank's share of
-them under Ulysses); with interleaving (`--max-num-seqs N` under fair or priority), what N - 1
+converts them). One denoising step's activations are estimated at the request the deploy must admit
+(`Admission`: the model's default request, one image, or the user's `--max-tokens-per-step`; this rank's
+share of it under Ulysses); with interleaving (`--max-num-seqs N` under fair or priority), what N - 1
 suspended requests of that size keep too. What is on the GPU at once depends on `--cpu-offload`:
 
 - none: every component, plus a step;
@@ -20,7 +20,10 @@ worker/lora.py): those the served adapters adapt when none can be added at run t
 `lora_adapted`), else every 2-D weight of the denoisers' blocks.
 
 The budget is `gpu_memory_utilization` of the device, and no more than is free when the rank
-starts. A plan that does not fit refuses the deploy, saying by how much and which settings fit.
+starts. A plan that does not fit refuses the deploy, saying by how much and which settings fit. One that fits
+has an envelope (`widest_envelope`): the larger requests and the rows per forward that the rest of the budget
+holds, up to the model's token cap and the rows the limits allow. The engine's warm-up then measures one step at
+the envelope's largest row (`RankPlan.measured`) and serves what the measurement says fits.
 The VAE decode is planned only for images, where its untiled peak was measured (Qwen-Image's VAE), and only for what
 layerwise offload keeps resident through it (a tiled decode's peak is set by its tiles; docs/serving.md). At run time a
 decode whose untiled peak (measured per VAE class) the rank cannot allocate is tiled instead (vae_parallel.py).
@@ -29,12 +32,15 @@ decode whose untiled peak (measured per VAE class) the rank cannot allocate is t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from vllm_omni.diffusion.config import Admission, Envelope
 
 # Bytes of activations per token, per unit of model width and per byte of dtype, that one block of a
 # denoiser keeps alive at its peak: q, k, v and the attention output (and their all-to-all copies), the
@@ -49,6 +55,8 @@ SUSPENDED_BYTES_PER_TOKEN_WIDTH = 4
 # count: the VAE decode, a third block still in flight on the prefetch stream, the allocator's fragmentation.
 # Measured on an H200 with Qwen-Image within 24 GiB: 34 resident blocks left 0.3 GiB, and the decode ran out.
 RESIDENT_HEADROOM = 0.1
+# How finely the envelope's token counts are searched (a few percent of a 1024x1024 image's 4096 tokens).
+ENVELOPE_STEP_TOKENS = 256
 # An untiled VAE decode's peak activations per output pixel, in bfloat16, by the VAE's class (vae/config.json),
 # from benchmarks/results/vae_decode.json: Qwen-Image's at 1024x1024 and 1328x1328 (4.14 and 6.96 GiB),
 # HunyuanVideo 1.5's at 848x480x121 (83.0 GiB), Wan's at 848x480x81 and 1280x720x81 (4.65 and 10.5 GiB). Resident
@@ -93,16 +101,16 @@ class MemoryPlan:
 
     components: tuple[ComponentWeights, ...]
     denoisers: frozenset[str]
-    step_bytes: int  # one denoising step's activations at the largest admitted request
+    step_bytes: int  # one denoising step's activations at the request the deploy must admit
     offload: str  # none, model, layerwise
     device_total: int
     device_free: int
     utilization: float
-    decode_bytes: int = 0  # the untiled VAE decode's activations at the largest admitted image (0: not measured)
+    decode_bytes: int = 0  # the untiled VAE decode's activations at that request's image (0: not measured)
     # LoRA adapters served: the rank keeps a copy of every weight an adapter touched (worker/lora.py), planned as
     # every 2-D weight of the denoisers' blocks.
     lora: bool = False
-    suspended_bytes: int = 0  # the requests others run inside (--max-num-seqs - 1 of them) at the largest request
+    suspended_bytes: int = 0  # the requests others run inside (--max-num-seqs - 1 of them) at that request
 
     @property
     def lora_copy(self) -> int:
@@ -172,7 +180,7 @@ class MemoryPlan:
         suspended = f", requests run inside others {size(self.suspended_bytes)}" if self.suspended_bytes else ""
         return (
             f"memory plan: weights {held} (offload {self.offload}: {size(self.weights)} on the GPU at once{kept}), one "
-            f"step at the largest request {size(self.step_bytes)}{suspended}: needs {size(self.need)} of "
+            f"step at the request it must admit {size(self.step_bytes)}{suspended}: needs {size(self.need)} of "
             f"{size(self.budget)} ({self.utilization:g} of {size(self.device_total)}, {size(self.device_free)} free)"
         )
 
@@ -184,6 +192,12 @@ def size(count: int) -> str:
 
 def header_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype, shape) of every tensor in a safetensors file, from its header alone."""
+    stat = path.stat()
+    return _header_tensors(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=256)  # the envelope's search plans many sizes of one checkpoint
+def _header_tensors(path: Path, mtime_ns: int, length_on_disk: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
@@ -253,10 +267,12 @@ def plan_for_checkpoint(
     lora: bool = False,
     lora_adapted: Iterable[str] | None = None,
     in_flight: int = 1,
+    step_scale: float = 1.0,
 ) -> MemoryPlan:
     """The plan of a rank that loads `components` of the checkpoint at `path` (see the module doc).
     `lora_adapted`: the denoiser weights the served adapters adapt (None: any of their blocks' 2-D weights);
-    `in_flight`: requests in flight at once (interleaving: all but one suspended, each at the largest request)."""
+    `in_flight`: requests in flight at once (interleaving: all but one suspended, each at the largest request);
+    `step_scale`: a measured step over its estimate (RankPlan.measured)."""
     denoisers = frozenset(denoisers)
     adapted = frozenset(lora_adapted) if lora_adapted is not None else None
     held = [
@@ -273,7 +289,7 @@ def plan_for_checkpoint(
     ]
     vae = _config(path / "vae").get("_class_name", "") if "vae" in components else ""
     decode = int(pixels * UNTILED_DECODE_BYTES_PER_PIXEL.get(vae, 0) * dtype_bytes / 2)
-    steps_peak = max(steps, default=0)
+    steps_peak = int(max(steps, default=0) * step_scale)
     suspended = (in_flight - 1) * steps_peak * SUSPENDED_BYTES_PER_TOKEN_WIDTH // STEP_BYTES_PER_TOKEN_WIDTH
     return MemoryPlan(
         weights, denoisers, steps_peak, offload, device_total, device_free, utilization, decode, lora, suspended
@@ -318,6 +334,49 @@ def refusal(plan: MemoryPlan, alternatives: Mapping[str, MemoryPlan], max_tokens
     return f"the deploy does not fit: {plan.line()}, short by {size(short)}{advice}"
 
 
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """One rank's plan at the request it must admit (`plan`), the envelope its memory leaves beyond that
+    (`envelope`), and the same once one denoising step was measured (`measured`)."""
+
+    plan: MemoryPlan
+    envelope: Envelope
+    admission: Admission
+    text_tokens: int
+    plan_at: Callable[..., MemoryPlan]  # (tokens, step_scale=1.0, text_tokens=...) -> the plan at one row of tokens
+
+    def measured(self, step_bytes: int, tokens: int) -> Envelope:
+        """The envelope once a step of `tokens` image tokens (one row, a short prompt) was measured to take
+        `step_bytes` of activations: the estimate scaled by measurement over estimate (the estimate counted
+        without text, so the scale errs high), never narrower than the request the deploy must admit."""
+        estimate = self.plan_at(tokens, text_tokens=0).step_bytes
+        scale = step_bytes / estimate if estimate else 1.0
+        return widest_envelope(self.plan_at, self.admission, self.text_tokens, self.plan.offload, scale)
+
+
+def widest_envelope(
+    plan_at: Callable[..., MemoryPlan], admission: Admission, text_tokens: int, offload: str, scale: float = 1.0
+) -> Envelope:
+    """The widest forward that fits: the most tokens one row of a step may have (the model's cap at most), and the
+    most tokens all rows together may have (their text allowance counted). A step's activations grow with rows x
+    tokens, so one row of the forward's tokens stands for any rows of the same total. Under layerwise offload the
+    memory the admitted request leaves keeps denoiser blocks resident instead (resident_blocks): no wider."""
+    required = admission.required_tokens
+    most = required
+    if offload != "layerwise":
+        high = admission.max_tokens * admission.max_rows + text_tokens * (admission.max_rows - 1)
+        if plan_at(high, scale).fits:
+            most = high
+        else:
+            low = required  # fits (or is admitted regardless: never narrower than the model's default request)
+            while high - low > ENVELOPE_STEP_TOKENS:
+                middle = (low + high) // 2
+                low, high = (middle, high) if plan_at(middle, scale).fits else (low, middle)
+            most = low
+    per_row = admission.max_tokens if admission.max_tokens_set else max(required, min(most, admission.max_tokens))
+    return Envelope(per_row, max(most, per_row) + text_tokens, admission.max_rows, text_tokens)
+
+
 def device_memory(device: Any) -> tuple[int, int] | None:
     """(total, free) bytes of the rank's device; None on a CPU (no device memory to plan against),
     unless the test double VLLM_OMNI_TEST_GPU_MEMORY stands in for one (vllm_omni/testing/memory.py)."""
@@ -334,9 +393,11 @@ def device_memory(device: Any) -> tuple[int, int] | None:
     return total, free
 
 
-def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Iterable[str]) -> MemoryPlan | None:
+def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Iterable[str]) -> RankPlan | None:
     """This rank's plan (None on a CPU), or ValueError when the deploy cannot fit (`refusal`).
 
+    The plan is made at the request the deploy must admit (`config.admission`: the model's default request, or
+    the user's --max-tokens-per-step), and the envelope is what the rest of the memory holds beyond it.
     `components`: those this rank loads (runner.loaded_components). `config` is the worker's
     OmniDiffusionConfig; `spec` the pipeline's PipelineSpec."""
     memory = device_memory(device)
@@ -348,14 +409,20 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
     components = list(components)
     denoisers = [name for name in spec.family_pipeline().denoisers if name in components]
     dtype_bytes = {"float32": 4}.get(config.dtype, 2)
-    tokens, rows = config.largest_request or (spec.max_tokens_per_step, 1)
-    text_tokens = max(spec.max_prompt_tokens or 0, DEFAULT_TEXT_TOKENS)
+    admission = config.admission or Admission(spec.max_tokens_per_step, spec.max_tokens_per_step, 1)
+    text_allowance = max(spec.max_prompt_tokens or 0, DEFAULT_TEXT_TOKENS)
     parallel = config.parallel_config
 
     in_flight = config.max_num_seqs if config.scheduling_policy != "fcfs" else 1  # fcfs never interleaves
 
     def plan(
-        offload: str = config.cpu_offload, fp8: bool = config.quantization == "fp8", sp: int = 0, seqs: int = in_flight
+        tokens: int = admission.required_tokens,
+        step_scale: float = 1.0,
+        text_tokens: int = text_allowance,
+        offload: str = config.cpu_offload,
+        fp8: bool = config.quantization == "fp8",
+        sp: int = 0,
+        seqs: int = in_flight,
     ) -> MemoryPlan:
         return plan_for_checkpoint(
             path,
@@ -365,7 +432,7 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
             fp8_reason=FP8_RULE.bf16_reason_by_shape if fp8 else None,
             tokens=tokens,
             text_tokens=text_tokens,
-            rows=rows,
+            rows=1,
             sp=sp or parallel.sequence_parallel_size,
             offload=offload,
             device_total=memory[0],
@@ -375,11 +442,13 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
             lora=bool(config.lora_modules or config.allow_runtime_lora),
             lora_adapted=config.lora_adapted,
             in_flight=seqs,
+            step_scale=step_scale,
         )
 
     chosen = plan()
     if chosen.fits:
-        return chosen
+        envelope = widest_envelope(plan, admission, text_allowance, chosen.offload)
+        return RankPlan(chosen, envelope, admission, text_allowance, plan)
     alternatives: dict[str, MemoryPlan] = {}
     fp8 = config.quantization is None and dtype_bytes == 2  # FP8 converts bf16 weights
     if fp8:
@@ -395,4 +464,4 @@ def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Itera
     degree = parallel.ulysses_degree * 2
     if heads and all(isinstance(h, int) and h % degree == 0 for h in heads):
         alternatives[f"--ulysses-degree {degree}"] = plan(sp=degree * parallel.ring_degree)
-    raise ValueError(refusal(chosen, alternatives, tokens))
+    raise ValueError(refusal(chosen, alternatives, admission.required_tokens))

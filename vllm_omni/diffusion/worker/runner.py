@@ -98,6 +98,7 @@ class PipelineRunner:
         self.spec = spec
         self.device = device
         self.phase_seconds: dict[str, float] = {}  # the last request's: encode (text once), denoise, decode
+        self.step_peak_bytes: int | None = None  # a profile request's measured step (CUDA): its peak activations
         self.phase: RunPhase = "denoise"  # where the current (or last) request is: what an out-of-memory names
         self.family: FamilyPipeline = spec.family_pipeline()
         # Straight onto the device, without a random initialisation first (accelerate's meta-device load);
@@ -227,11 +228,51 @@ class PipelineRunner:
                 request, images=[decode_image(image, name) for image, name in zip(request.images, names)]
             )
         self._activate_adapter(request.lora, on_adapter)
+        self.forwards.clear()
+        self.step_peak_bytes = None
+        self.phase_seconds = {}
+        # Each image has a generator of its own (its seed, DiffusionRequest.image_seeds): an image does not depend
+        # on the batch or the chunk it runs in.
+        seeds = [seed for row in request.rows for seed in row.image_seeds]
+        embeds: list[Any] = []  # the prompts' embeddings, encoded once for every chunk (text once, encode stages)
+        arrays, first = [], 0
+        for index, count in enumerate(request.forward_chunks):
+            part = request if count == request.num_images else dataclasses.replace(request, num_images=count)
+            step_offset = index * request.num_inference_steps
+            chunk_seeds = seeds if request.batch else seeds[first : first + count]  # a batch is one call
+            calls = (on_step_end, on_decode_tile, on_encode_progress, on_text_encode)
+            arrays.append(self._call(part, chunk_seeds, step_offset, *calls, embeds))
+            first += count
+        if request.profile:
+            return np.zeros((0,), dtype=np.uint8)
+        array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if not np.isfinite(array).all():
+            raise FloatingPointError("the pipeline produced non-finite pixel values (NaN or Inf)")
+        if request.output_type == "np":
+            return array
+        # Pictures and files need only uint8: a 121-frame video crosses the worker pipe at a quarter the size.
+        return (array.clip(0, 1) * 255).round().astype(np.uint8)
+
+    def _call(
+        self,
+        request: DiffusionRequest,
+        seeds: list[int],
+        step_offset: int,
+        on_step_end: StepCallback,
+        on_decode_tile: Callable[[int], None] | None,
+        on_encode_progress: Callable[[int, int], None] | None,
+        on_text_encode: Callable[[], None] | None,
+        embeds: list[Any],
+    ) -> np.ndarray | None:
+        """One pipeline call of `request`'s rows (a chunk of its images, or a batch), `seeds` one per image; its
+        steps reported as `step_offset` + step. `embeds` holds the embeddings the first call encoded once (text
+        once, a family's encode stage), for the calls after it. Adds its phases to `phase_seconds`."""
         kwargs = self._call_kwargs(request)
-        # CPU generators on every rank: identical latents everywhere, on any device. A batch has one per
-        # row, so a request's latents (and image) do not depend on what it was batched with.
-        generators = [torch.Generator("cpu").manual_seed(row.seed) for row in request.rows]
-        kwargs.update(generator=generators if request.batch else generators[0], output_type="np")
+        # CPU generators on every rank: identical latents everywhere, on any device.
+        generators = [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
+        kwargs.update(generator=generators if len(generators) > 1 else generators[0], output_type="np")
+        if request.profile:
+            kwargs["output_type"] = "latent"  # the denoising is what is measured
         if self.cfg is not None:
             self.cfg.start_request(self.family.uses_cfg(request))
             if self.cfg.active and self.cfg_rank == 1:
@@ -240,13 +281,14 @@ class PipelineRunner:
         encodes_first = self.text_peers or self.family.encodes_first
         if encodes_first:
             self.phase = "encode"
-            kwargs = self._with_shared_text(kwargs, on_encode_progress, on_text_encode)
+            if not embeds:
+                embeds.append(self._shared_embeddings(kwargs, on_encode_progress, on_text_encode))
+            kwargs = self.family.with_text(kwargs, embeds[0])
             time_now = time.perf_counter()
+            self._add_phase("encode", time_now - started)
         self.phase = "denoise"
-        self.phase_seconds = {"encode": time_now - started} if encodes_first else {}
         called = time_now
         denoised = {"at": called}
-        self.forwards.clear()
         if self.cache is not None:
             for denoiser in self.denoisers.values():
                 reset_step_cache(denoiser)  # a new request starts with empty caches
@@ -254,6 +296,10 @@ class PipelineRunner:
             self.cache.start_request(request.cache_threshold or self.cache.config.threshold, swapped)
         last_step = request.num_inference_steps - 1
         set_denoising_step(0, request.num_inference_steps)  # attention's per-step precision rule (backends.py)
+        measure = request.profile and self.device.type == "cuda"
+        if measure:  # the step's activations: the peak above what the call starts with (the weights, the inputs)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            baseline = torch.cuda.memory_allocated(self.device)
 
         def step_end(step: int) -> None:
             if self.cfg is not None:
@@ -262,8 +308,10 @@ class PipelineRunner:
                 self.cache.end_step()
             if step >= last_step and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the phases end where the GPU's work ends, once a request
+                if measure:
+                    self.step_peak_bytes = torch.cuda.max_memory_allocated(self.device) - baseline
             denoised["at"] = time.perf_counter()
-            on_step_end(step)
+            on_step_end(step_offset + step)
             set_denoising_step(step + 1, request.num_inference_steps)
             if step >= last_step:
                 self.phase = "decode"
@@ -277,16 +325,16 @@ class PipelineRunner:
             set_denoising_step(None)
         # Denoising: from the pipeline call to its last step (the pipeline's own prompt encoding and
         # latent preparation included unless the text was encoded first); decode: the rest.
-        self.phase_seconds.update(denoise=denoised["at"] - called, decode=time.perf_counter() - denoised["at"])
+        self._add_phase("denoise", denoised["at"] - called)
+        self._add_phase("decode", time.perf_counter() - denoised["at"])
         logger.debug("Request %s: forwards per denoiser %s", request.request_id, dict(self.forwards))
+        if request.profile:
+            return None
         frames = result.frames if self.spec.modality == "video" else result.images
-        array = np.asarray(frames, dtype=np.float32)
-        if not np.isfinite(array).all():
-            raise FloatingPointError("the pipeline produced non-finite pixel values (NaN or Inf)")
-        if request.output_type == "np":
-            return array
-        # Pictures and files need only uint8: a 121-frame video crosses the worker pipe at a quarter the size.
-        return (array.clip(0, 1) * 255).round().astype(np.uint8)
+        return np.asarray(frames, dtype=np.float32)
+
+    def _add_phase(self, name: str, seconds: float) -> None:
+        self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + seconds
 
     def _activate_adapter(self, lora: LoraRequest | None, on_start: Callable[[], None] | None = None) -> None:
         """Merge the request's adapter (None: none) on this rank, then agree with every other rank that each one
@@ -330,14 +378,14 @@ class PipelineRunner:
             raise ValueError(f"request {request.request_id}: batched requests differ beyond their prompts")
         return {**kwargs, **{name: [row[name] for row in rows] for name in texts}}
 
-    def _with_shared_text(
+    def _shared_embeddings(
         self,
         kwargs: dict[str, Any],
         progress: Callable[[int, int], None] | None,
         on_start: Callable[[], None] | None = None,
-    ) -> dict[str, Any]:
-        """The call with the prompt embeddings that rank 0 of this SP group encoded (the same prompts
-        on every rank of the group: under CFG parallel each group encodes its own, swapped ones).
+    ) -> Any:
+        """The prompt embeddings that rank 0 of this SP group encoded (the same prompts on every rank of the
+        group: under CFG parallel each group encodes its own, swapped ones), for `family.with_text`.
 
         Where rank 0 fails (a cancel from `progress` included), its peers, waiting in the broadcast,
         raise the same error there: the whole group stops at that one point (an out-of-memory error
@@ -364,7 +412,7 @@ class PipelineRunner:
                 raise failed.error from None
         elif isinstance(embeds, BaseException):
             raise embeds
-        return self.family.with_text(kwargs, embeds)
+        return embeds
 
     @contextlib.contextmanager
     def suspended(self, request: DiffusionRequest) -> Iterator[None]:

@@ -114,12 +114,12 @@ def run_rank(
     is reported (`LoadFailed`), not raised.
     """
     try:
-        runner, _ = _load(rank, config, model_path, init_method, cuda_index)
+        runner, plan = _load(rank, config, model_path, init_method, cuda_index)
     except BaseException as exc:  # noqa: BLE001 - reported to the executor, which raises it
         reports.put(LoadFailed(rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
-    reports.put(Ready(rank))
-    _serve(rank, runner, requests, reports, cancel_token)
+    reports.put(Ready(rank, plan.envelope if plan is not None else None))
+    _serve(rank, runner, plan, requests, reports, cancel_token)
 
 
 def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: str, cuda_index: int):
@@ -152,7 +152,8 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     components = set(present_components(Path(model_path))) - set(
         skipped_text_encoders(Path(model_path), spec.family_pipeline())
     )
-    plan = plan_rank(config, spec, Path(model_path), device, sorted(components))
+    rank_plan = plan_rank(config, spec, Path(model_path), device, sorted(components))
+    plan = rank_plan.plan if rank_plan is not None else None
     if plan is not None:
         logger.info("Worker rank %d %s", rank, plan.line())
     if device.type == "cuda":  # what the plan was measured against is also what the rank may allocate
@@ -186,10 +187,10 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
         f"{runner.weight_bytes / 2**20:,.1f}",
         f", without {', '.join(runner.skipped)} (its SP group's rank 0 encodes the prompts)" if runner.skipped else "",
     )
-    return runner, device
+    return runner, rank_plan
 
 
-def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: Any) -> None:
+def _serve(rank: int, runner: Any, plan: Any, requests: Any, reports: Any, cancel_token: Any) -> None:
     from vllm_omni.diffusion.distributed.parallel_state import destroy_parallel_state
 
     faults = InjectedFault.from_env()
@@ -201,7 +202,7 @@ def _serve(rank: int, runner: Any, requests: Any, reports: Any, cancel_token: An
         traced = trace.measure(request) if trace is not None else None
         # In a function of its own: whatever the request held (its images, a failure's frames) is
         # dropped when it returns, before the next request arrives.
-        _serve_request(rank, runner, request, reports, cancel_token, faults, traced, requests)
+        _serve_request(rank, runner, request, reports, cancel_token, faults, traced, requests, plan)
         del request
     destroy_parallel_state()
 
@@ -215,6 +216,7 @@ def _serve_request(
     faults: list[InjectedFault],
     traced: dict[str, int] | None,
     requests: Any,
+    plan: Any = None,
 ) -> None:
     """Run one request on this rank and send its reports: progress, then stats and done, or how it ended.
 
@@ -224,7 +226,7 @@ def _serve_request(
     its end here, nested, with the running one put aside (runner.suspended); then the running one goes on."""
     from vllm_omni.diffusion.distributed.parallel_state import any_rank, any_rank_each
 
-    total = request.num_inference_steps
+    total = request.num_inference_steps * len(request.forward_chunks)  # more images than fit: calls in a row
     reports.put(Progress(rank, request.request_id, 0, total))
 
     def cancelled() -> bool:
@@ -319,6 +321,7 @@ def _serve_request(
             "" if cache is None else f"; {step_cache_line(cache)}",
         )
     peak, allocated, reserved = memory_figures(runner.device)
+    envelope = _measured_envelope(plan, runner, request) if request.profile else None
     stats = Stats(
         rank,
         request.request_id,
@@ -330,9 +333,33 @@ def _serve_request(
         allocated_memory_bytes=allocated,
         reserved_memory_bytes=reserved,
         traced_memory=traced,
+        envelope=envelope,
     )
     reports.put(stats)
     reports.put(Done(rank, request.request_id, images if rank == 0 else None))
+
+
+def _measured_envelope(plan: Any, runner: Any, request: DiffusionRequest) -> Any:
+    """The envelope this rank's measured step leaves (the warm-up's profile request): the runner's peak on CUDA,
+    else the test double's (VLLM_OMNI_TEST_MEASURED_STEP, testing/memory.py); None without a plan or a figure."""
+    from vllm_omni.testing.memory import simulated_step_bytes
+
+    if plan is None:
+        return None
+    measured = runner.step_peak_bytes
+    if measured is None:
+        measured = simulated_step_bytes(plan.plan_at(request.tokens, text_tokens=0).step_bytes)
+    if measured is None:
+        return None
+    envelope = plan.measured(measured, request.tokens)
+    logger.info(
+        "Measured one denoising step of %d tokens: %.1f MiB of activations (planned %.1f MiB); envelope: %s",
+        request.tokens,
+        measured / 2**20,
+        plan.plan_at(request.tokens, text_tokens=0).step_bytes / 2**20,
+        envelope,
+    )
+    return envelope
 
 
 def _failure(rank: int, request: DiffusionRequest, runner: Any, exc: Exception) -> Failed:

@@ -352,6 +352,9 @@ class ModelCard(BaseModel):
     batching: dict[str, Any]  # BatchingConfig: max_batch_size (1: off), batch_wait_ms
     quantization: str | None = None  # "fp8", or None (unquantized)
     cache: dict[str, Any] | None = None  # StepCacheConfig: policy, threshold; None: no step cache
+    # What one forward holds on the deploy's GPUs (config.Envelope, and `description` in words); None: not sized
+    # by a GPU's memory (a CPU), or not yet (still starting).
+    envelope: dict[str, Any] | None = None
 
 
 class AdapterCard(BaseModel):

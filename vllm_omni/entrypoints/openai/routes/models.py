@@ -54,11 +54,19 @@ async def models(http: Request) -> ModelList:
         batching=asdict(settings.engine.batching),
         quantization=settings.engine.quantization,
         cache=asdict(settings.engine.step_cache) if settings.engine.step_cache is not None else None,
+        envelope=_envelope(engine),
     )
     adapters = [
         AdapterCard(id=name, created=created, root=path, parent=base) for name, path in _served_adapters(http).items()
     ]
     return ModelList(data=[card, *adapters])
+
+
+def _envelope(engine: Any) -> dict[str, Any] | None:
+    envelope = engine.envelope if engine is not None else None
+    if envelope is None:
+        return None
+    return {**asdict(envelope), "description": engine.envelope_text()}
 
 
 def check_model(http: Request, model: str | None, modality: str, lora: Any = None) -> str | dict | None:
