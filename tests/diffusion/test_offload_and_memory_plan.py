@@ -18,12 +18,12 @@ import torch
 from diffusers.hooks import HookRegistry
 
 from vllm_omni.diffusion.engine.args import EngineArgs
-from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.diffusion.request import DiffusionRequest, RequestError
 from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.worker.memory_plan import ComponentWeights, MemoryPlan, plan_for_checkpoint
 from vllm_omni.diffusion.worker.runner import PipelineRunner, present_components
 from vllm_omni.entrypoints.omni import Omni
-from vllm_omni.testing.memory import TEST_GPU_MEMORY_ENV
+from vllm_omni.testing.memory import TEST_GPU_MEMORY_ENV, TEST_MEASURED_STEP_ENV
 
 MODEL = "tiny/qwen-image"
 LAYERS = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
@@ -256,3 +256,56 @@ def test_on_a_gpu_fp8_weights_are_converted_there_wait_on_the_cpu_and_give_the_f
     # Offload moves the FP8 weights, it does not change them: the image is the resident FP8 one, up to the
     # difference between a compiled block replayed in a CUDA graph and the same block run without one.
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)
+
+
+# ---- admission sized by the GPU's memory (engine/admission.py): the envelope, measured, and forwards in a row ----
+
+
+def _generate_np(omni: Omni, n: int, seed: int) -> np.ndarray:
+    return np.stack(omni.generate("a lighthouse", height=48, width=64, num_inference_steps=2, seed=seed, n=n,
+                                  output_type="np"))  # fmt: skip
+
+
+def test_more_images_than_a_forward_holds_run_as_forwards_in_a_row_giving_the_one_call_images(monkeypatch):
+    """A (simulated) 16 MiB device holds the tiny model and one row of its 64-token limit beside the 512-token text
+    allowance: the envelope's forward holds one 64x48 image (12 tokens + text), so n=3 runs as three pipeline calls
+    inside the request. They give the images of one call of three rows (no simulated memory: a CPU is not sized),
+    within float reassociation, and image i is the n=1 image of seed + i, which the output reports."""
+    monkeypatch.setenv(TEST_GPU_MEMORY_ENV, "16MiB")
+    with Omni(MODEL, device="cpu", max_tokens_per_step=64, max_n=4) as omni:
+        envelope = omni.engine.envelope
+        assert envelope is not None and envelope.max_tokens_per_step == 64 and envelope.rows_for(12) == 1, envelope
+        assert "up to 1 image(s) of 128x128" in omni.engine.envelope_text()
+        in_a_row = _generate_np(omni, 3, seed=5)
+        assert omni.last_output.seeds == [5, 6, 7]
+    monkeypatch.delenv(TEST_GPU_MEMORY_ENV)
+    with Omni(MODEL, device="cpu", max_n=4) as omni:
+        assert omni.engine.envelope is None  # a CPU: nothing to size by
+        one_call = _generate_np(omni, 3, seed=5)
+        alone = [_generate_np(omni, 1, seed=5 + i)[0] for i in range(3)]
+    np.testing.assert_allclose(in_a_row, one_call, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.stack(alone), one_call, atol=1e-5, rtol=0)
+
+
+def test_the_default_request_decides_the_start_and_the_measured_step_the_envelope(monkeypatch):
+    """The plan must fit the model's default request (1024x1024, one image: 4096 tokens + 512 of text, 33.8 MiB
+    of step beside 7.1 MiB of weights in fp32), not the largest the limits admit (4 images at the 81920-token cap):
+    within 0.9 of 64 MiB it starts, and its envelope is what the rest holds. The warm-up's measured step (the test
+    double: twice the estimate) halves what a forward holds beyond the weights."""
+    monkeypatch.setenv(TEST_GPU_MEMORY_ENV, "64MiB")
+    spec = read_pipeline_spec(resolve_model_path(MODEL))
+    with Omni(MODEL, device="cpu", max_image_size=1040) as omni:  # its measured step: 1040x1040, not 4096x4096
+        planned = omni.engine.envelope
+    assert 4096 <= planned.max_tokens_per_step < spec.max_tokens_per_step, planned
+    assert planned.rows_for(4096) == 1 and planned.max_rows == EngineArgs(MODEL).limits.max_n
+    monkeypatch.setenv(TEST_MEASURED_STEP_ENV, "2")
+    with Omni(MODEL, device="cpu", max_image_size=1040) as omni:
+        measured = omni.engine.envelope
+        # Never narrower than the default request, which the plan admitted.
+        assert measured.max_tokens_per_step == 4096 and measured.forward_tokens < planned.forward_tokens, measured
+        with pytest.raises(RequestError, match="4225 tokens per denoising step .*this deploy's GPU memory holds 4096"):
+            omni.generate("a lighthouse", height=1040, width=1040, num_inference_steps=2)
+    # 16 MiB cannot hold the default request: refused, naming what would fit.
+    monkeypatch.setenv(TEST_GPU_MEMORY_ENV, "16MiB")
+    with pytest.raises(Exception, match="the deploy does not fit.*--max-tokens-per-step"):
+        Omni(MODEL, device="cpu")
