@@ -65,6 +65,18 @@ def test_help_documents_every_flag_and_imports_neither_torch_nor_fastapi():
         "--enforce-eager",
         "--distributed-executor-backend",
         "--ray-address",
+        # vLLM's flags
+        "--download-dir",
+        "--tensor-parallel-size",
+        "--uvicorn-log-level",
+        "--disable-log-requests",
+        "--allowed-origins",
+        "--allowed-methods",
+        "--allowed-headers",
+        "--allow-credentials",
+        "--root-path",
+        "--ssl-keyfile",
+        "--ssl-certfile",
     ):
         assert flag in help_text, flag
     for flag in ("--prompt", "--image", "--negative-prompt", "--size", "--steps", "--seed", "--output"):

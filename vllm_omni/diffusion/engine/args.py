@@ -85,6 +85,7 @@ CONFIGS: dict[str, tuple[type, str | None]] = {
 
 PARALLEL = "parallelism (world size = cfg_parallel_size * ulysses_degree * ring_degree)"
 ENGINE = "engine"
+MODEL = "model source"
 LIMITS = "limits (requests beyond them are refused with 400 naming the field)"
 QUEUE = "queue and batching"
 LORA = "LoRA adapters"
@@ -148,6 +149,14 @@ class EngineArgs:
     """Every option of the engine. `EngineArgs("tiny/qwen-image", ulysses_degree=2).engine_config()`."""
 
     model: str  # the one positional: `serve MODEL`, `Omni(MODEL)`; a deploy YAML is written for a model
+
+    download_dir: str | None = option(
+        "engine",
+        "where hub models are downloaded and looked up: a Hugging Face cache folder (vLLM's flag) (default: the "
+        "Hugging Face cache, HF_HUB_CACHE or HF_HOME/hub)",
+        MODEL,
+        metavar="DIR",
+    )
 
     ulysses_degree: int = option(
         "parallel",

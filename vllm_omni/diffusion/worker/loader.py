@@ -22,8 +22,9 @@ class ModelNotFoundError(ValueError):
     pass
 
 
-def resolve_model_path(model: str) -> Path:
-    """The local folder holding `model` (a diffusers pipeline with model_index.json)."""
+def resolve_model_path(model: str, download_dir: str | None = None) -> Path:
+    """The local folder holding `model` (a diffusers pipeline with model_index.json); a hub id is looked up in
+    `download_dir` (a Hugging Face cache folder; None: huggingface_hub's)."""
     if model.startswith(TINY_PREFIX):
         spec = TINY_MODELS.get(model)
         if spec is None:
@@ -37,7 +38,7 @@ def resolve_model_path(model: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, local_files_only=True))
+        return Path(snapshot_download(model, local_files_only=True, cache_dir=download_dir))
     except Exception as exc:  # noqa: BLE001 - any miss means "not available locally"
         cache = os.environ.get("HF_HOME", "~/.cache/huggingface")
         raise ModelNotFoundError(
