@@ -164,10 +164,11 @@ def test_serve_with_an_unknown_yaml_key_fails_at_start_naming_it(tmp_path, yaml_
 
 
 def test_serve_of_an_unknown_model_exits_nonzero_naming_it(tmp_path):
-    server = ServerProcess(omni_command("serve", "no-such-org/no-such-model"), tmp_path / "server.log")
+    env = server_env(HF_HUB_OFFLINE="1")  # a hub id not in the cache would be downloaded
+    server = ServerProcess(omni_command("serve", "no-such-org/no-such-model"), tmp_path / "server.log", env)
     try:
         assert server.wait_exit() == 1
-        assert "no-such-org/no-such-model" in server.log() and "not found" in server.log()
+        assert "no-such-org/no-such-model" in server.log() and "not in the Hugging Face cache" in server.log()
     finally:
         server.close()
 

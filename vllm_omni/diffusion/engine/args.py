@@ -157,6 +157,12 @@ class EngineArgs:
         MODEL,
         metavar="DIR",
     )
+    revision: str | None = option(
+        "engine",
+        "the hub model's branch, tag or commit (vLLM's flag) (default: main)",
+        MODEL,
+        metavar="REVISION",
+    )
 
     ulysses_degree: int = option(
         "parallel",
@@ -604,7 +610,7 @@ class EngineArgs:
         parser.add_argument(
             "model",
             help=f"model to serve: a tiny embedded model ({', '.join(TINY_MODELS)}), a local diffusers folder, "
-            "or a hub id already in the Hugging Face cache",
+            "or a Hugging Face hub id (downloaded into --download-dir unless it is there)",
         )
         groups: dict[str, Any] = {}
         for f in cls.options():
