@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -51,11 +52,19 @@ def decode_image(b64: str) -> Image.Image:
 
 
 class ServerProcess:
-    """One server subprocess. `command` gets `--host 127.0.0.1 --port P` appended."""
+    """One server subprocess. `command` gets `--host 127.0.0.1 --port P` appended; `verify` is the SSL context of
+    an HTTPS server (its URL then starts with https)."""
 
-    def __init__(self, command: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        verify: ssl.SSLContext | None = None,
+    ) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify = verify or True
+        self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
@@ -100,7 +109,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
-                return httpx.get(f"{self.url}/health", timeout=5)
+                return httpx.get(f"{self.url}/health", timeout=5, verify=self.verify)
             except httpx.TransportError:
                 time.sleep(0.05)
         raise AssertionError(f"server did not open its port:\n{self.log()[-4000:]}")
@@ -111,7 +120,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=5, verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -184,9 +193,9 @@ def process_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def start_server(args: list[str], log_path: Path, **env: str) -> ServerProcess:
-    """`vllm-omni serve ARGS`, started and ready."""
-    server = ServerProcess(omni_command("serve", *args), log_path, server_env(**env))
+def start_server(args: list[str], log_path: Path, verify: ssl.SSLContext | None = None, **env: str) -> ServerProcess:
+    """`vllm-omni serve ARGS`, started and ready (`verify`: the SSL context of an HTTPS server)."""
+    server = ServerProcess(omni_command("serve", *args), log_path, server_env(**env), verify)
     try:
         server.wait_ready()
     except BaseException:

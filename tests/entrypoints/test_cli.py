@@ -65,6 +65,18 @@ def test_help_documents_every_flag_and_imports_neither_torch_nor_fastapi():
         "--enforce-eager",
         "--distributed-executor-backend",
         "--ray-address",
+        # vLLM's flags
+        "--download-dir",
+        "--tensor-parallel-size",
+        "--uvicorn-log-level",
+        "--disable-log-requests",
+        "--allowed-origins",
+        "--allowed-methods",
+        "--allowed-headers",
+        "--allow-credentials",
+        "--root-path",
+        "--ssl-keyfile",
+        "--ssl-certfile",
     ):
         assert flag in help_text, flag
     for flag in ("--prompt", "--image", "--negative-prompt", "--size", "--steps", "--seed", "--output"):
@@ -152,10 +164,11 @@ def test_serve_with_an_unknown_yaml_key_fails_at_start_naming_it(tmp_path, yaml_
 
 
 def test_serve_of_an_unknown_model_exits_nonzero_naming_it(tmp_path):
-    server = ServerProcess(omni_command("serve", "no-such-org/no-such-model"), tmp_path / "server.log")
+    env = server_env(HF_HUB_OFFLINE="1")  # a hub id not in the cache would be downloaded
+    server = ServerProcess(omni_command("serve", "no-such-org/no-such-model"), tmp_path / "server.log", env)
     try:
         assert server.wait_exit() == 1
-        assert "no-such-org/no-such-model" in server.log() and "not found" in server.log()
+        assert "no-such-org/no-such-model" in server.log() and "not in the Hugging Face cache" in server.log()
     finally:
         server.close()
 

@@ -213,11 +213,16 @@ def test_dead_worker_is_respawned_idle_and_mid_request(engines):
     assert omni.generate(PROMPT, height=32, width=32, num_inference_steps=2, seed=0)
 
 
-def test_start_refuses_what_does_not_exist_yet():
+def test_start_refuses_what_does_not_exist_yet(monkeypatch):
+    from huggingface_hub import constants
+
     with pytest.raises(ValueError, match="ring_degree > 1 is not supported"):
         Omni("tiny/qwen-image", ring_degree=2)
-    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # a hub id not in the cache would be downloaded
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache .* cannot be reached"):
         Omni("no-such-org/no-such-model")
+    with pytest.raises(ModelNotFoundError, match="no such folder: './no-such-folder'"):
+        Omni("./no-such-folder")
     with pytest.raises(ValueError, match="mask_sp_padding=True needs an attention backend that can mask"):
         Omni("tiny/qwen-image", ulysses_degree=1, mask_sp_padding=True, attention_backend="sdpa")
 

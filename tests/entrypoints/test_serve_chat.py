@@ -294,7 +294,6 @@ CASES = [  # model, what the body has (None: left out), the param named, words o
     (T2I, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "no tools", "tools"),
     (T2I, {"logprobs": True}, "logprobs", "no tokens", "logprobs"),
     (T2I, {"response_format": {"type": "json_object"}}, "response_format", "images", "json-response-format"),
-    (T2I, {"model": "no-such/model"}, "model", "not served here", "unknown-model"),
 ]
 
 
@@ -307,6 +306,13 @@ def test_bad_messages_parts_and_fields_are_a_400_naming_them(servers, model, bod
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_a_model_not_served_is_404_model_not_found(servers):
+    response = chat(servers[T2I], model="no-such/model", **user(TEXT), num_inference_steps=2, **SIZE)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_found") and "not served here" in error["message"]
 
 
 def test_a_client_that_disconnects_has_its_chat_request_cancelled(servers):

@@ -87,7 +87,6 @@ def edit(server, files, **fields) -> httpx.Response:
             "image",
             "at most 1 image",
         ),
-        ({"image": ("a.png", source_png(), "image/png")}, {"model": "Qwen/Nope"}, "model", "not served here"),
         ({"image": ("a.png", source_png(), "image/png")}, {"size": "abc"}, "size", "WIDTHxHEIGHT"),
         ({"image": ("a.png", source_png(), "image/png")}, {"num_inference_steps": "0"}, "num_inference_steps", ""),
         ({"image": ("a.png", source_png(), "image/png")}, {"n": "two"}, "n", "integer"),
@@ -106,7 +105,6 @@ def edit(server, files, **fields) -> httpx.Response:
         "no-image",
         "mask",
         "two-images-for-a-one-image-model",
-        "unknown-model",
         "bad-size",
         "zero-steps",
         "bad-n",
@@ -124,6 +122,13 @@ def test_bad_upload_or_field_is_400_naming_it(server, files, fields, param, word
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
     assert "object at 0x" not in error["message"]  # no Python reprs (an unreadable upload once said <_io.BytesIO ...>)
+
+
+def test_a_model_not_served_is_404_model_not_found(server):
+    response = edit(server, {"image": ("a.png", source_png(), "image/png")}, model="Qwen/Nope")
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_found") and "not served here" in error["message"]
 
 
 def test_json_body_on_the_edits_endpoint_is_400(server):

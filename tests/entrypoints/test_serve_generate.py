@@ -162,7 +162,6 @@ def test_concurrent_requests_each_get_the_image_of_their_own_seed(server):
         ({"seed": -5}, "seed", "between"),
         ({"guidance_scale": 1000}, "guidance_scale", "between"),
         ({"cache_threshold": 0.1}, "cache_threshold", "needs a server with a step cache"),  # this one has none
-        ({"model": "no-such/model"}, "model", "not served here"),
         ({"response_format": "url"}, "response_format", "b64_json"),
         ({"prompt": ""}, "prompt", "non-empty"),
         ({"prompt": None}, "prompt", "string"),
@@ -181,6 +180,14 @@ def test_bad_input_is_400_naming_the_field_and_the_server_keeps_serving(server, 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and param in error["message"] and words in error["message"]
+    assert generate(server, size="32x32").status_code == 200
+
+
+def test_a_model_not_served_is_404_model_not_found_and_the_server_keeps_serving(server):
+    response = generate(server, model="no-such/model")
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_found") and "not served here" in error["message"]
     assert generate(server, size="32x32").status_code == 200
 
 

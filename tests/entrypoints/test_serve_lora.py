@@ -108,9 +108,10 @@ def test_an_adapter_loaded_at_run_time_serves_until_it_is_unloaded(client, serve
     with pytest.raises(openai.NotFoundError) as caught:
         image(client, lora={"name": "b"})
     assert (caught.value.param, caught.value.code) == ("lora", "model_not_found")
-    with pytest.raises(openai.BadRequestError) as caught:
-        image(client, "b")  # a model name not served: 400, as before adapters
-    assert caught.value.param == "model" and "not served here" in caught.value.message
+    with pytest.raises(openai.NotFoundError) as caught:
+        image(client, "b")  # a model name not served: 404, as vLLM answers
+    assert (caught.value.param, caught.value.code) == ("model", "model_not_found")
+    assert "not served here" in caught.value.message
 
 
 @pytest.mark.parametrize(

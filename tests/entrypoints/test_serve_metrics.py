@@ -100,6 +100,33 @@ def test_counters_move_as_requests_run(server):
     assert after[("vllm_omni_compiles", (("rank", "0"), ("replica", "0")))] == 0
 
 
+def test_vllms_names_are_exported_with_the_same_values(server):
+    """Dashboards written for vLLM read its names: the gauges, the request counter by finished_reason and the
+    latency histograms, labelled with the served model (and the replica as `engine`)."""
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=HTTP_TIMEOUT_S)
+    model, engine = ("model_name", "tiny/qwen-image"), ("engine", "0")
+    before = scrape(server)
+    client.images.generate(model="tiny/qwen-image", prompt="a fox", size="32x32", extra_body={"num_inference_steps": 2})
+    after = scrape(server)
+
+    def moved(name: str, *labels: tuple[str, str]) -> float:
+        key = (name, tuple(sorted(labels)))
+        return after[key] - before.get(key, 0)
+
+    assert after[("vllm:num_requests_running", (engine, model))] == 0
+    assert after[("vllm:num_requests_waiting", (model,))] == 0
+    assert moved("vllm:request_success_total", engine, ("finished_reason", "stop"), model) == 1
+    for name in ("e2e_request_latency", "request_queue_time", "request_inference_time"):
+        assert moved(f"vllm:{name}_seconds_count", engine, model) == 1, name
+        assert moved(f"vllm:{name}_seconds_sum", engine, model) >= 0, name
+    e2e = moved("vllm:e2e_request_latency_seconds_sum", engine, model)
+    parts = moved("vllm:request_queue_time_seconds_sum", engine, model)
+    parts += moved("vllm:request_inference_time_seconds_sum", engine, model)
+    assert e2e > 0 and abs(e2e - parts) < 1e-6  # the queue and the engine make up the whole
+    # Ours stay: the same request counted under our name too.
+    assert moved("vllm_omni_requests_total", ("kind", "img"), ("outcome", "completed")) == 1
+
+
 def test_each_ranks_gpu_memory_is_exported_from_its_last_report():
     """Peak, allocated and reserved bytes per rank, as each CUDA rank last reported them (protocol.Stats);
     a rank without figures (a CPU rank) has no series."""

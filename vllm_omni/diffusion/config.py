@@ -234,6 +234,8 @@ class OmniDiffusionConfig:
 
     model: str
     parallel_config: DiffusionParallelConfig = field(default_factory=DiffusionParallelConfig)
+    download_dir: str | None = None  # the Hugging Face cache folder hub models go to; None: huggingface_hub's
+    revision: str | None = None  # a hub model's branch, tag or commit; None: main
     device: str | None = None  # "cpu" or "cuda"; None picks CUDA when there are enough GPUs
     dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
     attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode

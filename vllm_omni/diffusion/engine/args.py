@@ -86,6 +86,7 @@ CONFIGS: dict[str, tuple[type, str | None]] = {
 
 PARALLEL = "parallelism (world size = cfg_parallel_size * ulysses_degree * ring_degree)"
 ENGINE = "engine"
+MODEL = "model source"
 LIMITS = "limits (requests beyond them are refused with 400 naming the field)"
 QUEUE = "queue and batching"
 LORA = "LoRA adapters"
@@ -149,6 +150,20 @@ class EngineArgs:
     """Every option of the engine. `EngineArgs("tiny/qwen-image", ulysses_degree=2).engine_config()`."""
 
     model: str  # the one positional: `serve MODEL`, `Omni(MODEL)`; a deploy YAML is written for a model
+
+    download_dir: str | None = option(
+        "engine",
+        "where hub models are downloaded and looked up: a Hugging Face cache folder (vLLM's flag) (default: the "
+        "Hugging Face cache, HF_HUB_CACHE or HF_HOME/hub)",
+        MODEL,
+        metavar="DIR",
+    )
+    revision: str | None = option(
+        "engine",
+        "the hub model's branch, tag or commit (vLLM's flag) (default: main)",
+        MODEL,
+        metavar="REVISION",
+    )
 
     ulysses_degree: int = option(
         "parallel",
@@ -597,7 +612,7 @@ class EngineArgs:
         parser.add_argument(
             "model",
             help=f"model to serve: a tiny embedded model ({', '.join(TINY_MODELS)}), a local diffusers folder, "
-            "or a hub id already in the Hugging Face cache",
+            "or a Hugging Face hub id (downloaded into --download-dir unless it is there)",
         )
         groups: dict[str, Any] = {}
         for f in cls.options():

@@ -109,7 +109,7 @@ class DiffusionEngine:
         parallel = config.parallel_config
         check_attention_backend(config.attention_backend, parallel.mask_sp_padding)
         self.limits = limits or EngineLimits()
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.download_dir, config.revision)
         self.spec = read_pipeline_spec(self.model_path)
         check_ulysses_degree(self.model_path, parallel.ulysses_degree)  # before any GPU loads a weight
         if parallel.cfg_parallel_size > 1 and not self.spec.cfg_parallel:

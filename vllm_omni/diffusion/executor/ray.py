@@ -246,9 +246,9 @@ class RankActor:
 
         try:
             # The driver's folder when this node has it at the same path; else this node's own copy
-            # (Hugging Face cache, or a tiny model built here).
+            # (Hugging Face cache, downloaded there if need be, or a tiny model built here).
             if not (Path(model_path) / "model_index.json").is_file():
-                model_path = str(resolve_model_path(config.model))
+                model_path = str(resolve_model_path(config.model, config.download_dir, config.revision))
         except Exception as exc:  # noqa: BLE001 - reported like any load failure
             self._reports.put(LoadFailed(self.rank, f"{type(exc).__name__} on this node: {exc}"))
             return

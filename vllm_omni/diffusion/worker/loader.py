@@ -1,29 +1,36 @@
 """Model id -> local diffusers folder -> pipeline spec.
 
-A model is a tiny embedded model name (`tiny/qwen-image`, built once into a cache folder),
-a local folder with model_index.json, or a hub id already in the Hugging Face cache
-(nothing is downloaded here). Torch-free, so the engine can resolve a model before any
-worker starts.
+A model is a tiny embedded model name (`tiny/qwen-image`, built once into a cache folder), a
+local folder with model_index.json, or a Hugging Face hub id (`owner/name`): taken from the
+cache (`download_dir`, else huggingface_hub's) when it is there, else downloaded with
+huggingface_hub, only the files its model_index.json names (HF_TOKEN, HF_ENDPOINT and
+HF_HUB_OFFLINE are huggingface_hub's own). Torch-free, so the engine can resolve a model before
+any worker starts; every failure is one ModelNotFoundError line.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
 from pathlib import Path
 
 from vllm_omni.diffusion.models.family import attention_heads
 from vllm_omni.diffusion.models.registry import TINY_MODELS, PipelineSpec, spec_for
 
 TINY_PREFIX = "tiny/"
+MODEL_INDEX = "model_index.json"
+# The hub's repo id form; anything else (an absolute or relative path, a bare name) is a local folder.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 class ModelNotFoundError(ValueError):
     pass
 
 
-def resolve_model_path(model: str) -> Path:
-    """The local folder holding `model` (a diffusers pipeline with model_index.json)."""
+def resolve_model_path(model: str, download_dir: str | None = None, revision: str | None = None) -> Path:
+    """The local folder holding `model` (a diffusers pipeline with model_index.json). A hub id is looked up in
+    `download_dir` (a Hugging Face cache folder; None: huggingface_hub's) at `revision` (None: main), and
+    downloaded there when it is not in it."""
     if model.startswith(TINY_PREFIX):
         spec = TINY_MODELS.get(model)
         if spec is None:
@@ -31,25 +38,99 @@ def resolve_model_path(model: str) -> Path:
         return spec.family_module("tiny").tiny_model_path(model)
     local = Path(model).expanduser()
     if local.is_dir():
-        if not (local / "model_index.json").is_file():
-            raise ModelNotFoundError(f"{local} is a folder but has no model_index.json (not a diffusers pipeline)")
+        if not (local / MODEL_INDEX).is_file():
+            raise ModelNotFoundError(f"{local} is a folder but has no {MODEL_INDEX} (not a diffusers pipeline)")
         return local.resolve()
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - any miss means "not available locally"
-        cache = os.environ.get("HF_HOME", "~/.cache/huggingface")
+    if local.exists():
+        raise ModelNotFoundError(f"{local} is a file, not a diffusers pipeline folder (with {MODEL_INDEX})")
+    if model.startswith((".", "~")) or not HUB_ID.fullmatch(model):
         raise ModelNotFoundError(
-            f"model {model!r} not found: it is not a tiny model ({', '.join(TINY_MODELS)}), not a local "
-            f"folder, and not in the Hugging Face cache ({cache}). "
-            f"Download it first (huggingface-cli download {model}) or pass a local folder."
-        ) from exc
+            f"no such folder: {model!r} (a model is a local diffusers folder, a hub id 'owner/name', or a tiny "
+            f"model: {', '.join(TINY_MODELS)})"
+        )
+    return _hub_snapshot(model, download_dir, revision)
+
+
+def _hub_snapshot(model: str, cache_dir: str | None, revision: str | None) -> Path:
+    """The hub model's folder in the cache, downloaded first when it is not complete there."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return _snapshot(model, cache_dir, revision, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError):  # not there, or only part of it (an interrupted download)
+        pass
+    try:
+        return _snapshot(model, cache_dir, revision, local_files_only=False)
+    except Exception as exc:  # noqa: BLE001 - each of huggingface_hub's errors becomes one line
+        raise ModelNotFoundError(_download_error(model, cache_dir, revision, exc)) from exc
+
+
+def _snapshot(model: str, cache_dir: str | None, revision: str | None, local_files_only: bool) -> Path:
+    """model_index.json first, then the component folders it names (not the rest of the repo: other
+    formats, examples, a second copy of the weights)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    where = {"revision": revision, "cache_dir": cache_dir, "local_files_only": local_files_only}
+    index_file = hf_hub_download(model, MODEL_INDEX, **where)
+    try:
+        index = json.loads(Path(index_file).read_text())
+    except ValueError as exc:
+        raise ModelNotFoundError(f"{model}: {MODEL_INDEX} is not JSON ({exc})") from exc
+    components = sorted(name for name, value in index.items() if not name.startswith("_") and _is_component(value))
+    patterns = [MODEL_INDEX, *(f"{name}/*" for name in components)]
+    return Path(snapshot_download(model, allow_patterns=patterns, **where))
+
+
+def _is_component(value: object) -> bool:
+    """A model_index.json entry naming a component folder: [library, class], None where the pipeline has none."""
+    return isinstance(value, list) and len(value) == 2 and value[0] is not None and value[1] is not None
+
+
+def _download_error(model: str, cache_dir: str | None, revision: str | None, exc: Exception) -> str:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    cache = cache_dir or constants.HF_HUB_CACHE
+    at = f" at revision {revision!r}" if revision else ""
+    if isinstance(exc, GatedRepoError):  # before RepositoryNotFoundError, its base
+        return (
+            f"model {model!r} is gated on the Hugging Face hub: accept its terms on its page "
+            f"({constants.ENDPOINT}/{model}) and set HF_TOKEN to a token of that account"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return (
+            f"model {model!r} not found: not a local folder, and the Hugging Face hub ({constants.ENDPOINT}) has no "
+            "such model (or it is private: set HF_TOKEN)"
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return f"model {model!r} has no revision {revision!r} on the Hugging Face hub"
+    if isinstance(exc, LocalEntryNotFoundError):
+        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+        return (
+            f"model {model!r}{at} is not in the Hugging Face cache ({cache}) and the hub ({constants.ENDPOINT}) "
+            f"cannot be reached{offline}: connect, or download it elsewhere into that cache"
+        )
+    if isinstance(exc, RemoteEntryNotFoundError):
+        return f"model {model!r}{at} has no {MODEL_INDEX} on the Hugging Face hub: it is not a diffusers pipeline"
+    if isinstance(exc, HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else "an error"
+        return f"downloading model {model!r}{at} from {constants.ENDPOINT} failed: the hub answered {status}"
+    if isinstance(exc, ModelNotFoundError):
+        return str(exc)
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"downloading model {model!r}{at} into {cache} failed: {type(exc).__name__}: {first_line}"
 
 
 def read_pipeline_spec(path: Path) -> PipelineSpec:
     try:
-        index = json.loads((path / "model_index.json").read_text())
+        index = json.loads((path / MODEL_INDEX).read_text())
         class_name = index["_class_name"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelNotFoundError(f"cannot read the pipeline class from {path / 'model_index.json'}: {exc}") from exc
@@ -61,7 +142,7 @@ def check_ulysses_degree(path: Path, ulysses_degree: int) -> None:
     the config.json of every transformer* component, before any worker loads; the workers check the
     loaded models again)."""
     try:
-        index = json.loads((path / "model_index.json").read_text())
+        index = json.loads((path / MODEL_INDEX).read_text())
     except (OSError, ValueError):
         return
     for name in sorted(index):

@@ -9,6 +9,7 @@ parser from here; this module stays free of torch and FastAPI so `--help` is fas
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,12 +35,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="deploy YAML (stages[0]: devices, parallel_config, default_sampling_params), or the name of a "
         "packaged one (qwen_image, qwen_image_edit); flags given on the command line override it",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="vLLM's flag, accepted as 1 only: a diffusion transformer here is split with --ulysses-degree "
+        "(and --cfg-parallel-size), not by tensor parallelism",
+    )
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> tuple[EngineArgs, DeployConfig | None]:
     """The deploy YAML's options with the flags the user gave laid over them (checked), and the deploy."""
     from vllm_omni.entrypoints.deploy_config import load_deploy_config
 
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not built here; split each "
+            f"request with --ulysses-degree {args.tensor_parallel_size} (sequence parallel) and, for CFG models, "
+            "--cfg-parallel-size 2"
+        )
     deploy = load_deploy_config(args.deploy_config) if args.deploy_config else None
     engine = EngineArgs.from_layers(args.model, deploy.options if deploy else {}, EngineArgs.cli_values(args))
     priority = deploy.default_sampling_params.get("priority", 0) if deploy else 0
@@ -69,6 +85,56 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' on /v1/* (default: env VLLM_API_KEY, else no auth); "
         "/health stays open",
+    )
+    srv.add_argument(
+        "--root-path",
+        default=None,
+        metavar="PATH",
+        help="the path prefix a proxy in front of the server strips (FastAPI's root_path; vLLM's flag)",
+    )
+    srv.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS with this private key")
+    srv.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS with this certificate")
+    srv.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's log level: its start and access lines (default: info)",
+    )
+    srv.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="do not log the server's lines for each request (queued, running, done); the engine's step "
+        "breakdown and warnings are still logged",
+    )
+    srv.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        type=_json_list,
+        default=None,
+        metavar="ORIGIN",
+        help="answer cross-origin (CORS) requests from these origins, '*' for any; a list or one JSON list "
+        "(vLLM's flag; default: no CORS headers)",
+    )
+    srv.add_argument(
+        "--allowed-methods",
+        nargs="+",
+        type=_json_list,
+        default=None,
+        metavar="METHOD",
+        help="with --allowed-origins: the methods allowed (default: *)",
+    )
+    srv.add_argument(
+        "--allowed-headers",
+        nargs="+",
+        type=_json_list,
+        default=None,
+        metavar="HEADER",
+        help="with --allowed-origins: the request headers allowed (default: *)",
+    )
+    srv.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="with --allowed-origins: allow cookies and Authorization on cross-origin requests",
     )
     srv.add_argument(
         "--body-read-timeout",
@@ -121,11 +187,40 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _json_list(text: str) -> list[str]:
+    """One item, or vLLM's spelling: a JSON list of them ('["https://a.example"]')."""
+    if not text.startswith("["):
+        return [text]
+    try:
+        items = json.loads(text)
+    except ValueError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"expected a value or a JSON list of strings, got {text!r}")
+    return items
+
+
+def _flat(values: list[list[str]] | None) -> list[str] | None:
+    return None if values is None else [item for items in values for item in items]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the HTTP server; returns the process exit code."""
-    from vllm_omni.entrypoints.openai.api_server import ServerSettings, run_server
+    from vllm_omni.entrypoints.openai.api_server import CorsSettings, ServerSettings, run_server
 
     engine, deploy = engine_args_from_cli(args)
+    if args.allowed_origins is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--allowed-methods", args.allowed_methods),
+                ("--allowed-headers", args.allowed_headers),
+                ("--allow-credentials", args.allow_credentials),
+            )
+            if value
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)} without --allowed-origins: give the origins CORS allows too")
     settings = ServerSettings(
         engine=engine,
         deploy=deploy,
@@ -133,6 +228,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         served_model_name=args.served_model_name or args.model,
         api_key=args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY") or None,
+        root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        uvicorn_log_level=args.uvicorn_log_level,
+        log_requests=not args.disable_log_requests,
+        cors=CorsSettings(
+            allowed_origins=_flat(args.allowed_origins),
+            allowed_methods=_flat(args.allowed_methods) or ["*"],
+            allowed_headers=_flat(args.allowed_headers) or ["*"],
+            allow_credentials=args.allow_credentials,
+        ),
         bodies=BodyLimits(read_timeout_s=args.body_read_timeout, max_reads=args.max_body_reads),
         videos=VideoStorageSettings(
             directory=Path(args.video_dir) if args.video_dir else None,

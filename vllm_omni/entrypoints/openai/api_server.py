@@ -12,6 +12,7 @@ running, closes the workers and exits 0. Never imports vllm.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import signal
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from vllm_omni.diffusion.engine.args import EngineArgs
 from vllm_omni.diffusion.engine.replicas import engine_factory
@@ -39,6 +41,16 @@ logger = init_logger(__name__)
 
 
 @dataclass
+class CorsSettings:
+    """--allowed-origins and its companions (vLLM's flags); no origins: no CORS headers at all."""
+
+    allowed_origins: list[str] | None = None
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+@dataclass
 class ServerSettings:
     engine: EngineArgs
     deploy: DeployConfig | None = None  # the deploy YAML: its GPUs and request defaults
@@ -50,6 +62,12 @@ class ServerSettings:
     graceful_shutdown_s: float = 30.0
     videos: VideoStorageSettings = field(default_factory=VideoStorageSettings)
     bodies: BodyLimits = field(default_factory=BodyLimits)  # request bodies: deadline, text field size, reads at once
+    cors: CorsSettings = field(default_factory=CorsSettings)
+    root_path: str = ""  # the prefix a proxy strips (--root-path)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    uvicorn_log_level: str = "info"
+    log_requests: bool = True  # False: --disable-log-requests
 
     @property
     def default_sampling_params(self) -> dict[str, Any]:
@@ -71,7 +89,11 @@ class BearerAuth:
         self.expected = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] == "/metrics"):
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # uvicorn's path includes --root-path; the routes' does not
+            path = path[len(root) :]
+        if scope["type"] == "http" and (path.startswith("/v1") or path == "/metrics"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, key = given.strip().partition(b" ")
             # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
@@ -105,7 +127,7 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
         scheduling_policy=settings.engine.scheduling_policy,
         max_num_seqs=settings.engine.max_num_seqs,
     )
-    server_metrics = ServerMetrics(scheduler)
+    server_metrics = ServerMetrics(scheduler, settings.served_model_name or settings.engine.model)
     scheduler.observer = server_metrics
     video_store = VideoStore(settings.videos, scheduler)
     video_store.open()
@@ -131,6 +153,15 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
     server_metrics.bodies_reading.set_function(lambda: body_reads.active)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
+    cors = settings.cors
+    if cors.allowed_origins:  # outside the key's check: a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors.allowed_origins,
+            allow_methods=cors.allowed_methods,
+            allow_headers=cors.allowed_headers,
+            allow_credentials=cors.allow_credentials,
+        )
     app.add_middleware(CountHTTP, metrics=server_metrics)  # outermost: refusals by the key are counted too
     install_error_handlers(app)
     app.include_router(models.router)
@@ -139,6 +170,13 @@ def build_app(settings: ServerSettings) -> tuple[FastAPI, Scheduler]:
     app.include_router(chat.router)
     app.include_router(videos.router)
     return app, scheduler
+
+
+class _NoRequestLines(logging.Filter):
+    """--disable-log-requests: drops the scheduler's per-request lines ("Request %s queued", "running", "done")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not str(record.msg).startswith("Request %s")
 
 
 class _Server(uvicorn.Server):
@@ -156,12 +194,17 @@ class _Server(uvicorn.Server):
 def run_server(settings: ServerSettings) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the workers are lost for good (1)."""
     app, scheduler = build_app(settings)
+    if not settings.log_requests:
+        logging.getLogger(Scheduler.__module__).addFilter(_NoRequestLines())
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
-        log_level="info",
+        log_level=settings.uvicorn_log_level,
+        root_path=settings.root_path,
+        ssl_keyfile=settings.ssl_keyfile,
+        ssl_certfile=settings.ssl_certfile,
     )
     server = _Server(config, scheduler)
     exit_code = 0
@@ -183,10 +226,12 @@ def run_server(settings: ServerSettings) -> int:
     # Bind before anything starts: a busy port fails here, not after the workers began loading.
     sock = config.bind_socket()
     logger.info(
-        "Serving %s on http://%s:%d (parallel config %s%s)",
+        "Serving %s on %s://%s:%d%s (parallel config %s%s)",
         settings.served_model_name or settings.engine.model,
+        "https" if settings.ssl_certfile else "http",
         settings.host,
         settings.port,
+        settings.root_path,
         settings.engine.parallel_config.to_dict(),
         f", deploy config {settings.deploy.path}" if settings.deploy is not None else "",
     )

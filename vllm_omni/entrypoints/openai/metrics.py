@@ -32,6 +32,14 @@ server already holds and never asks the workers:
   tensors were dropped (allocated; reserved by the caching allocator): all reported by the rank with
   its result. Flat allocated bytes over requests is the no-leak check.
 
+vLLM's names for the same things, labelled `model_name` (the served name) and `engine` (the replica), so
+dashboards and autoscalers written for vLLM read them: `vllm:num_requests_running{model_name, engine}`,
+`vllm:num_requests_waiting{model_name}` (the one queue), `vllm:request_success_total{model_name, engine,
+finished_reason}` (stop: completed, abort: cancelled, error: failed), and the histograms
+`vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds` and
+`vllm:request_inference_time_seconds` (in the engine). Token counts, caches of keys and values and time to a
+first token have no meaning for a diffusion request and are not exported.
+
 The route takes the API key like /v1/* when the server has one (api_server.BearerAuth).
 """
 
@@ -54,12 +62,17 @@ BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 250
 
 router = APIRouter()
 
+# vLLM's finished_reason for a job's final status.
+FINISHED_REASONS = {"completed": "stop", "cancelled": "abort", "failed": "error"}
+VLLM_LABELS = ["model_name", "engine"]
+
 
 class ServerMetrics:
     """The app's registry and metrics; `job_finished` / `steps_done` are the scheduler's observer calls."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.http = Counter(
             "vllm_omni_http_requests", "HTTP requests answered", ["route", "method", "status"], registry=self.registry
         )
@@ -125,11 +138,44 @@ class ServerMetrics:
             "request bodies being read now (at most --max-body-reads)",
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(scheduler))
+        self.vllm_success = Counter(
+            "vllm:request_success",
+            "finished requests (vLLM's name), by finished_reason",
+            [*VLLM_LABELS, "finished_reason"],
+            registry=self.registry,
+        )
+        vllm_times = {
+            "e2e_request_latency": "from arrival to the end",
+            "request_queue_time": "in the queue",
+            "request_inference_time": "in the engine",
+        }
+        self.vllm_seconds = {
+            name: Histogram(
+                f"vllm:{name}_seconds",
+                f"seconds a request spent {what} (vLLM's name)",
+                VLLM_LABELS,
+                buckets=BUCKETS,
+                registry=self.registry,
+            )
+            for name, what in vllm_times.items()
+        }
+        self.registry.register(_StateCollector(scheduler, model_name))
 
     def job_finished(self, job: Job) -> None:
         kind = job.id.split("-", 1)[0]
         self.requests.labels(kind, job.status).inc()
+        engine = str(job.replica or 0)  # a job cancelled in the queue ran nowhere: counted with the first
+        self.vllm_success.labels(self.model_name, engine, FINISHED_REASONS.get(job.status, job.status)).inc()
+        self.vllm_seconds["e2e_request_latency"].labels(self.model_name, engine).observe(
+            job.completed_at - job.created_at
+        )
+        if job.started_at is not None:
+            self.vllm_seconds["request_queue_time"].labels(self.model_name, engine).observe(
+                job.started_at - job.created_at
+            )
+            self.vllm_seconds["request_inference_time"].labels(self.model_name, engine).observe(
+                job.completed_at - job.started_at
+            )
         if job.started_at is not None:
             self.seconds["queue"].labels(kind).observe(job.started_at - job.created_at)
             self.seconds["run"].labels(kind).observe(job.completed_at - job.started_at)
@@ -156,12 +202,21 @@ class ServerMetrics:
 class _StateCollector:
     """Read at each scrape from the scheduler's own state (no worker is asked)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
         self.scheduler = scheduler
+        self.model_name = model_name
 
     def collect(self) -> Any:
         health = self.scheduler.health()
         yield GaugeMetricFamily("vllm_omni_queue_length", "requests waiting", value=self.scheduler.queue_length)
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "requests waiting (vLLM's name)", labels=["model_name"]
+        )
+        waiting.add_metric([self.model_name], self.scheduler.queue_length)
+        yield waiting
+        vllm_running = GaugeMetricFamily(
+            "vllm:num_requests_running", "requests running (vLLM's name)", labels=VLLM_LABELS
+        )
         yield GaugeMetricFamily("vllm_omni_running_requests", "requests running", value=self.scheduler.running)
         yield CounterMetricFamily("vllm_omni_worker_restarts", "worker-group restarts", value=health.restarts)
         yield CounterMetricFamily(
@@ -192,6 +247,7 @@ class _StateCollector:
         for replica, (health, jobs, engine) in enumerate(self.scheduler.replica_states()):
             label = str(replica)
             running.add_metric([label], len(jobs))
+            vllm_running.add_metric([self.model_name, label], len(jobs))
             for name in HEALTH_STATES:
                 states.add_metric([label, name], 1.0 if health.state == name else 0.0)
             restarts.add_metric([label], health.restarts)
@@ -201,7 +257,7 @@ class _StateCollector:
             for name, family in counts.items():
                 for rank, count in (engine.rank_counts(name) if hasattr(engine, "rank_counts") else {}).items():
                     family.add_metric([label, str(rank)], count)
-        yield from (running, states, restarts, *memory.values(), *counts.values())
+        yield from (running, vllm_running, states, restarts, *memory.values(), *counts.values())
 
 
 class CountHTTP:

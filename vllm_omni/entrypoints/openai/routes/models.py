@@ -1,4 +1,5 @@
-"""GET /health (readiness and worker health, open without the API key), GET /v1/models (the base model and each
+"""GET /health (readiness and worker health, open without the API key) and vLLM's GET|POST /ping (the same
+readiness, 200 or 503) and GET /version, GET /v1/models (the base model and each
 served LoRA adapter), POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes, with
 --allow-runtime-lora), and `check_model`: how every generating route reads a request's `model` and `lora`."""
 
@@ -9,8 +10,9 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from vllm_omni import __version__
 from vllm_omni.diffusion.engine.scheduler import Unavailable
 from vllm_omni.diffusion.request import GenerationParams, RequestError
 from vllm_omni.entrypoints.openai.errors import ApiError, scheduler_error
@@ -30,6 +32,17 @@ async def health(http: Request) -> JSONResponse:
     """200 {"status": "ok"} only while every worker is up; 503 with the state (and why) otherwise."""
     report = http.app.state.scheduler.health()
     return JSONResponse(report.to_dict(), status_code=200 if report.ok else 503)
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(http: Request) -> Response:
+    """vLLM's liveness route (SageMaker's too): /health's answer, without its body."""
+    return Response(status_code=200 if http.app.state.scheduler.health().ok else 503)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
 
 
 @router.get("/v1/models", response_model=ModelList)
@@ -71,15 +84,16 @@ def _envelope(engine: Any) -> dict[str, Any] | None:
 
 def check_model(http: Request, model: str | None, modality: str, lora: Any = None) -> str | dict | None:
     """The request's adapter (for GenerationParams.lora): its `lora`, else the served adapter its `model` names
-    (that name), else None. A 400 naming `model` when it names neither the served model nor an adapter, or the
-    served model makes the other modality; a 400 naming `lora` when `model` and `lora` name different adapters."""
+    (that name), else None. A 404 naming `model` (code model_not_found, as vLLM and OpenAI answer) when it names
+    neither the served model nor an adapter; a 400 naming `model` when the served model makes the other modality;
+    a 400 naming `lora` when `model` and `lora` name different adapters."""
     settings = http.app.state.settings
     names = settings.model_names
     adapters = _served_adapters(http)
     if model and model not in names and model not in adapters:
         served = sorted(names) + [f"{name} (LoRA adapter)" for name in adapters]
         raise ApiError(
-            400,
+            404,
             f"model {model!r} is not served here; this server serves {', '.join(served)}",
             param="model",
             code="model_not_found",
