@@ -4,8 +4,9 @@ One server for the module: the YAML asks for Ulysses 3 with masked padding, 3 de
 the step cache; `--ulysses-degree 2` overrides the degree, `--cache-threshold` the cache's
 threshold. `--api-key` turns auth on and `--max-queue 1` lets one request wait behind the
 running one. `--served-model-name` gives the tiny model the real one's name; `--max-image-size
-512` is below the model's default size. The server reads the tiny model from a copy of its own,
-which the last test breaks: workers that cannot be reloaded end the server.
+512` is below the model's default size. A simulated 64 MiB GPU (the memory plan's test doubles, with the
+warm-up's measured step) sizes what it admits. The server reads the tiny model from a copy of its own, which the
+last test breaks: workers that cannot be reloaded end the server.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from server_process import HTTP_TIMEOUT_S, decode_image, open_request, start_server
 
 from vllm_omni.diffusion.worker.loader import resolve_model_path
+from vllm_omni.testing.memory import TEST_GPU_MEMORY_ENV, TEST_MEASURED_STEP_ENV
 
 MODEL = "tiny/qwen-image"
 SERVED = "Qwen/Qwen-Image"  # what clients of the real model send (CONTEXT.md's curl)
@@ -51,7 +53,8 @@ def server(tmp_path_factory):
     args = [MODEL, "--deploy-config", str(folder / "deploy.yaml"), "--ulysses-degree", "2", "--cache-threshold", "0.4"]
     args += ["--api-key", KEY, "--max-queue", "1", "--max-steps", str(LONG_STEPS), "--served-model-name", SERVED]
     args += ["--max-image-size", "512"]
-    srv = start_server(args, folder / "server.log", VLLM_OMNI_CACHE=str(cache))
+    gpu = {TEST_GPU_MEMORY_ENV: "64MiB", TEST_MEASURED_STEP_ENV: "1.5"}  # a step measured at 1.5x the estimate
+    srv = start_server(args, folder / "server.log", VLLM_OMNI_CACHE=str(cache), **gpu)
     srv.model_folder = cache / "tiny" / built.name
     yield srv
     srv.close()
@@ -118,6 +121,17 @@ def test_a_size_the_model_picks_itself_is_checked_against_the_largest_side(serve
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "size" and "1024x1024" in error["message"] and "512" in error["message"]
+
+
+def test_models_reports_what_the_gpu_admits_as_the_start_line_says(server):
+    """The envelope of a (simulated) 64 MiB GPU at Ulysses 2: the default 1024x1024 request (4096 tokens) fits, the
+    warm-up measured a step at the largest square the size limit allows (512x512), and GET /v1/models says what one
+    forward holds, in the words of the start line."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=HTTP_TIMEOUT_S)
+    envelope = client.models.list().data[0].model_extra["envelope"]
+    assert envelope["max_tokens_per_step"] >= 4096 and envelope["max_rows"] == 4, envelope
+    assert "Measured one step at 512x512" in server.log()
+    assert f"Serving {envelope['description']}" in server.log()
 
 
 def test_openai_client_with_the_key_works_and_without_it_is_refused(server):
