@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from vllm_omni.diffusion.config import Admission, EngineLimits, Envelope
 from vllm_omni.diffusion.models.registry import PipelineSpec
@@ -107,3 +108,64 @@ def describe(
         default_side = math.isqrt(default_tokens) * side
         text += f", or {envelope.rows_for(default_tokens)} of {default_side}x{default_side}"
     return text + "," + tail
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployPlan:
+    """What `vllm-omni plan` says of a deploy on a GPU of `gpu_bytes`, before any weight is read: the plan of its
+    rank 0 (the one that holds the most: text encoded once leaves the text encoders to it), and the envelope
+    estimated from it (the warm-up measures it when it serves), or why it is refused."""
+
+    model: str
+    pipeline: str
+    gpu_bytes: int
+    plan: Any  # worker/memory_plan.MemoryPlan at the request the deploy must admit, when it fits
+    envelope: Envelope | None
+    description: str | None  # the envelope in words
+    refusal: str | None
+
+    @property
+    def starts(self) -> bool:
+        return self.refusal is None
+
+    def lines(self) -> list[str]:
+        head = f"{self.model} ({self.pipeline}) on a GPU of {self.gpu_bytes / 2**30:g} GiB:"
+        if self.refusal is not None:
+            return [head, f"  refused: {self.refusal}"]
+        resident = self.plan.resident_blocks()
+        placement = f"offload {self.plan.offload}" + (
+            f" ({', '.join(f'{n} of {name} blocks resident' for name, n in resident.items())})" if resident else ""
+        )
+        return [
+            head,
+            f"  starts: {self.plan.line()}",
+            f"  placement: {placement}",
+            f"  envelope (estimated; the warm-up measures one step and serves what that leaves): {self.description}",
+        ]
+
+
+def plan_deploy(args: Any, gpu_bytes: int) -> DeployPlan:
+    """The plan of `args` (EngineArgs) on a GPU of `gpu_bytes` (all free): rank 0's, as its worker would make it,
+    with the weights from the checkpoint's safetensors headers or, where it holds only configs, its modules built
+    on the meta device. Reads no weight and needs no GPU."""
+    from vllm_omni.diffusion.engine.preprocess import bucket_target_size
+    from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
+    from vllm_omni.diffusion.worker.memory_plan import plan_rank
+    from vllm_omni.diffusion.worker.runner import present_components
+
+    config = args.engine_config()
+    path = resolve_model_path(config.model, config.download_dir, config.revision)
+    spec = read_pipeline_spec(path)
+    limits = args.limits
+    target = bucket_target_size(path) if spec.size_buckets else None
+    rows = config.admission.max_rows if config.admission is not None else limits.max_n
+    config = dataclasses.replace(
+        config, dtype=config.dtype or "bfloat16", admission=admission(spec, limits, target, rows)
+    )
+    try:
+        ranked = plan_rank(config, spec, path, None, present_components(path), memory=(gpu_bytes, gpu_bytes))
+    except ValueError as exc:
+        return DeployPlan(config.model, spec.diffusers_class, gpu_bytes, None, None, None, str(exc))
+    default = default_request_tokens(spec, target)
+    described = describe(ranked.envelope, spec, limits.for_model(spec), default, target)
+    return DeployPlan(config.model, spec.diffusers_class, gpu_bytes, ranked.plan, ranked.envelope, described, None)

@@ -205,6 +205,40 @@ def _header_tensors(path: Path, mtime_ns: int, length_on_disk: int) -> dict[str,
     return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()}
 
 
+def component_tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (safetensors dtype, shape) of every tensor of the component in `folder`: from its safetensors headers,
+    or, for a folder of configs without weights (`vllm-omni plan` of a checkpoint not downloaded, the released
+    checkpoints' configs in benchmarks/checkpoints/), from its class built on the meta device."""
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return {name: entry for file in files for name, entry in header_tensors(file).items()}
+    config = folder / "config.json"
+    if not config.is_file():
+        return {}  # no weights and no config: a scheduler, a tokenizer
+    return _meta_tensors(folder, config.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_tensors(folder: Path, mtime_ns: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    import diffusers
+    import torch
+    import transformers
+
+    index = json.loads((folder.parent / "model_index.json").read_text())
+    library, class_name = index[folder.name]
+    if library == "diffusers":
+        model_class = getattr(diffusers, class_name)
+        with torch.device("meta"):
+            model = model_class.from_config(model_class.load_config(folder))
+    else:
+        model_class = getattr(transformers, class_name)
+        with torch.device("meta"):
+            model = model_class._from_config(transformers.AutoConfig.from_pretrained(folder))
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {name: (names.get(t.dtype, "F32"), tuple(t.shape)) for name, t in tensors.items()}
+
+
 def component_weights(
     folder: Path, name: str, dtype_bytes: int, fp8_reason: Any | None = None, adapted: frozenset[str] | None = None
 ) -> ComponentWeights:
@@ -216,24 +250,23 @@ def component_weights(
     blocks: dict[str, int] = {}
     layers: dict[str, int] = {}
     matrices = 0
-    for file in sorted(folder.glob("*.safetensors")):
-        for tensor, (dtype, shape) in header_tensors(file).items():
-            count = math.prod(shape)
-            size = count * (dtype_bytes if dtype in _FLOAT else _DTYPE_BYTES.get(dtype, 4))
-            layer, _, kind = tensor.rpartition(".")
-            if fp8_reason is not None and kind == "weight" and len(shape) == 2 and dtype in _FLOAT:
-                if fp8_reason(layer, shape[1], shape[0]) is None:
-                    size = count + 4 * shape[0]
-            total += size
-            layers[layer] = layers.get(layer, 0) + size
-            parts = tensor.split(".")
-            in_block = len(parts) > 2 and parts[1].isdigit()  # a block of a ModuleList child: group offloading's unit
-            if in_block:
-                key = f"{parts[0]}.{parts[1]}"
-                blocks[key] = blocks.get(key, 0) + size
-            adaptable = tensor in adapted if adapted is not None else in_block and kind == "weight" and len(shape) == 2
-            if adaptable and dtype in _FLOAT:
-                matrices += size
+    for tensor, (dtype, shape) in component_tensors(folder).items():
+        count = math.prod(shape)
+        size = count * (dtype_bytes if dtype in _FLOAT else _DTYPE_BYTES.get(dtype, 4))
+        layer, _, kind = tensor.rpartition(".")
+        if fp8_reason is not None and kind == "weight" and len(shape) == 2 and dtype in _FLOAT:
+            if fp8_reason(layer, shape[1], shape[0]) is None:
+                size = count + 4 * shape[0]
+        total += size
+        layers[layer] = layers.get(layer, 0) + size
+        parts = tensor.split(".")
+        in_block = len(parts) > 2 and parts[1].isdigit()  # a block of a ModuleList child: group offloading's unit
+        if in_block:
+            key = f"{parts[0]}.{parts[1]}"
+            blocks[key] = blocks.get(key, 0) + size
+        adaptable = tensor in adapted if adapted is not None else in_block and kind == "weight" and len(shape) == 2
+        if adaptable and dtype in _FLOAT:
+            matrices += size
     return ComponentWeights(name, total, tuple(blocks.values()), max(layers.values(), default=0), matrices)
 
 
@@ -393,14 +426,17 @@ def device_memory(device: Any) -> tuple[int, int] | None:
     return total, free
 
 
-def plan_rank(config: Any, spec: Any, path: Path, device: Any, components: Iterable[str]) -> RankPlan | None:
+def plan_rank(
+    config: Any, spec: Any, path: Path, device: Any, components: Iterable[str], memory: tuple[int, int] | None = None
+) -> RankPlan | None:
     """This rank's plan (None on a CPU), or ValueError when the deploy cannot fit (`refusal`).
 
     The plan is made at the request the deploy must admit (`config.admission`: the model's default request, or
     the user's --max-tokens-per-step), and the envelope is what the rest of the memory holds beyond it.
     `components`: those this rank loads (runner.loaded_components). `config` is the worker's
-    OmniDiffusionConfig; `spec` the pipeline's PipelineSpec."""
-    memory = device_memory(device)
+    OmniDiffusionConfig; `spec` the pipeline's PipelineSpec. `memory`: (total, free) bytes of a device to plan
+    against instead of `device`'s (`vllm-omni plan`)."""
+    memory = memory or device_memory(device)
     if memory is None:
         return None
     from vllm_omni.diffusion.models.family import attention_heads

@@ -3,7 +3,7 @@
 vLLM 0.33+ (`maybe_run_omni` in vllm/entrypoints/cli/main.py) imports this module and calls
 `main()` for any command line containing `--omni`, with sys.argv untouched, so argv looks like
 ['vllm', 'serve', 'MODEL', '--omni', ...]. `--omni` is accepted anywhere and ignored.
-Subcommands: `serve` (cli/serve.py) and `generate` (cli/generate.py). Heavy modules load only
+Subcommands: `serve` (cli/serve.py), `generate` (cli/generate.py) and `plan` (cli/plan.py). Heavy modules load only
 inside the command that needs them, so `--help` is fast.
 """
 
@@ -15,6 +15,7 @@ import sys
 
 from vllm_omni import __version__
 from vllm_omni.entrypoints.cli.generate import add_generate_args, cmd_generate
+from vllm_omni.entrypoints.cli.plan import add_plan_args, cmd_plan
 from vllm_omni.entrypoints.cli.serve import add_serve_args, cmd_serve
 
 OMNI_FLAG = "--omni"
@@ -47,6 +48,15 @@ def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
     )
     add_generate_args(generate)
     generate.set_defaults(func=cmd_generate)
+
+    plan = commands.add_parser(
+        "plan",
+        help="say whether a deploy starts on a GPU of a given size and what it admits, without a GPU",
+        description="Print the memory plan a server would make at start (weights per component, one step, the "
+        "placement, the envelope, or the refusal and what would fit), reading no weight. Exit status 1: refused.",
+    )
+    add_plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 
