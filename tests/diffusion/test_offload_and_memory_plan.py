@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -63,8 +64,8 @@ def test_offload_places_diffusers_hooks_on_every_component_and_keeps_the_image(p
     modules = {name: c for name, c in runner.pipe.components.items() if isinstance(c, torch.nn.Module)}
     assert set(modules) >= {"transformer", "text_encoder", "vae"}
     for name, module in modules.items():
-        if mode == "model":  # accelerate's CpuOffload hook, chained text_encoder -> transformer -> vae
-            assert type(getattr(module, "_hf_hook", None)).__name__ == "CpuOffload", name
+        if mode == "model":  # accelerate's hook: the component moves onto the device when it is called
+            assert type(getattr(module, "_hf_hook", None)).__name__ == "ComponentOnload", name
         else:  # diffusers' group offloading: a denoiser's blocks each a group, every layer of the others
             blocks = runner.denoisers[name].transformer_blocks if name in runner.denoisers else None
             groups = list(blocks) if blocks is not None else [m for m in module.modules() if isinstance(m, LAYERS)]
@@ -195,6 +196,34 @@ def test_fp8_with_offload_converts_on_the_device_and_keeps_the_fp8_image(path, m
 
 
 # ---- on a GPU (skipped elsewhere): the weights really leave it, compiled blocks stay, the image is kept -------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_model_offload_keeps_one_component_there_and_copies_nothing_back():
+    """ModelOffload: the component called last is on the GPU, the others wait on the CPU in the very pinned tensors
+    they were given (moving one out drops its GPU copy: nothing is copied back, as accelerate's `.to("cpu")` does
+    into new pageable memory), with their values."""
+    from vllm_omni.diffusion.worker.offload import ModelOffload
+
+    first, second = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4).eval())
+    values = [t.detach().clone() for m in (first, second) for t in m.state_dict().values()]
+    offload = ModelOffload(torch.device("cuda", 0))
+    offload.install(SimpleNamespace(components={"a": first, "b": second, "tokenizer": object()}))
+    homes = {id(m): [t.data_ptr() for t in m.state_dict().values()] for m in (first, second)}
+    assert all(t.is_pinned() for m in (first, second) for t in m.state_dict().values())
+
+    def devices(module: torch.nn.Module) -> set[str]:
+        return {t.device.type for t in module.state_dict().values()}
+
+    first(torch.ones(2, 4))  # its forward moves it in (accelerate's hook), the input too
+    assert devices(first) == {"cuda"} and devices(second) == {"cpu"}
+    second(torch.ones(2, 4))
+    assert devices(first) == {"cpu"} and devices(second) == {"cuda"}
+    assert [t.data_ptr() for t in first.state_dict().values()] == homes[id(first)]
+    offload.onload(first)
+    assert [t.data_ptr() for t in second.state_dict().values()] == homes[id(second)]
+    got = [t.detach().cpu() for m in (first, second) for t in m.state_dict().values()]
+    assert all(torch.equal(a, b) for a, b in zip(got, values))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,7 +1,11 @@
 """CPU offload (`--cpu-offload`): diffusers' own mechanisms on a loaded pipeline; runner.py calls `apply_offload` once.
 
-- model: `enable_model_cpu_offload` (accelerate's hooks): each component (text encoders, each denoiser,
-  the VAE) moves to the GPU when it is called and the one before it moves back to the CPU.
+- model: one component (a text encoder, a denoiser, the VAE) on the GPU at a time, moved in when it is called
+  (`ModelOffload`: accelerate's hook, placed as diffusers' `enable_model_cpu_offload` places it). Its weights wait
+  in pinned CPU memory, and moving it out drops the GPU copy: served weights do not change, so nothing is copied
+  back. diffusers' own copies them back with `.to("cpu")` into new pageable memory: 1.2 GB/s on an H100 against
+  55 GB/s pinned (benchmarks/offload_copies.py), 21 s of an FP8 Qwen-Image request's "decode" (its 25 GB
+  transformer going back). Weights of a tensor subclass (FP8) move as accelerate moves them.
 - layerwise: diffusers' group offloading. A denoiser's repeated blocks wait in pinned CPU memory and move
   in one at a time (block level), the next prefetched on a side stream while this one runs (CUDA); its other
   weights move in for its forward and out after. The other components are offloaded layer by layer (leaf
@@ -20,6 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from accelerate.hooks import ModelHook, add_hook_to_module
+from accelerate.utils import send_to_device
 
 from vllm_omni.logger import init_logger
 
@@ -42,7 +48,7 @@ def apply_offload(
     if mode == "none":
         return
     if mode == "model":
-        pipe.enable_model_cpu_offload(device=device)
+        ModelOffload(device).install(pipe)
     elif mode == "layerwise":
         from diffusers.hooks import HookRegistry, apply_group_offloading
 
@@ -70,6 +76,72 @@ def apply_offload(
     else:
         raise ValueError(f"cpu_offload must be none, model or layerwise, got {mode!r}")
     logger.info("CPU offload %s: weights wait on the CPU between their phases; no CUDA graphs", mode)
+
+
+class ModelOffload:
+    """`--cpu-offload model` (module doc): the component called last is on `device`, every other waits on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        # id(component) -> (module, name, CPU tensor) of each of its parameters and buffers; absent: a component with
+        # weights of a tensor subclass (FP8), moved whole with `.to`.
+        self.homes: dict[int, list[tuple[torch.nn.Module, str, torch.Tensor]]] = {}
+        self.resident: torch.nn.Module | None = None
+
+    def install(self, pipe: Any) -> None:
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.to("cpu")
+                self._pin(component)
+                add_hook_to_module(component, ComponentOnload(self), append=True)
+
+    def _pin(self, component: torch.nn.Module) -> None:
+        homes = []
+        for module in component.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    if type(tensor.data) is not torch.Tensor:
+                        return  # a tensor subclass: `.to` moves it (its wrapper and inner tensors together)
+                    home = tensor.data.pin_memory() if self.device.type == "cuda" else tensor.data
+                    tensor.data = home
+                    homes.append((module, name, home))
+        self.homes[id(component)] = homes
+
+    def onload(self, component: torch.nn.Module) -> None:
+        """`component` onto the device, the one there before back to its CPU copy."""
+        if self.resident is component:
+            return
+        if self.resident is not None:
+            self._move(self.resident, onto_device=False)
+        self._move(component, onto_device=True)
+        self.resident = component
+
+    def _move(self, component: torch.nn.Module, onto_device: bool) -> None:
+        homes = self.homes.get(id(component))
+        if homes is None:
+            component.to(self.device if onto_device else torch.device("cpu"))
+            return
+        for module, name, home in homes:
+            tensor = module._parameters[name] if name in module._parameters else module._buffers[name]
+            # From pinned memory the copy is asynchronous; the kernels that read it queue behind it on the stream.
+            tensor.data = home.to(self.device, non_blocking=True) if onto_device else home
+
+
+class ComponentOnload(ModelHook):
+    """accelerate's hook on a component: its forward (and diffusers' `vae.decode`/`encode`, which call the hook's
+    `pre_forward`) moves it onto the device first. `execution_device` is what diffusers' pipelines read as their
+    device (`DiffusionPipeline._execution_device`)."""
+
+    def __init__(self, offload: ModelOffload) -> None:
+        super().__init__()
+        self.offload = offload
+        self.execution_device = offload.device
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        self.offload.onload(module)
+        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
 
 def _resident_blocks(model: torch.nn.Module, count: int) -> list[torch.nn.Module]:
