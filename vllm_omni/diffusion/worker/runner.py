@@ -112,6 +112,8 @@ class PipelineRunner:
         # `device` a layer at a time.
         quantize_denoisers(self.denoisers, quantization, device)
         self.grad_mode = grad_mode(quantization, cpu_offload)  # what a request runs under: inference mode, mostly
+        # A profile request's step is measured only where no weight moves during it (offload would count them).
+        self.measures_steps = device.type == "cuda" and cpu_offload == "none"
         # Text encoded once per SP group: its rank 0 encodes and broadcasts the embeddings; its peers
         # load the pipeline without the text encoder(s).
         state = get_parallel_state()
@@ -296,7 +298,7 @@ class PipelineRunner:
             self.cache.start_request(request.cache_threshold or self.cache.config.threshold, swapped)
         last_step = request.num_inference_steps - 1
         set_denoising_step(0, request.num_inference_steps)  # attention's per-step precision rule (backends.py)
-        measure = request.profile and self.device.type == "cuda"
+        measure = request.profile and self.measures_steps
         if measure:  # the step's activations: the peak above what the call starts with (the weights, the inputs)
             torch.cuda.reset_peak_memory_stats(self.device)
             baseline = torch.cuda.memory_allocated(self.device)
