@@ -42,13 +42,16 @@ def apply_offload(
     device: torch.device,
     denoisers: Mapping[str, torch.nn.Module],
     resident: Mapping[str, int] | None = None,
-) -> None:
+) -> ModelOffload | None:
     """Offload the pipeline's components by `mode` ("none": nothing changes) onto `device` when they run;
-    under layerwise, `resident[name]` of a denoiser's blocks stay on `device` (MemoryPlan.resident_blocks)."""
+    under layerwise, `resident[name]` of a denoiser's blocks stay on `device` (MemoryPlan.resident_blocks).
+    Under model offload, the ModelOffload (its `release()` ends a request with every weight on the CPU)."""
+    model_offload = None
     if mode == "none":
-        return
+        return None
     if mode == "model":
-        ModelOffload(device).install(pipe)
+        model_offload = ModelOffload(device)
+        model_offload.install(pipe)
     elif mode == "layerwise":
         from diffusers.hooks import HookRegistry, apply_group_offloading
 
@@ -76,6 +79,7 @@ def apply_offload(
     else:
         raise ValueError(f"cpu_offload must be none, model or layerwise, got {mode!r}")
     logger.info("CPU offload %s: weights wait on the CPU between their phases; no CUDA graphs", mode)
+    return model_offload
 
 
 class ModelOffload:
@@ -117,6 +121,12 @@ class ModelOffload:
             self._move(self.resident, onto_device=False)
         self._move(component, onto_device=True)
         self.resident = component
+
+    def release(self) -> None:
+        """The component on the device back to the CPU (between requests: its copy is dropped, no transfer)."""
+        if self.resident is not None:
+            self._move(self.resident, onto_device=False)
+            self.resident = None
 
     def _move(self, component: torch.nn.Module, onto_device: bool) -> None:
         homes = self.homes.get(id(component))

@@ -177,7 +177,7 @@ class PipelineRunner:
         # LoRA adapters merged into the denoisers per request (lora.py); `loras`: (max_loras, max_cpu_loras).
         self.adapters = LoraAdapters(self.pipe, self.denoisers, device, *loras) if loras is not None else None
         # Last: its hooks go outside every wrapper. `resident_blocks`: the memory plan's (layerwise).
-        apply_offload(self.pipe, cpu_offload, device, self.denoisers, resident_blocks)
+        self.model_offload = apply_offload(self.pipe, cpu_offload, device, self.denoisers, resident_blocks)
 
     @property
     def weight_bytes(self) -> int:
@@ -238,13 +238,17 @@ class PipelineRunner:
         seeds = [seed for row in request.rows for seed in row.image_seeds]
         embeds: list[Any] = []  # the prompts' embeddings, encoded once for every chunk (text once, encode stages)
         arrays, first = [], 0
-        for index, count in enumerate(request.forward_chunks):
-            part = request if count == request.num_images else dataclasses.replace(request, num_images=count)
-            step_offset = index * request.num_inference_steps
-            chunk_seeds = seeds if request.batch else seeds[first : first + count]  # a batch is one call
-            calls = (on_step_end, on_decode_tile, on_encode_progress, on_text_encode)
-            arrays.append(self._call(part, chunk_seeds, step_offset, *calls, embeds))
-            first += count
+        try:
+            for index, count in enumerate(request.forward_chunks):
+                part = request if count == request.num_images else dataclasses.replace(request, num_images=count)
+                step_offset = index * request.num_inference_steps
+                chunk_seeds = seeds if request.batch else seeds[first : first + count]  # a batch is one call
+                calls = (on_step_end, on_decode_tile, on_encode_progress, on_text_encode)
+                arrays.append(self._call(part, chunk_seeds, step_offset, *calls, embeds))
+                first += count
+        finally:
+            if self.model_offload is not None:
+                self.model_offload.release()  # between requests every weight waits on the CPU
         if request.profile:
             return np.zeros((0,), dtype=np.uint8)
         array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
