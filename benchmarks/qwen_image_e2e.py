@@ -37,6 +37,7 @@ nvidia-h200-x2 kind; for side-by-side ratios run diffusers-eager there too:
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --phase build diffusers ours2 --variants diffusers-eager ours-u2 ours-cfg2
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build diffusers ours levers --variants diffusers-eager ours-default ours-fp8 ours-fp8-cache ours-fp8-cache-auto ours-cache ours-cache-auto
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build levers offload --variants ours-fp8 ours-fp8-model-32g ours-fp8-layerwise-24g
+    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build ours offload --variants ours-default ours-model-48g --out benchmarks/results/qwen_image_e2e_h100.json --docs-key qwen_image_e2e_h100
 
 (the first line starts every call, `.whl` carried). `build` is a no-op when --folder (default
 /tmp/qwen-image-e2e) already holds the checkpoint, so every call names it: a machine given back
@@ -1033,15 +1034,16 @@ def save_results(
     docs: Path,
     key: str = KEY,
     section: Callable[[dict[str, Any]], str] | None = None,
+    script: str | None = None,
 ) -> None:
     """The JSON first; a docs failure never loses a measurement (`--phase docs` rewrites them later).
 
     `key` and `section` (results -> the section's text): another script's docs section
-    (default: this one's, `docs_section`)."""
+    (default: this one's, `docs_section`); `script`: the script named as its writer (default: `key`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")
     try:
-        replace_section(docs, key, (section or docs_section)(results))
+        replace_section(docs, key, (section or docs_section)(results), script)
     except Exception:  # noqa: BLE001
         import traceback
 
@@ -1264,6 +1266,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help=f"results JSON (default {DEFAULT_OUT.relative_to(ROOT)})")
     parser.add_argument("--docs", type=Path, help=f"docs page (default {DEFAULT_DOCS.relative_to(ROOT)})")
     parser.add_argument("--copy-to", type=Path, help="also copy the JSON and the docs page here after each save")
+    parser.add_argument(
+        "--docs-key",
+        default=KEY,
+        help="the docs section to write (another card's rows go to a section of their own: their ratios are "
+        "taken within one call, on one card)",
+    )
     args = parser.parse_args(argv)
 
     scale = TINY if args.tiny else REAL
@@ -1287,7 +1295,13 @@ def main(argv: list[str] | None = None) -> None:
 
     def save() -> None:
         add_agreement(results["variants"])
-        save_results(results, out, docs)
+        card = next((row.get("device") for row in results["variants"].values() if row.get("device")), "one GPU")
+
+        def section(results: dict[str, Any]) -> str:  # another card's rows: a heading of their own
+            text = docs_section(results)
+            return text if args.docs_key == KEY else text.replace("(ours vs diffusers)", f"on an {card}", 1)
+
+        save_results(results, out, docs, args.docs_key, section, KEY)
         copy_outputs(args.copy_to, out, docs)
 
     for phase in args.phase:
