@@ -166,14 +166,11 @@ class GlmImageFamily(FamilyPipeline):
     ) -> dict[str, torch.Tensor]:
         """The AR stage's prior token ids for the call (one row: the pipeline repeats them per image), and
         with source images their AR tokens and grids."""
+        generator = kwargs.get("generator")
+        if isinstance(generator, list):  # one per image: the AR stage runs once, seeded by the first (as diffusers')
+            generator = generator[0]
         return generate_prior_tokens(
-            pipe,
-            kwargs["prompt"],
-            kwargs["height"],
-            kwargs["width"],
-            kwargs.get("generator"),
-            progress,
-            images=kwargs.get("image"),
+            pipe, kwargs["prompt"], kwargs["height"], kwargs["width"], generator, progress, images=kwargs.get("image")
         )
 
     def with_text(self, kwargs: dict[str, Any], embeds: dict[str, torch.Tensor]) -> dict[str, Any]:
