@@ -30,7 +30,7 @@ class Omni:
     at once from N threads run at once, each on an idle replica. `max_batch_size=B` (with
     `batch_wait_ms`) runs up to B calls made at once that can share a forward as one pipeline call
     (docs/serving.md, request batching). `quantization="fp8"`: FP8 matmuls in
-    the denoisers' large linear layers (CUDA GPUs of compute capability 8.9+, `pip install 'vllm_omni[fp8]'`).
+    the denoisers' large linear layers (CUDA GPUs of compute capability 8.9+, `pip install -e '.[fp8]'`).
     `cache="first_block"` (with `cache_threshold`): step caching in the denoisers (diffusion/worker/step_cache.py);
     each output's `step_cache` says which steps it skipped.
     """
