@@ -29,9 +29,12 @@ from vllm_omni.entrypoints.omni import Omni
 MODEL = "tiny/qwen-image"
 OPTIONS = set(EngineArgs.option_names())
 # The flags that are no engine option: the model, the deploy file, and the server's own settings.
-COMMON_DESTS = {"help", "model", "deploy_config"}
+# tensor_parallel_size: vLLM's flag, accepted as 1 and refused above it (no engine option).
+COMMON_DESTS = {"help", "model", "deploy_config", "tensor_parallel_size"}
 SERVER_DESTS = {"host", "port", "served_model_name", "api_key", "body_read_timeout", "max_body_reads"}
 SERVER_DESTS |= {"video_dir", "video_max_age", "video_max_bytes", "video_max_videos"}
+SERVER_DESTS |= {"root_path", "ssl_keyfile", "ssl_certfile", "uvicorn_log_level", "disable_log_requests"}
+SERVER_DESTS |= {"allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials"}
 GENERATE_DESTS = {"prompt", "image", "size", "output"} | {f.name for f in SAMPLING_FIELDS if not f.in_size}
 
 

@@ -256,9 +256,9 @@ def test_fp8_needs_bfloat16_and_torchao(monkeypatch):
         check_quantization("fp8", "cuda", "float32")
     for name in ["torchao", *(name for name in sys.modules if name.startswith("torchao."))]:
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
-    with pytest.raises(ImportError, match=r"pip install 'vllm_omni\[fp8\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[fp8\]'"):
         check_quantization("fp8", "cuda", "bfloat16")
-    with pytest.raises(ImportError, match=r"pip install 'vllm_omni\[fp8\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[fp8\]'"):
         fp8_quantize(torch.nn.Sequential(torch.nn.Linear(16, 16)), ["0"])
 
 

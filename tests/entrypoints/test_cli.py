@@ -118,6 +118,7 @@ def test_generate_writes_the_images_and_prints_the_step_breakdown(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "DiffusionEngine.step breakdown: preprocess=" in result.stdout
+    assert (result.stdout + result.stderr).count("Engine ready in") == 1
     assert "Auto-padded sequence from 221 to 222 (pad_size=1, world_size=2, dim=1)" in result.stderr
     assert "padding=mask" in result.stderr
     for path in (output, output.with_name("cat-1.png")):
@@ -163,14 +164,24 @@ def test_serve_with_an_unknown_yaml_key_fails_at_start_naming_it(tmp_path, yaml_
     assert "unknown" in result.stderr and f"'{key}'" in result.stderr
 
 
-def test_serve_of_an_unknown_model_exits_nonzero_naming_it(tmp_path):
-    env = server_env(HF_HUB_OFFLINE="1")  # a hub id not in the cache would be downloaded
-    server = ServerProcess(omni_command("serve", "no-such-org/no-such-model"), tmp_path / "server.log", env)
-    try:
-        assert server.wait_exit() == 1
-        assert "no-such-org/no-such-model" in server.log() and "not in the Hugging Face cache" in server.log()
-    finally:
-        server.close()
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["tiny/qwen-imag"], "unknown tiny model 'tiny/qwen-imag'; tiny models: tiny/qwen-image"),
+        (["no-such-org/no-such-model"], "model 'no-such-org/no-such-model' is not in the Hugging Face cache"),
+        ([MODEL, "--distributed-executor-backend", "ray"], "needs Ray on every node: pip install -e '.[ray]'"),
+    ],
+    ids=["misspelt-tiny-model", "hub-model-offline", "ray-not-installed"],
+)
+def test_a_refusal_before_serving_is_one_line_with_exit_code_2(tmp_path, args, words):
+    (tmp_path / "ray").mkdir()  # on the path first: Ray as if it were not installed
+    (tmp_path / "ray" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join((str(tmp_path), str(REPO)))}
+    result = run(omni_command("serve", *args, "--port", "1"), timeout=120, **env)
+    assert result.returncode == 2, result.stderr[-4000:]
+    # One line and nothing else: no traceback, no log line, no shutdown line, nothing said Serving.
+    assert result.stderr.startswith("vllm-omni serve: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert words in result.stderr and result.stdout == ""
 
 
 def test_server_exits_nonzero_when_its_workers_cannot_be_brought_back(tmp_path):

@@ -1,11 +1,13 @@
 """`Omni`: the offline engine, over the same scheduler as the HTTP server. `from vllm_omni import Omni`.
 
-with Omni("tiny/qwen-image", ulysses_degree=2) as omni:
-    images = omni.generate("a cat", height=208, width=240, num_inference_steps=4, seed=0)
+if __name__ == "__main__":  # the workers start with spawn, which runs the script again in each of them
+    with Omni("tiny/qwen-image", ulysses_degree=2) as omni:
+        images = omni.generate("a cat", height=208, width=240, num_inference_steps=4, seed=0)
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import dataclasses
 import sys
@@ -30,7 +32,7 @@ class Omni:
     at once from N threads run at once, each on an idle replica. `max_batch_size=B` (with
     `batch_wait_ms`) runs up to B calls made at once that can share a forward as one pipeline call
     (docs/serving.md, request batching). `quantization="fp8"`: FP8 matmuls in
-    the denoisers' large linear layers (CUDA GPUs of compute capability 8.9+, `pip install 'vllm_omni[fp8]'`).
+    the denoisers' large linear layers (CUDA GPUs of compute capability 8.9+, `pip install -e '.[fp8]'`).
     `cache="first_block"` (with `cache_threshold`): step caching in the denoisers (diffusion/worker/step_cache.py);
     each output's `step_cache` says which steps it skipped.
     """
@@ -41,6 +43,8 @@ class Omni:
         unknown name is a TypeError naming it. `limits=EngineLimits(...)` and `cache=StepCacheConfig(...)`
         are accepted as shorthands."""
         self.engine_args = args = EngineArgs.from_kwargs(model, **options)  # every check, before any worker starts
+        if args.distributed_executor_backend == "mp":
+            check_main_guard()
         self.scheduler = Scheduler(
             engine_factory(args.engine_config, args.limits),
             # Offline callers wait their turn in `generate` instead of being refused; no watchdog: a dead
@@ -150,6 +154,47 @@ class Omni:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def check_main_guard() -> None:
+    """RuntimeError, in one line, when `Omni` is made by the top-level code of the main script outside
+    `if __name__ == "__main__":`. Its workers start with spawn, which runs the main script again in each of
+    them; there that code would start workers of its own, and multiprocessing stops it with a long traceback
+    from every worker. Interactive sessions and `python -c` have no script to run again."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None:
+        return
+    frame, top = sys._getframe(1), None
+    while frame is not None:  # the outermost frame running the main script's top-level code
+        if frame.f_globals is vars(main) and frame.f_code.co_name == "<module>":
+            top = frame
+        frame = frame.f_back
+    if top is None:
+        return
+    line = top.f_lineno
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+    except (OSError, SyntaxError, ValueError):
+        return  # no source to read (a frozen app): nothing to say
+    if any(_is_main_guard(node) and node.lineno <= line <= (node.end_lineno or line) for node in ast.walk(tree)):
+        return
+    raise RuntimeError(
+        f"{path}, line {line}: Omni's workers start with spawn, which runs this script again in each of them; "
+        'put the code that makes the Omni under `if __name__ == "__main__":`'
+    )
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    """`if __name__ == "__main__":` (either way round)."""
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare) or len(node.test.comparators) != 1:
+        return False
+    if not isinstance(node.test.ops[0], ast.Eq):
+        return False
+    sides = [node.test.left, node.test.comparators[0]]
+    names = [side.id for side in sides if isinstance(side, ast.Name)]
+    values = [side.value for side in sides if isinstance(side, ast.Constant)]
+    return names == ["__name__"] and values == ["__main__"]
 
 
 def _error(job: Job) -> Exception:

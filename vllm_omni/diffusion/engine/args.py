@@ -217,7 +217,7 @@ class EngineArgs:
     distributed_executor_backend: str = option(
         "parallel",
         "who starts the ranks: mp, one process each on this machine; ray, one Ray actor each, across the "
-        "machines of a Ray cluster (pip install 'vllm_omni[ray]'; docs/multinode.md) (default: mp)",
+        "machines of a Ray cluster (pip install -e '.[ray]'; docs/multinode.md) (default: mp)",
         PARALLEL,
         choices=EXECUTOR_BACKENDS,
     )
@@ -241,7 +241,7 @@ class EngineArgs:
     quantization: str | None = option(
         "engine",
         "fp8: the denoisers' large linear layers run FP8 matmuls (torchao float8 dynamic activation and "
-        "weight, row-wise scales; CUDA GPUs of compute capability 8.9+, bfloat16; pip install 'vllm_omni[fp8]'); "
+        "weight, row-wise scales; CUDA GPUs of compute capability 8.9+, bfloat16; pip install -e '.[fp8]'); "
         "YAML stages[0].quantization (default: none)",
         ENGINE,
         choices=QUANTIZATION_METHODS,

@@ -36,7 +36,13 @@ from vllm_omni.diffusion.request import (
     RequestCancelled,
     RequestError,
 )
-from vllm_omni.diffusion.worker.loader import check_ulysses_degree, read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.worker.loader import (
+    RAY_MISSING,
+    check_pipeline_options,
+    check_ulysses_degree,
+    read_pipeline_spec,
+    resolve_model_path,
+)
 from vllm_omni.diffusion.worker.quantization import check_quantization
 from vllm_omni.diffusion.worker.step_cache import step_cache_report
 from vllm_omni.diffusion.worker.weight_prefetch import WeightPrefetch
@@ -98,9 +104,7 @@ def _join_ray(config: OmniDiffusionConfig):
     except ImportError as exc:
         if exc.name is None or not exc.name.startswith("ray"):
             raise
-        raise ImportError(
-            "distributed_executor_backend='ray' needs Ray on every node: pip install 'vllm_omni[ray]'"
-        ) from exc
+        raise ImportError(RAY_MISSING) from exc
     return RaySession.join(config.ray_address, config.parallel_config.world_size)
 
 
@@ -112,17 +116,7 @@ class DiffusionEngine:
         self.model_path = resolve_model_path(config.model, config.download_dir, config.revision)
         self.spec = read_pipeline_spec(self.model_path)
         check_ulysses_degree(self.model_path, parallel.ulysses_degree)  # before any GPU loads a weight
-        if parallel.cfg_parallel_size > 1 and not self.spec.cfg_parallel:
-            why = (
-                self.spec.cfg_parallel_refusal
-                or "runs no classifier-free guidance branches to split (one forward per step)"
-            )
-            raise ValueError(
-                f"cfg_parallel_size={parallel.cfg_parallel_size}: {self.spec.diffusers_class} {why}; "
-                "use cfg_parallel_size=1"
-            )
-        if config.cache is not None and self.spec.step_cache_refusal:
-            raise ValueError(f"cache={config.cache.policy}: {self.spec.diffusers_class} {self.spec.step_cache_refusal}")
+        check_pipeline_options(self.spec, parallel.cfg_parallel_size, config.cache.policy if config.cache else None)
         ray_session = _join_ray(config) if parallel.distributed_executor_backend == "ray" else None
         try:
             self._configure_device(config, ray_session)

@@ -17,6 +17,8 @@ from pathlib import Path
 from vllm_omni.diffusion.models.family import attention_heads
 from vllm_omni.diffusion.models.registry import TINY_MODELS, PipelineSpec, spec_for
 
+# The install hint for the ray extra, from a clone (PyPI's vllm-omni is another project).
+RAY_MISSING = "distributed_executor_backend='ray' needs Ray on every node: pip install -e '.[ray]' from a clone"
 TINY_PREFIX = "tiny/"
 MODEL_INDEX = "model_index.json"
 # The hub's repo id form; anything else (an absolute or relative path, a bare name) is a local folder.
@@ -154,6 +156,17 @@ def check_ulysses_degree(path: Path, ulysses_degree: int) -> None:
             continue  # no readable config here: the workers' check still applies
         if isinstance(heads, int) and heads >= 1 and heads % ulysses_degree:
             raise ValueError(ulysses_degree_error(ulysses_degree, heads))
+
+
+def check_pipeline_options(spec: PipelineSpec, cfg_parallel_size: int, cache_policy: str | None) -> None:
+    """ValueError when the pipeline cannot take CFG parallel or a step cache (its spec says why)."""
+    if cfg_parallel_size > 1 and not spec.cfg_parallel:
+        why = spec.cfg_parallel_refusal or "runs no classifier-free guidance branches to split (one forward per step)"
+        raise ValueError(
+            f"cfg_parallel_size={cfg_parallel_size}: {spec.diffusers_class} {why}; use cfg_parallel_size=1"
+        )
+    if cache_policy is not None and spec.step_cache_refusal:
+        raise ValueError(f"cache={cache_policy}: {spec.diffusers_class} {spec.step_cache_refusal}")
 
 
 def ulysses_degree_error(ulysses_degree: int, heads: int) -> str:

@@ -9,7 +9,7 @@ blocks are compiled and graphs captured (`quantize_denoisers`); under CPU offloa
 CPU, where torchao cannot convert them, so each layer visits the GPU to be converted and goes back (offload
 then moves the FP8 tensors as it moves any weight). The engine refuses a device that cannot run FP8 before
 any worker starts (`check_quantization`). torchao is optional
-(`pip install 'vllm_omni[fp8]'`) and is imported only when FP8 is asked for.
+(`pip install -e '.[fp8]'`) and is imported only when FP8 is asked for.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def check_quantization(method: str | None, device: str | None, dtype: str | None
             "use dtype bfloat16 (the CUDA default)"
         )
     if importlib.util.find_spec("torchao") is None:
-        raise ImportError(f"quantization={method!r} needs torchao: pip install 'vllm_omni[fp8]' ({TORCHAO_PIN})")
+        raise ImportError(f"quantization={method!r} needs torchao: pip install -e '.[fp8]' ({TORCHAO_PIN})")
 
 
 def quantize_denoisers(
@@ -181,7 +181,7 @@ def fp8_quantize(model: torch.nn.Module, layers: Iterable[str], device: torch.de
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
         from torchao.utils import TorchAOBaseTensor
     except ImportError as exc:
-        raise ImportError(f"FP8 needs torchao: pip install 'vllm_omni[fp8]' ({TORCHAO_PIN}): {exc}") from exc
+        raise ImportError(f"FP8 needs torchao: pip install -e '.[fp8]' ({TORCHAO_PIN}): {exc}") from exc
     names = list(layers)
     # set_inductor_config=False: compile with the engine's inductor settings, not torchao's (its
     # coordinate-descent tuning lengthens every compile, and bf16 and FP8 should compile alike).

@@ -8,7 +8,6 @@ Takes the same engine flags as `serve` (cli/serve.py), deploy YAML included. Cal
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +64,12 @@ def output_paths(output: str, count: int) -> list[Path]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from vllm_omni.entrypoints.cli.serve import engine_args_from_cli
+    from vllm_omni.entrypoints.cli.serve import check_before_start, engine_args_from_cli
     from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
     from vllm_omni.entrypoints.openai.protocol import parse_size
 
     engine, deploy = engine_args_from_cli(args)
+    check_before_start(engine)
     width = height = None
     if args.size is not None and args.size != "auto":
         width, height = parse_size(args.size, engine.limits.max_image_size)
@@ -84,10 +84,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from vllm_omni.entrypoints.omni import Omni
 
-    start = time.perf_counter()
-    # One request: a warm-up, or a second replica, would only add work.
+    # One request: a warm-up, or a second replica, would only add work. The engine logs "Engine ready in ... s".
     with Omni(engine.model, **dict(engine.values(), warmup=False, data_parallel_size=1)) as omni:
-        print(f"Engine ready in {time.perf_counter() - start:.1f} s", flush=True)
         video = omni.engine.spec.modality == "video"
         results = omni.generate(args.prompt, image=images, output_type="uint8" if video else "pil", **request)
         output = omni.last_output

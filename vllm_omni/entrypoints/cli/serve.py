@@ -68,6 +68,55 @@ def engine_args_from_cli(args: argparse.Namespace) -> tuple[EngineArgs, DeployCo
     return engine, deploy
 
 
+def check_before_start(engine: EngineArgs) -> None:
+    """What would refuse the engine, checked before anything starts or says Serving: the model found (a hub model
+    downloaded here, with its progress bars), its pipeline served, the options it cannot take, a missing extra.
+    A ValueError (one line) says which; cli/main.py prints it with exit code 2. The engine checks all of it again.
+    Imports torch only for the options that need a device (quantization, attention backend)."""
+    from vllm_omni.diffusion.worker.loader import (
+        RAY_MISSING,
+        check_pipeline_options,
+        check_ulysses_degree,
+        read_pipeline_spec,
+        resolve_model_path,
+    )
+
+    config = engine.engine_config()
+    parallel = config.parallel_config
+    ray = parallel.distributed_executor_backend == "ray"
+    if ray:  # first: before a download that would be of no use
+        try:
+            import ray as _  # noqa: F401
+        except ImportError as exc:
+            if exc.name is None or not exc.name.startswith("ray"):
+                raise
+            raise ValueError(RAY_MISSING) from exc
+    path = resolve_model_path(config.model, config.download_dir, config.revision)
+    check_ulysses_degree(path, parallel.ulysses_degree)
+    check_pipeline_options(read_pipeline_spec(path), parallel.cfg_parallel_size, engine.cache)
+    if ray:
+        return  # the device is the cluster's: the engine picks it once it has joined
+    if config.attention_backend is not None:
+        from vllm_omni.diffusion.attention.backends import check_attention_backend
+
+        try:
+            check_attention_backend(config.attention_backend, parallel.mask_sp_padding)
+        except ImportError as exc:  # a missing extra (cudnn_fp8's frontend)
+            raise ValueError(str(exc)) from exc
+    if config.quantization is not None:
+        import torch
+
+        from vllm_omni.diffusion.worker.quantization import check_quantization
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device = config.device or ("cuda" if gpus >= parallel.world_size else "cpu")
+        dtype = config.dtype or ("bfloat16" if device == "cuda" else "float32")
+        try:
+            check_quantization(config.quantization, device, dtype)
+        except ImportError as exc:  # torchao, the fp8 extra
+            raise ValueError(str(exc)) from exc
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     srv = parser.add_argument_group("server")
@@ -221,6 +270,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ]
         if given:
             raise ValueError(f"{', '.join(given)} without --allowed-origins: give the origins CORS allows too")
+    check_before_start(engine)
     settings = ServerSettings(
         engine=engine,
         deploy=deploy,
