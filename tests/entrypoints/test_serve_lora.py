@@ -1,6 +1,7 @@
 """LoRA adapters over HTTP: `model: NAME` and `lora`, /v1/models, load and unload at run time, every error.
 
-One server for the module: tiny/qwen-image with adapter "a" from `--lora-modules`, `--allow-runtime-lora`,
+One server for the module: tiny/qwen-image with adapters "a" (a file) and "style" (the tiny adapter
+`tiny/qwen-image-lora`, built on first use) from `--lora-modules`, `--allow-runtime-lora`,
 `--max-lora-rank 8` and an API key. Adapters are random PEFT ones (tests/lora_files.py); images are compared
 bit for bit at the same seed. The gate of the runtime routes and the start-up check of `--lora-modules` are
 checked without a server.
@@ -8,6 +9,7 @@ checked without a server.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -52,7 +54,8 @@ def files(tmp_path_factory) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def server(files):
-    args = [MODEL, "--lora-modules", f"a={files.a}", "--allow-runtime-lora", "--max-lora-rank", "8"]
+    modules = ["--lora-modules", f"a={files.a}", "style=tiny/qwen-image-lora"]
+    args = [MODEL, *modules, "--allow-runtime-lora", "--max-lora-rank", "8"]
     srv = start_server([*args, "--api-key", KEY], files.folder / "server.log")
     yield srv
     srv.close()
@@ -87,8 +90,13 @@ def test_model_names_the_adapter_as_the_lora_field_does(client):
     assert np.array_equal(np.asarray(decode_image(url.split(",", 1)[1])), by_model)
 
 
+def test_the_tiny_adapter_serves_by_its_name_and_changes_the_image(client):
+    styled = image(client, "style")
+    assert styled.shape == (32, 32, 3) and not np.array_equal(styled, image(client))
+
+
 def test_models_lists_each_adapter_with_its_parent(client, server, files):
-    assert [m.id for m in client.models.list().data] == [MODEL, "a"]
+    assert [m.id for m in client.models.list().data] == [MODEL, "a", "style"]
     cards = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]
     assert cards[0]["parent"] is None
     assert {k: cards[1][k] for k in ("id", "parent", "root")} == {
@@ -96,12 +104,13 @@ def test_models_lists_each_adapter_with_its_parent(client, server, files):
         "parent": MODEL,
         "root": str(files.a.resolve()),
     }
+    assert cards[2]["parent"] == MODEL and (Path(cards[2]["root"]) / "pytorch_lora_weights.safetensors").is_file()
 
 
 def test_an_adapter_loaded_at_run_time_serves_until_it_is_unloaded(client, server, files):
     response = admin(server, "load_lora_adapter", lora_name="b", lora_path=str(files.b))
     assert response.status_code == 200 and response.text == "Success: LoRA adapter 'b' added successfully."
-    assert [m.id for m in client.models.list().data] == [MODEL, "a", "b"]
+    assert [m.id for m in client.models.list().data] == [MODEL, "a", "b", "style"]
     assert not np.array_equal(image(client, "b"), image(client, "a"))
     response = admin(server, "unload_lora_adapter", lora_name="b")
     assert response.status_code == 200 and response.text == "Success: LoRA adapter 'b' removed successfully."
@@ -141,6 +150,7 @@ def test_a_bad_load_or_unload_names_its_field_and_the_server_keeps_serving(clien
         (load, {"lora_name": "r", "lora_path": str(files.rank16)}, 400, "lora_path", "rank 16"),
         (load, {"lora_name": "a", "lora_path": str(files.b)}, 400, "lora_name", "already loaded"),
         (load, {"lora_name": "x"}, 400, "lora_path", "required"),
+        (load, {"lora_name": "t", "lora_path": "tiny/nope-lora"}, 400, "lora_path", "unknown tiny adapter"),
         (unload, {"lora_name": "zz"}, 404, "lora_name", "not loaded"),
     ]
     for route, body, status, param, words in cases:
@@ -150,7 +160,7 @@ def test_a_bad_load_or_unload_names_its_field_and_the_server_keeps_serving(clien
         assert error["param"] == param and words in error["message"], (body, error)
     unauthorized = httpx.post(f"{server.url}/v1/load_lora_adapter", json=cases[1][1], timeout=HTTP_TIMEOUT_S)
     assert unauthorized.status_code == 401
-    assert [m.id for m in client.models.list().data] == [MODEL, "a"]
+    assert [m.id for m in client.models.list().data] == [MODEL, "a", "style"]
     assert image(client, "a").shape == (32, 32, 3)
 
 

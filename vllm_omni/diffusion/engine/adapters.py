@@ -7,7 +7,8 @@ converters), every key must adapt a linear weight of a denoiser this checkpoint 
 checkpoint's safetensors headers: no weight is loaded), with A and B of that linear's shape, at a
 rank of at most `max_lora_rank`. diffusers only warns about keys that match nothing; here the
 adapter is refused naming the first one (a silent no-op adapter is the worst outcome). The workers
-read the same file when a request first needs it (worker/lora.py).
+read the same file when a request first needs it (worker/lora.py). A path `tiny/<name>-lora` is a tiny adapter,
+built once into the tiny-model cache (models/tiny_lora.py), as `tiny/<name>` is a tiny model.
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ from vllm_omni.diffusion.worker.memory_plan import header_tensors
 
 class LoraNotFound(RequestError):
     """A request named an adapter that is not served (HTTP: 404, as vLLM answers an unknown model)."""
+
+
+def adapter_path(path: str) -> str:
+    """`path` as given, or the cached folder of the tiny adapter it names (`tiny/qwen-image-lora`)."""
+    if not path.startswith("tiny/"):
+        return path
+    from vllm_omni.diffusion.models.tiny_lora import tiny_adapter_path
+
+    try:
+        return str(tiny_adapter_path(path))
+    except ValueError as exc:
+        raise RequestError(str(exc), "lora_path") from None
 
 
 class LoraRegistry:
@@ -139,6 +152,7 @@ class LoraRegistry:
             raise RequestError("lora_name must be a non-empty string", "lora_name")
         if not isinstance(path, str) or not path.strip():
             raise RequestError("lora_path must be a path to a LoRA folder or .safetensors file", "lora_path")
+        path = adapter_path(path)
         with self._lock:
             if name in self.adapters:
                 raise RequestError(f"adapter {name!r} is already loaded (from {self.adapters[name]})", "lora_name")
@@ -193,7 +207,7 @@ class LoraRegistry:
                 known = self.adapters.get(name)
             if known is None:
                 self.load(name, path)
-            elif known != str(Path(path).resolve()):
+            elif known != str(Path(adapter_path(path)).resolve()):
                 raise RequestError(f"adapter {name!r} is served from {known}, not {path}", "lora")
         with self._lock:
             served, version = self.adapters.get(name), self.versions.get(name, 0)

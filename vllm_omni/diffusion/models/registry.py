@@ -183,6 +183,7 @@ class Family:
     package: str
     specs: tuple[PipelineSpec, ...]
     tiny_models: dict[str, str] = field(default_factory=dict)  # "tiny/<name>" -> diffusers pipeline class
+    tiny_adapters: dict[str, str] = field(default_factory=dict)  # "tiny/<name>-lora" -> the tiny model it adapts
 
 
 def _qwen(diffusers_class: str, task: str, max_input_images: int) -> PipelineSpec:
@@ -331,6 +332,7 @@ FAMILIES: tuple[Family, ...] = (
             "tiny/qwen-image-edit": "QwenImageEditPipeline",
             "tiny/qwen-image-edit-plus": "QwenImageEditPlusPipeline",
         },
+        {"tiny/qwen-image-lora": "tiny/qwen-image"},
     ),
     Family(
         "qwen_image21",
@@ -402,6 +404,7 @@ FAMILIES: tuple[Family, ...] = (
             "tiny/wan2.2-i2v": "WanImageToVideoPipeline",
             "tiny/wan2.2-ti2v": "WanPipeline",
         },
+        {"tiny/wan2.2-t2v-lora": "tiny/wan2.2-t2v"},
     ),
     Family(
         "glm_image",

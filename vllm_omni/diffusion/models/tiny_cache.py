@@ -21,15 +21,20 @@ def cache_root(cache_dir: str | None = None) -> pathlib.Path:
 
 
 def cached_tiny_model(
-    name: str, version: str, build: Callable[[str, pathlib.Path], None], cache_dir: str | None = None
+    name: str,
+    version: str,
+    build: Callable[[str, pathlib.Path], None],
+    cache_dir: str | None = None,
+    marker: str = "model_index.json",
 ) -> pathlib.Path:
-    """The cached folder of tiny model `name` ("tiny/x"), built by `build(name, folder)` on first use.
+    """The cached folder of tiny model `name` ("tiny/x"), built by `build(name, folder)` on first use; the folder
+    is complete once it holds `marker` (a tiny adapter's is its weights file).
 
     Concurrent callers may both build; each builds into its own temporary folder next to the
     target and renames it into place, and the loser of the rename discards its copy.
     """
     target = cache_root(cache_dir) / "tiny" / f"{name.split('/', 1)[1]}-{version}"
-    if (target / "model_index.json").is_file():
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
@@ -40,7 +45,7 @@ def cached_tiny_model(
             os.rename(tmp, target)
         except OSError:
             # Another process finished first (the target is now a non-empty folder).
-            if not (target / "model_index.json").is_file():
+            if not (target / marker).is_file():
                 raise
     finally:
         if tmp.exists():
