@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from vllm_omni.diffusion.config import (
+    ATTENTION_BACKENDS,
     Admission,
     BatchingConfig,
     DiffusionParallelConfig,
@@ -28,6 +29,7 @@ from vllm_omni.entrypoints.omni import Omni
 
 MODEL = "tiny/qwen-image"
 OPTIONS = set(EngineArgs.option_names())
+SERVER_ONLY = set(EngineArgs.server_only_names())
 # The flags that are no engine option: the model, the deploy file, and the server's own settings.
 # tensor_parallel_size: vLLM's flag, accepted as 1 and refused above it (no engine option).
 COMMON_DESTS = {"help", "model", "deploy_config", "tensor_parallel_size"}
@@ -59,13 +61,39 @@ def _stage(values: dict[str, object]) -> dict:
     return stage
 
 
-@pytest.mark.parametrize("command,others", [("serve", SERVER_DESTS), ("generate", GENERATE_DESTS)])
-def test_every_option_is_a_flag_of_serve_and_generate_and_no_other_flag_is(command, others):
+@pytest.mark.parametrize(
+    "command,options,others",
+    [("serve", OPTIONS, SERVER_DESTS), ("generate", OPTIONS - SERVER_ONLY, GENERATE_DESTS - {"priority"})],
+)
+def test_every_option_is_a_flag_of_serve_and_generate_and_no_other_flag_is(command, options, others):
+    """serve has every option; generate every one but those only a server uses (and no request's queue priority)."""
     actions = {a.dest: a for a in _command(command)._actions}
-    assert OPTIONS <= set(actions), OPTIONS - set(actions)
-    assert set(actions) <= OPTIONS | COMMON_DESTS | others, set(actions) - (OPTIONS | COMMON_DESTS | others)
-    for name in OPTIONS:
+    assert options <= set(actions), options - set(actions)
+    assert set(actions) <= options | COMMON_DESTS | others, set(actions) - (options | COMMON_DESTS | others)
+    for name in options:
         assert actions[name].option_strings and actions[name].default is None, name  # None: "not given"
+
+
+def test_generate_help_offers_nothing_only_a_server_uses():
+    text = _command("generate").format_help()
+    for words in ("--allow-runtime-lora", "--max-queue", "429", "--max-num-seqs", "--data-parallel-size"):
+        assert words not in text, words
+    for words in ("--scheduling-policy", "--max-batch-size", "--batch-wait-ms", "--priority", "server started with"):
+        assert words not in text, words
+    assert SERVER_ONLY >= {"allow_runtime_lora", "max_queue", "max_num_seqs", "data_parallel_size", "warmup"}
+
+
+def test_help_shows_the_choices_and_ranges_and_every_packaged_deploy():
+    from vllm_omni.diffusion.attention.backends import BACKENDS
+    from vllm_omni.entrypoints.deploy_config import PACKAGED_DIR
+
+    assert ATTENTION_BACKENDS == tuple(BACKENDS)  # the torch-free list the flag offers is the kernels'
+    actions = {a.dest: a for a in _command("serve")._actions}
+    assert tuple(actions["attention_backend"].choices) == ATTENTION_BACKENDS
+    assert "X>0" in actions["cache_threshold"].metavar
+    help_text = " ".join(actions["deploy_config"].help.split())
+    for path in PACKAGED_DIR.glob("*.yaml"):
+        assert path.stem in help_text, path.stem
 
 
 def test_every_option_is_a_deploy_yaml_key_and_no_other_key_is(tmp_path):

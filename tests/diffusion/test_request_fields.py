@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME, SAMPLING_FIELDS
 from vllm_omni.diffusion.models.registry import FAMILIES, REGISTRY, VIDEO_FIELDS
 from vllm_omni.diffusion.request import GenerationParams
+from vllm_omni.entrypoints.cli.generate import SERVER_ONLY_FIELDS
 from vllm_omni.entrypoints.cli.main import build_parser
 from vllm_omni.entrypoints.deploy_config import SAMPLING_PARAM_TYPES, load_deploy_config
 from vllm_omni.entrypoints.omni import Omni
@@ -58,11 +59,14 @@ def test_http_video_body_carries_the_declared_fields_but_n():
             assert VideoCreateRequest.model_fields[f.name].annotation == (f.type | None), f.name
 
 
-def test_cli_generate_has_a_flag_for_every_declared_field():
+def test_cli_generate_has_a_flag_for_every_declared_field_but_a_servers_queue_order():
     parser = build_parser()
     generate = next(a for a in parser._subparsers._actions if a.dest == "command").choices["generate"]
     flags = {option: action for action in generate._actions for option in action.option_strings}
+    assert SERVER_ONLY_FIELDS == {"priority"} and "--priority" not in flags
     for f in SAMPLING_FIELDS:
+        if f.name in SERVER_ONLY_FIELDS:
+            continue
         assert f.cli_flag in flags, f"{f.name}: no {f.cli_flag} flag"
         if not f.in_size:
             assert flags[f.cli_flag].dest == f.name
@@ -95,7 +99,8 @@ def test_every_pipeline_spec_takes_only_declared_fields():
 
 
 def test_priority_reaches_every_surface_as_any_integer(tmp_path):
-    """vLLM's `priority` (lower first, may be negative): each surface carries it as given; the engine checks it."""
+    """vLLM's `priority` (lower first, may be negative): each HTTP surface carries it as given; the engine checks it
+    (`generate` runs one request, with no queue to order: no flag)."""
     assert all(spec.takes("priority") for spec in REGISTRY.values())
     bodies = [
         ImageGenerationRequest(prompt="p", priority=-3),
@@ -106,8 +111,6 @@ def test_priority_reaches_every_surface_as_any_integer(tmp_path):
     assert [body.priority for body in bodies] == [-3] * 4
     with pytest.raises(ValidationError, match="expected a number"):
         ImageGenerationRequest(prompt="p", priority=True)
-    args = build_parser().parse_args(["generate", "tiny/qwen-image", "--prompt", "p", "--priority", "-2"])
-    assert args.priority == -2
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text(yaml.safe_dump({"stages": [{"stage_id": 0, "default_sampling_params": {"priority": -1}}]}))
     assert load_deploy_config(deploy).default_sampling_params == {"priority": -1}

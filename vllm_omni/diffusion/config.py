@@ -150,6 +150,7 @@ class DiffusionParallelConfig:
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("fp8",)
 CACHE_POLICIES = ("first_block",)
+ATTENTION_BACKENDS = ("sdpa", "sdpa_masked", "cudnn_fp8")  # the kernels of attention/backends.py, by name
 CPU_OFFLOAD_MODES = ("none", "model", "layerwise")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # the queue's order (diffusion/engine/policy.py)
 MAX_NUM_SEQS = 8  # the most requests in flight on a worker group (executor/protocol.py CANCEL_SLOTS holds their flags)

@@ -85,6 +85,11 @@ class DeployConfig:
         os.environ["CUDA_VISIBLE_DEVICES"] = self._pinned = ",".join(chosen)
 
 
+def packaged_deploys() -> list[str]:
+    """The names of the packaged deploy files (vllm_omni/deploy/NAME.yaml), sorted."""
+    return sorted(p.stem for p in PACKAGED_DIR.glob("*.yaml"))
+
+
 def resolve_deploy_path(name: str) -> Path:
     """A file path, or the name of a packaged deploy (`qwen_image` -> vllm_omni/deploy/qwen_image.yaml)."""
     path = Path(name).expanduser()
@@ -93,7 +98,7 @@ def resolve_deploy_path(name: str) -> Path:
     packaged = PACKAGED_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
     if os.sep not in name and packaged.is_file():
         return packaged
-    choices = ", ".join(sorted(p.stem for p in PACKAGED_DIR.glob("*.yaml")))
+    choices = ", ".join(packaged_deploys())
     raise DeployConfigError(f"deploy config {name!r} not found: not a file, nor a packaged deploy ({choices})")
 
 

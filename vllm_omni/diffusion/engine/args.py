@@ -1,8 +1,9 @@
 """`EngineArgs`: every engine option declared once, with the faces and the checks generated from it.
 
-A field carries its help, flag, help group and the config it feeds (which is also its deploy-YAML
-place). The `serve`/`generate` flags, the deploy YAML's keys (entrypoints/deploy_config.py) and
-`Omni(model, **options)` all come from here; `validate()` holds every check across options.
+A field carries its help, flag, help group, the config it feeds (which is also its deploy-YAML
+place) and whether only a server uses it (`server_only`: no `generate` flag). The `serve`/`generate`
+flags, the deploy YAML's keys (entrypoints/deploy_config.py) and `Omni(model, **options)` all come from here;
+`validate()` holds every check across options.
 Torch-free (only config.py at module level), so `--help` stays fast.
 """
 
@@ -17,6 +18,7 @@ from functools import cached_property
 from typing import Any
 
 from vllm_omni.diffusion.config import (
+    ATTENTION_BACKENDS,
     CACHE_POLICIES,
     CPU_OFFLOAD_MODES,
     DTYPES,
@@ -56,6 +58,10 @@ def non_negative_int(text: str) -> int:
 
 def positive_seconds(text: str) -> float:
     return _number(text, float, lambda value: math.isfinite(value) and value > 0, "a positive number of seconds")
+
+
+def positive_float(text: str) -> float:
+    return _number(text, float, lambda value: math.isfinite(value) and value > 0, "a number > 0")
 
 
 def non_negative_float(text: str) -> float:
@@ -103,16 +109,18 @@ def option(
     default: Any = _UNSET,
     flag: str | None = None,
     default_text: str | Callable[[dataclasses.Field], str] | None = None,
+    server_only: bool = False,
     **cli: Any,
 ) -> Any:
     """An `EngineArgs` field that feeds `config` (a CONFIGS name) as its field `key` (default: the option's name).
 
     The default is that config field's own (`_config_defaults`), unless given. `flag` defaults to
     `--the-name`; `cli` holds argparse extras (type, choices, metavar, action); `default_text` is
-    appended to the help as "(default: ...)".
+    appended to the help as "(default: ...)". `server_only`: what one `generate` run never uses (the queue,
+    replicas, warm-up, adapters loaded at run time): a flag of `serve` only, still a YAML key and an `Omni` keyword.
     """
     metadata = {"config": config, "key": key, "help": help, "group": group, "flag": flag, "cli": cli}
-    metadata["default_text"] = default_text
+    metadata |= {"default_text": default_text, "server_only": server_only}
     return field(default=default, metadata=metadata)
 
 
@@ -204,6 +212,7 @@ class EngineArgs:
         "replicas: N groups of cfg_parallel_size x ulysses_degree ranks, each on its own GPUs, behind one "
         "queue; a request runs on an idle replica (default: 1)",
         PARALLEL,
+        server_only=True,
         type=positive_int,
         metavar="N",
     )
@@ -262,7 +271,8 @@ class EngineArgs:
         ENGINE,
         key="threshold",
         default=None,  # StepCacheConfig's
-        type=float,
+        type=positive_float,
+        metavar="X>0",
     )
     cpu_offload: str = option(
         "engine",
@@ -320,6 +330,7 @@ class EngineArgs:
         "engine",
         "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter while serving",
         LORA,
+        server_only=True,
         action="store_true",
     )
     attention_backend: str | None = option(
@@ -328,6 +339,7 @@ class EngineArgs:
         "lossy; needs pip install -e '.[fp8]') (default: sdpa_masked when the padding is masked, else sdpa; "
         "env VLLM_OMNI_ATTENTION_BACKEND)",
         ENGINE,
+        choices=ATTENTION_BACKENDS,
     )
     fp8_attention_full_steps: int = option(
         "engine",
@@ -343,11 +355,13 @@ class EngineArgs:
         "answers 200, so the first user request does not pay compilation and graph capture "
         "(default: on for CUDA, off for CPU and with --enforce-eager)",
         ENGINE,
+        server_only=True,
     )
     warmup_size: tuple[int, int] | None = option(
         "engine",
         "the warm-up request's width x height (default: the deploy's default size, else the pipeline's)",
         ENGINE,
+        server_only=True,
         type=width_x_height,
         metavar="WxH",
     )
@@ -399,6 +413,7 @@ class EngineArgs:
         "limits",
         f"requests that may wait behind the running one; more get 429 (default: {_LIMITS_DEFAULT.max_queue})",
         QUEUE,
+        server_only=True,
         type=positive_int,
         metavar="N",
     )
@@ -409,6 +424,7 @@ class EngineArgs:
         "request that 4 later ones have overtaken goes next). With --max-num-seqs above 1, fair and priority "
         "also run such a request inside the running one, from its next step; YAML stages[0].scheduling_policy",
         QUEUE,
+        server_only=True,
         choices=SCHEDULING_POLICIES,
         default_text="fair",
     )
@@ -419,6 +435,7 @@ class EngineArgs:
         f"goes on where it was (its image unchanged); 1: a running request is never preempted (at most "
         f"{MAX_NUM_SEQS}; YAML stages[0].max_num_seqs)",
         QUEUE,
+        server_only=True,
         type=positive_int,
         metavar="N",
         default_text=lambda f: str(f.default),
@@ -429,6 +446,7 @@ class EngineArgs:
         "guidance; n=1, no source images) run as one pipeline call, each with its own seed (default: "
         f"{_BATCHING_DEFAULT.max_batch_size}, off; YAML stages[0].batching)",
         QUEUE,
+        server_only=True,
         type=positive_int,
         metavar="N",
     )
@@ -437,6 +455,7 @@ class EngineArgs:
         "how long a request that could be batched waits for company before it runs alone "
         f"(default: {_BATCHING_DEFAULT.batch_wait_ms:g})",
         QUEUE,
+        server_only=True,
         type=non_negative_float,
         metavar="MS",
     )
@@ -462,6 +481,11 @@ class EngineArgs:
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in cls.options())
+
+    @classmethod
+    def server_only_names(cls) -> tuple[str, ...]:
+        """The options only a server uses: flags of `serve`, not of `generate`."""
+        return tuple(f.name for f in cls.options() if f.metadata["server_only"])
 
     def values(self) -> dict[str, Any]:
         """The options as `Omni` keywords: `Omni(args.model, **args.values())`."""
@@ -605,18 +629,21 @@ class EngineArgs:
         return keys
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """The model (positional) and a flag per option; every flag defaults to None, "not given"."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, server: bool = True) -> None:
+        """The model (positional) and a flag per option (`server=False`, for `generate`: but the server-only
+        ones); every flag defaults to None, "not given"."""
         from vllm_omni.diffusion.models.registry import TINY_MODELS
 
         parser.add_argument(
             "model",
-            help=f"model to serve: a tiny embedded model ({', '.join(TINY_MODELS)}), a local diffusers folder, "
-            "or a Hugging Face hub id (downloaded into --download-dir unless it is there)",
+            help=f"model to {'serve' if server else 'run'}: a tiny embedded model ({', '.join(TINY_MODELS)}), a local "
+            "diffusers folder, or a Hugging Face hub id (downloaded into --download-dir unless it is there)",
         )
         groups: dict[str, Any] = {}
         for f in cls.options():
             meta = f.metadata
+            if meta["server_only"] and not server:
+                continue
             if meta["group"] not in groups:
                 groups[meta["group"]] = parser.add_argument_group(meta["group"])
             cli = dict(meta["cli"])

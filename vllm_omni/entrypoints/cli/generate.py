@@ -2,7 +2,8 @@
 
 Starts the workers (`Omni`), runs the request, prints the step breakdown line, writes the
 image(s) or video(s): `out.png` for one, `out.png, out-1.png, ...` for n > 1 (MP4 for video models).
-Takes the same engine flags as `serve` (cli/serve.py), deploy YAML included. Called by cli/main.py.
+Takes the engine flags of `serve` (cli/serve.py) but the server-only ones (the queue, replicas, warm-up,
+adapters loaded at run time), deploy YAML included. Called by cli/main.py.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from vllm_omni.diffusion.engine.args import positive_int
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.cli.serve import add_engine_args
 
+# Request fields only a server reads (a queue's order): one run has no queue, so no flag.
+SERVER_ONLY_FIELDS = frozenset({"priority"})
+
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
-    add_engine_args(parser)
+    add_engine_args(parser, server=False)
     req = parser.add_argument_group("request")
     req.add_argument("--prompt", required=True, help="what to draw (or, for edit models, what to change)")
     req.add_argument(
@@ -39,8 +43,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     for f in SAMPLING_FIELDS:
         if f.cli_flag in parser._option_string_actions:  # --cache-threshold: the engine's flag sets both
             continue
+        if f.name in SERVER_ONLY_FIELDS:
+            continue
         if not f.in_size:
-            signed = f.name in ("seed", "priority")  # seed may be 0, priority any integer: the engine checks them
+            signed = f.name == "seed"  # seed may be 0: the engine checks it
             kind = positive_int if f.type is int and not signed else str if f.type is dict else f.type
             req.add_argument(f.cli_flag, dest=f.name, type=kind, default=None, help=f.help)
     req.add_argument(
@@ -54,7 +60,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 def request_values(args: argparse.Namespace) -> dict[str, Any]:
     """The declared request fields as given on the command line (None where not given)."""
-    return {f.name: getattr(args, f.name) for f in SAMPLING_FIELDS if not f.in_size}
+    return {f.name: getattr(args, f.name, None) for f in SAMPLING_FIELDS if not f.in_size}
 
 
 def output_paths(output: str, count: int) -> list[Path]:

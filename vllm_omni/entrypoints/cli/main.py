@@ -24,8 +24,9 @@ OMNI_FLAG = "--omni"
 def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="vllm_omni: serve diffusion transformers over an OpenAI-style image API, split over "
-        "GPUs with Ulysses sequence parallelism.",
+        description="vllm_omni: serve diffusion transformers over OpenAI-style HTTP routes (image generations "
+        "and edits, chat completions that answer with images, videos, Prometheus /metrics), split over GPUs with "
+        "Ulysses sequence parallelism; or run one request offline (generate).",
         epilog="vLLM 0.33+ hands 'vllm serve MODEL --omni ...' to this same command line.",
     )
     parser.add_argument("--version", action="version", version=f"vllm_omni {__version__}")
@@ -33,8 +34,8 @@ def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve",
-        help="start the HTTP server (POST /v1/images/generations, /v1/images/edits, /v1/videos; GET /v1/models, "
-        "/health)",
+        help="start the HTTP server (POST /v1/images/generations, /v1/images/edits, /v1/chat/completions, "
+        "/v1/videos; GET /v1/models, /health, /metrics)",
         description="Start the HTTP server. Uvicorn listens at once; /health answers 503 until every "
         "worker has loaded the model.",
     )

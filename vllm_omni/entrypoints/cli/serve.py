@@ -25,15 +25,18 @@ DEFAULT_BODY_LIMITS = BodyLimits()
 DEFAULT_VIDEO_STORAGE = VideoStorageSettings()
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags that shape the engine; shared by `serve` and `generate`."""
-    EngineArgs.add_cli_args(parser)  # the model and one flag per engine option
+def add_engine_args(parser: argparse.ArgumentParser, server: bool = True) -> None:
+    """Flags that shape the engine; shared by `serve` and `plan`, and by `generate` (`server=False`: without the
+    options only a server uses)."""
+    from vllm_omni.entrypoints.deploy_config import packaged_deploys
+
+    EngineArgs.add_cli_args(parser, server)  # the model and one flag per engine option
     parser.add_argument(
         "--deploy-config",
         metavar="PATH",
         default=None,
         help="deploy YAML (stages[0]: devices, parallel_config, default_sampling_params), or the name of a "
-        "packaged one (qwen_image, qwen_image_edit); flags given on the command line override it",
+        f"packaged one ({', '.join(packaged_deploys())}); flags given on the command line override it",
     )
     parser.add_argument(
         "--tensor-parallel-size",
