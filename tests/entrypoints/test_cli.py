@@ -121,10 +121,10 @@ def test_generate_writes_the_images_and_prints_the_step_breakdown(tmp_path):
     assert (result.stdout + result.stderr).count("Engine ready in") == 1
     assert "Auto-padded sequence from 221 to 222 (pad_size=1, world_size=2, dim=1)" in result.stderr
     assert "padding=mask" in result.stderr
-    for path in (output, output.with_name("cat-1.png")):
+    for path, seed in ((output, 3), (output.with_name("cat-1.png"), 4)):  # image i is drawn from seed + i
         with Image.open(path) as image:
             assert image.format == "PNG" and image.size == (272, 208)
-        assert f"Wrote {path} (272x208, seed 3)" in result.stdout
+        assert f"Wrote {path} (272x208, seed {seed})" in result.stdout
 
 
 def test_generate_with_bad_input_says_which_field(tmp_path):

@@ -94,6 +94,20 @@ def test_openai_client_generates_at_a_padded_size(server, client):
     server.wait_for_log(r"Request img-\w+ done: size=272x208, steps=2, seed=7, n=1", start)
 
 
+def test_image_i_of_n_is_drawn_from_seed_plus_i_and_says_so(client):
+    """n=2 at seed 21 reports seeds 21 and 22, and its second image is the one n=1 at seed 22 makes."""
+    extra = {"num_inference_steps": 2, "seed": 21}
+    two = client.images.generate(model=MODEL, prompt=PROMPT, size="64x64", n=2, extra_body=extra)
+    assert two.model_extra["seed"] == 21 and [item.model_extra["seed"] for item in two.data] == [21, 22]
+    one = client.images.generate(model=MODEL, prompt=PROMPT, size="64x64", n=1, extra_body={**extra, "seed": 22})
+    assert one.data[0].model_extra["seed"] == 22
+    assert two.data[1].b64_json == one.data[0].b64_json  # the same PNG bytes, as alone
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], extra_body={**extra, "size": "64x64", "n": 2}
+    )
+    assert chat.model_extra["seeds"] == [21, 22]
+
+
 def test_curl_form_from_context_md(server):
     # CONTEXT.md's curl, with the tiny model, a padded size and 2 steps instead of 50.
     response = httpx.post(

@@ -54,7 +54,12 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
         "--true-cfg-scale",
     ),
     RequestField("n", int, "images (or videos) to generate for the prompt (default: 1)", "--n"),
-    RequestField("seed", int, "random seed (default: drawn by the engine and reported)", "--seed"),
+    RequestField(
+        "seed",
+        int,
+        "random seed; image i of n is drawn from seed + i (default: drawn by the engine and reported)",
+        "--seed",
+    ),
     RequestField(
         "cache_threshold",
         float,

@@ -102,7 +102,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "postprocess={postprocess:.2f} ms, total={total:.2f} ms".format(**timings)
     )
     default_output = "output.mp4" if video else "output.png"
-    for path, result in zip(output_paths(args.output or default_output, len(results)), results):
+    paths = output_paths(args.output or default_output, len(results))
+    for path, result, seed in zip(paths, results, output.seeds, strict=True):  # result i is drawn from seed + i
         path.parent.mkdir(parents=True, exist_ok=True)
         if video:
             from vllm_omni.entrypoints.openai.media import encode_mp4
@@ -110,9 +111,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             path.write_bytes(encode_mp4(result, output.fps))
             print(
                 f"Wrote {path} ({output.width}x{output.height}, {output.num_frames} frames at {output.fps} fps, "
-                f"seed {output.seed})"
+                f"seed {seed})"
             )
         else:
             result.save(path)
-            print(f"Wrote {path} ({output.width}x{output.height}, seed {output.seed})")
+            print(f"Wrote {path} ({output.width}x{output.height}, seed {seed})")
     return 0

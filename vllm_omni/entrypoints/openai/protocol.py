@@ -120,6 +120,7 @@ class ImageEditRequest(_SamplingFields):
 class ImageData(BaseModel):
     b64_json: str
     revised_prompt: str | None = None
+    seed: int  # this image's own seed: image i of a request is drawn from its seed + i
 
 
 class ImageResponse(BaseModel):
@@ -236,6 +237,7 @@ class ChatCompletion(BaseModel):
     width: int
     height: int
     seed: int
+    seeds: list[int]  # each image's own seed, in content order: image i is drawn from seed + i
     timings_ms: dict[str, float]
     step_cache: dict[str, Any] | None = None  # as in ImageResponse
 

@@ -95,6 +95,7 @@ async def completions(http: Request) -> JSONResponse:
         created=int(time.time()),
         model=body.model or settings.served_model_name or settings.engine.model,
         choices=[ChatChoice(message=ChatAssistantMessage(content=parts))],
+        seeds=output.seeds,
         **result_fields(output),
     )
     return JSONResponse(completion.model_dump(), headers={"X-Request-Id": job.id})

@@ -98,7 +98,7 @@ async def _answer(http: Request, body: ImageGenerationRequest | ImageEditRequest
     output, encoded = await finish_image_job(http, job, _bad_input(body), fmt, body.output_compression)
     response = ImageResponse(
         created=int(time.time()),
-        data=[ImageData(b64_json=b64) for b64 in encoded],
+        data=[ImageData(b64_json=b64, seed=seed) for b64, seed in zip(encoded, output.seeds, strict=True)],
         output_format=fmt,
         id=job.id,
         **result_fields(output),
