@@ -26,7 +26,8 @@ def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
         prog=prog,
         description="vllm_omni: serve diffusion transformers over OpenAI-style HTTP routes (image generations "
         "and edits, chat completions that answer with images, videos, Prometheus /metrics), split over GPUs with "
-        "Ulysses sequence parallelism; or run one request offline (generate), or say whether a deploy fits a GPU (plan).",
+        "Ulysses sequence parallelism; or run one request offline (generate), or say whether a deploy fits a GPU "
+        "(plan).",
         epilog="vLLM 0.33+ hands 'vllm serve MODEL --omni ...' to this same command line.",
     )
     parser.add_argument("--version", action="version", version=f"vllm_omni {__version__}")
