@@ -338,3 +338,24 @@ def test_the_default_request_decides_the_start_and_the_measured_step_the_envelop
     monkeypatch.setenv(TEST_GPU_MEMORY_ENV, "16MiB")
     with pytest.raises(Exception, match="the deploy does not fit.*--max-tokens-per-step"):
         Omni(MODEL, device="cpu")
+
+
+def test_auto_placement_offloads_only_where_the_default_request_does_not_fit_resident(monkeypatch, capfd):
+    """cpu_offload="auto" (the default), at Ulysses 2 within 0.9 of 26 MiB (23.4): rank 0's default request needs
+    24.0 MiB resident (text encoder 1.1, transformer 2.8, VAE 3.2, its half of the step 16.9, fp32), rank 1's 22.9
+    (no text encoder: it fits alone). Rank 0 needs model offload, so every rank agrees on it and says so; the image
+    is the resident one's, bit for bit (the CPU as both sides). With adapters served the weights stay resident, so
+    such a deploy is refused, naming what would fit."""
+    monkeypatch.setenv(TEST_GPU_MEMORY_ENV, "26MiB")
+    kwargs = dict(height=48, width=64, num_inference_steps=2, seed=4, output_type="np")
+    with Omni(MODEL, device="cpu", ulysses_degree=2, max_image_size=512) as omni:
+        offloaded = np.stack(omni.generate("a lighthouse", **kwargs))
+    log = capfd.readouterr().err
+    assert "Worker rank 0: model offload chosen (cpu_offload auto)" in log, log[-3000:]
+    assert "Worker rank 1: model offload chosen" in log  # it alone would fit resident (no text encoder)
+    monkeypatch.delenv(TEST_GPU_MEMORY_ENV)
+    with Omni(MODEL, device="cpu", ulysses_degree=2) as omni:
+        np.testing.assert_array_equal(np.stack(omni.generate("a lighthouse", **kwargs)), offloaded)
+    monkeypatch.setenv(TEST_GPU_MEMORY_ENV, "26MiB")
+    with pytest.raises(Exception, match="the deploy does not fit.*would fit"):
+        Omni(MODEL, device="cpu", lora_modules={"a": "tiny/qwen-image-lora"})

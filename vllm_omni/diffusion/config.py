@@ -151,7 +151,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("fp8",)
 CACHE_POLICIES = ("first_block",)
 ATTENTION_BACKENDS = ("sdpa", "sdpa_masked", "cudnn_fp8")  # the kernels of attention/backends.py, by name
-CPU_OFFLOAD_MODES = ("none", "model", "layerwise")
+CPU_OFFLOAD_MODES = ("auto", "none", "model", "layerwise")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # the queue's order (diffusion/engine/policy.py)
 MAX_NUM_SEQS = 8  # the most requests in flight on a worker group (executor/protocol.py CANCEL_SLOTS holds their flags)
 
@@ -263,8 +263,9 @@ class OmniDiffusionConfig:
     # Which replica this engine is (data_parallel_size): its ranks use the GPUs from replica x world_size.
     replica: int = 0
     # Where the weights wait between their phases (worker/offload.py): "none" (on the GPU), "model" (each
-    # component on the CPU until its phase), "layerwise" (the blocks streamed from pinned CPU memory).
-    cpu_offload: Literal["none", "model", "layerwise"] = "none"
+    # component on the CPU until its phase), "layerwise" (the blocks streamed from pinned CPU memory); "auto": none
+    # where the model's default request fits on the GPU, else model when that fits (worker/memory_plan.py).
+    cpu_offload: Literal["auto", "none", "model", "layerwise"] = "auto"
     # The share of each GPU the engine plans to use and may allocate (vLLM's --gpu-memory-utilization).
     gpu_memory_utilization: float = 0.9
     # What the memory plan must admit and may widen to (worker/memory_plan.py). Set by the engine from its limits

@@ -276,14 +276,16 @@ class EngineArgs:
     )
     cpu_offload: str = option(
         "engine",
-        "where weights wait between their phases: none (on the GPU); model (each component, the text encoders, "
-        "the VAE, each denoiser, on the CPU until its phase: diffusers' model offload); layerwise (the blocks of "
+        "where weights wait between their phases: auto (none where the model's default request fits on the GPU, "
+        "else model where that fits: the same weights and arithmetic, agreed by every rank; the start line says "
+        "which); none (on the GPU, or refused); model (each component, the text encoders, "
+        "the VAE, each denoiser, in pinned CPU memory until its phase); layerwise (the blocks of "
         "every component streamed from pinned CPU memory, the next one prefetched on a side stream: diffusers' "
         "group offloading). Either turns CUDA graphs off (the weights move) and composes with --quantization fp8 "
         "(each layer converted on the GPU, then offloaded); YAML stages[0].cpu_offload",
         ENGINE,
         choices=CPU_OFFLOAD_MODES,
-        default_text="none",
+        default_text="auto",
     )
     gpu_memory_utilization: float = option(
         "engine",
@@ -554,7 +556,7 @@ class EngineArgs:
                 ("--quantization", self.quantization, None),
                 ("--cpu-offload", self.cpu_offload, "none"),
             ):
-                if value != off:
+                if value != off and value != "auto":  # auto keeps the weights on the GPU where adapters are served
                     raise ValueError(
                         f"LoRA adapters with {other} {value}: adapters are merged into the denoisers' weights, which "
                         + (

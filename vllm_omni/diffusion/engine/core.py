@@ -161,7 +161,8 @@ class DiffusionEngine:
             config.dtype,
             config.quantization or "none",
             f"{config.cache.policy} (threshold {config.cache.threshold:g})" if config.cache else "none",
-            config.cpu_offload + (" (no CUDA graphs: the weights move)" if config.cpu_offload != "none" else ""),
+            config.cpu_offload
+            + (" (no CUDA graphs: the weights move)" if config.cpu_offload in ("model", "layerwise") else ""),
             parallel.ulysses_degree,
             parallel.cfg_parallel_size,
             parallel.padding_mode,

@@ -432,7 +432,9 @@ def plan_rank(
     """This rank's plan (None on a CPU), or ValueError when the deploy cannot fit (`refusal`).
 
     The plan is made at the request the deploy must admit (`config.admission`: the model's default request, or
-    the user's --max-tokens-per-step), and the envelope is what the rest of the memory holds beyond it.
+    the user's --max-tokens-per-step), and the envelope is what the rest of the memory holds beyond it. Under
+    `cpu_offload="auto"` the placement is none where that fits, else model offload where that fits (`plan.offload`
+    says which; the worker has every rank agree on it).
     `components`: those this rank loads (runner.loaded_components). `config` is the worker's
     OmniDiffusionConfig; `spec` the pipeline's PipelineSpec. `memory`: (total, free) bytes of a device to plan
     against instead of `device`'s (`vllm-omni plan`)."""
@@ -450,12 +452,14 @@ def plan_rank(
     parallel = config.parallel_config
 
     in_flight = config.max_num_seqs if config.scheduling_policy != "fcfs" else 1  # fcfs never interleaves
+    lora = bool(config.lora_modules or config.allow_runtime_lora)
+    placement = config.cpu_offload
 
     def plan(
         tokens: int = admission.required_tokens,
         step_scale: float = 1.0,
         text_tokens: int = text_allowance,
-        offload: str = config.cpu_offload,
+        offload: str | None = None,
         fp8: bool = config.quantization == "fp8",
         sp: int = 0,
         seqs: int = in_flight,
@@ -470,17 +474,23 @@ def plan_rank(
             text_tokens=text_tokens,
             rows=1,
             sp=sp or parallel.sequence_parallel_size,
-            offload=offload,
+            offload=offload or placement,
             device_total=memory[0],
             device_free=memory[1],
             utilization=config.gpu_memory_utilization,
             pixels=tokens * spec.token_side**2 if spec.modality == "image" else 0,
-            lora=bool(config.lora_modules or config.allow_runtime_lora),
+            lora=lora,
             lora_adapted=config.lora_adapted,
             in_flight=seqs,
             step_scale=step_scale,
         )
 
+    if placement == "auto":
+        # The cheapest placement that fits and computes the same: resident, else each component moved in for its
+        # phase (from pinned memory: a request moves every weight in once). Served adapters keep the weights here.
+        placement = "none"
+        if not plan().fits and not lora and plan(offload="model").fits:
+            placement = "model"
     chosen = plan()
     if chosen.fits:
         envelope = widest_envelope(plan, admission, text_allowance, chosen.offload)
@@ -490,7 +500,7 @@ def plan_rank(
     if fp8:
         alternatives["--quantization fp8"] = plan(fp8=True)
     for mode in ("model", "layerwise"):
-        if mode != config.cpu_offload:
+        if mode != placement:
             alternatives[f"--cpu-offload {mode}"] = alone = plan(offload=mode)
             if fp8 and not alone.fits and not alternatives["--quantization fp8"].fits:  # both together
                 alternatives[f"--quantization fp8 --cpu-offload {mode}"] = plan(fp8=True, offload=mode)

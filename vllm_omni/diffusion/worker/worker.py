@@ -12,6 +12,7 @@ never outlives the executor's process (`bind_lifetime_to_parent`).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -126,7 +127,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     import torch
 
     from vllm_omni.diffusion.attention.backends import configure_attention_backend
-    from vllm_omni.diffusion.distributed.parallel_state import initialize_parallel_state
+    from vllm_omni.diffusion.distributed.parallel_state import any_rank, initialize_parallel_state
     from vllm_omni.diffusion.worker.loader import read_pipeline_spec, ulysses_degree_error
     from vllm_omni.diffusion.worker.memory_plan import plan_rank
     from vllm_omni.diffusion.worker.runner import PipelineRunner, present_components, skipped_text_encoders
@@ -153,6 +154,23 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
         skipped_text_encoders(Path(model_path), spec.family_pipeline())
     )
     rank_plan = plan_rank(config, spec, Path(model_path), device, sorted(components))
+    if rank_plan is not None:
+        offload = rank_plan.plan.offload
+    else:  # no device memory to plan against (a CPU): auto keeps every weight where it is
+        offload = "none" if config.cpu_offload == "auto" else config.cpu_offload
+    if rank_plan is not None and config.cpu_offload == "auto":
+        # Every rank offloads alike (CUDA graphs go with it): model offload where any rank needs it. Every rank of the
+        # world reaches this point (the same config, the same kind of device), or failed loading before it.
+        offload = "model" if any_rank(offload == "model") else "none"
+        if offload != rank_plan.plan.offload:
+            agreed = dataclasses.replace(config, cpu_offload=offload)
+            rank_plan = plan_rank(agreed, spec, Path(model_path), device, sorted(components))
+        if offload == "model":
+            logger.info(
+                "Worker rank %d: model offload chosen (cpu_offload auto): the default request does not fit with every "
+                "weight resident on some rank; each component moves in from pinned memory for its phase",
+                rank,
+            )
     plan = rank_plan.plan if rank_plan is not None else None
     if plan is not None:
         logger.info("Worker rank %d %s", rank, plan.line())
@@ -167,7 +185,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
         enforce_eager=config.enforce_eager,
         quantization=config.quantization,
         cache=config.cache,
-        cpu_offload=config.cpu_offload,
+        cpu_offload=offload,
         resident_blocks=plan.resident_blocks() if plan is not None else None,
         loras=(config.max_loras, config.max_cpu_loras or config.max_loras)
         if config.lora_modules or config.allow_runtime_lora
