@@ -12,6 +12,7 @@ On the device (`.whl` carried: diffusers, fastapi, starlette, uvicorn, pydantic,
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
     python3 benchmarks/serve_defaults.py --copy-to $OUT
+    python3 benchmarks/serve_defaults.py --copy-to $OUT --options "--gpu-memory-utilization 0.6"   # a 48 GiB share
 
 `--phase docs` rewrites the docs section from the JSON (no GPU).
 """  # noqa: E501
@@ -37,7 +38,7 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 PORT = 8123
 READY_TIMEOUT_S = 1200
 # The start lines worth keeping: the plan, the measured step, the envelope, the refusal.
-KEPT = re.compile(r"memory plan:|Measured one step|Serving up to|does not fit|Warm-up done|Engine ready")
+KEPT = re.compile(r"memory plan:|offload chosen|Measured one step|Serving up to|does not fit|Warm-up done|Engine ready")
 
 
 def get(url: str) -> tuple[int, dict[str, Any]]:
@@ -65,11 +66,14 @@ def card() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def serve_row(family: str, folder: Path, request: dict[str, Any], log_path: Path) -> dict[str, Any]:
-    """Start `vllm-omni serve folder` with no options, wait for it, send `request`, stop it."""
+def serve_row(family: str, folder: Path, request: dict[str, Any], log_path: Path, options: list[str]) -> dict[str, Any]:
+    """Start `vllm-omni serve folder` with `options` (none: as a new user does), wait for it, send `request`, stop
+    it."""
     base = f"http://127.0.0.1:{PORT}"
     command = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", str(folder), "--port", str(PORT)]
-    row: dict[str, Any] = {"family": family, "card": card(), "command": "vllm-omni serve FOLDER", "started": False}
+    command += options
+    shown = " ".join(["vllm-omni serve FOLDER", *options])
+    row: dict[str, Any] = {"family": family, "card": card(), "command": shown, "started": False}
     start = time.perf_counter()
     with open(log_path, "w") as log:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -119,14 +123,16 @@ def docs_section(results: dict[str, Any]) -> str:
         "Real dimensions, random bf16 weights, one request at the model's default size and steps "
         "(`benchmarks/serve_defaults.py`).",
         "",
-        "| family | card | started | envelope | ready (s) | request (s) |",
-        "|---|---|---|---|---|---|",
+        "| family | command | card | started | envelope | ready (s) | request (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in results.values():
         envelope = (row.get("envelope") or {}).get("description", "-")
         started = "yes" if row["started"] else "no: " + next((x for x in row["start_lines"] if "not fit" in x), "?")
         request = row.get("request_s", "-")
-        lines.append(f"| {row['family']} | {row['card']} | {started} | {envelope} | {row.get('ready_s')} | {request} |")
+        placement = " (model offload chosen)" if any("offload chosen" in x for x in row["start_lines"]) else ""
+        cells = [row["family"], f"`{row['command']}`", row["card"], started + placement, envelope]
+        lines.append("| " + " | ".join(cells) + f" | {row.get('ready_s')} | {request} |")
     return "\n".join(lines)
 
 
@@ -136,13 +142,20 @@ def main() -> None:
     parser.add_argument("--phase", choices=["serve", "docs"], default="serve")
     parser.add_argument("--folder-root", type=Path, default=Path("/tmp"))
     parser.add_argument("--copy-to", type=Path)
+    parser.add_argument(
+        "--options",
+        default="",
+        help="serve options, one string (e.g. '--gpu-memory-utilization 0.6': a 48 GiB share of an 80 GB card); "
+        "a row of its own",
+    )
     args = parser.parse_args()
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if args.phase == "serve":
         for family in args.families:
             folder, request = FAMILIES[family](args.folder_root / f"{family}-e2e")
             log = (args.copy_to or Path("/tmp")) / f"serve-{family}.log"
-            results[family] = row = serve_row(family, folder, request, log)
+            key = f"{family} {args.options}".strip()
+            results[key] = row = serve_row(family, folder, request, log, args.options.split())
             print(json.dumps(row, indent=1), flush=True)
             RESULTS.parent.mkdir(parents=True, exist_ok=True)
             RESULTS.write_text(json.dumps(results, indent=1) + "\n")
