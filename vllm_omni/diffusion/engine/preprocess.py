@@ -348,8 +348,8 @@ class RequestPreprocessor:
             return 0  # a size the pipeline picks that is not restated here (none of the served pipelines)
         tokens = spec.tokens_per_step(width, height, num_frames, source_sizes)
         envelope = self.envelope()
-        fits = envelope is not None and envelope.max_tokens_per_step < limit
-        limit = envelope.max_tokens_per_step if fits else limit
+        memory_binds = envelope is not None and envelope.max_tokens_per_step < limit
+        limit = envelope.max_tokens_per_step if memory_binds else limit
         if tokens <= limit:
             return tokens
         output = spec.tokens_per_step(width, height, num_frames, [])
@@ -366,7 +366,7 @@ class RequestPreprocessor:
             param, fix = "width", "ask for a smaller size"  # over HTTP: `size`
         else:
             param, fix = "num_frames", "ask for fewer frames"
-        if fits:  # the GPU's memory binds, not the limit
+        if memory_binds:  # the GPU memory, not the limit
             bound, wider = "this deploy's GPU memory holds", "or serve with FP8 or a higher --ulysses-degree"
         else:
             bound, wider = "the limit is", "or raise the limit (--max-tokens-per-step)"
