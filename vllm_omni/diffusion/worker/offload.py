@@ -4,8 +4,8 @@
   (`ModelOffload`: accelerate's hook, placed as diffusers' `enable_model_cpu_offload` places it). Its weights wait
   in pinned CPU memory, and moving it out drops the GPU copy: served weights do not change, so nothing is copied
   back. diffusers' own copies them back with `.to("cpu")` into new pageable memory: 1.2 GB/s on an H100 against
-  55 GB/s pinned (benchmarks/offload_copies.py), 21 s of an FP8 Qwen-Image request's "decode" (its 25 GB
-  transformer going back). Weights of a tensor subclass (FP8) move as accelerate moves them.
+  55 GB/s pinned (benchmarks/offload_copies.py; docs/serving.md has what it cost a request). Weights of a tensor
+  subclass (FP8) move as accelerate moves them.
 - layerwise: diffusers' group offloading. A denoiser's repeated blocks wait in pinned CPU memory and move
   in one at a time (block level), the next prefetched on a side stream while this one runs (CUDA); its other
   weights move in for its forward and out after. The other components are offloaded layer by layer (leaf
