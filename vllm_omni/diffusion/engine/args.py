@@ -60,10 +60,6 @@ def positive_seconds(text: str) -> float:
     return _number(text, float, lambda value: math.isfinite(value) and value > 0, "a positive number of seconds")
 
 
-def positive_float(text: str) -> float:
-    return _number(text, float, lambda value: math.isfinite(value) and value > 0, "a number > 0")
-
-
 def non_negative_float(text: str) -> float:
     return _number(text, float, lambda value: math.isfinite(value) and value >= 0, "a number >= 0")
 
@@ -271,7 +267,7 @@ class EngineArgs:
         ENGINE,
         key="threshold",
         default=None,  # StepCacheConfig's
-        type=positive_float,
+        type=float,  # the cache config's check names the field, for flags and YAML alike
         metavar="X>0",
     )
     cpu_offload: str = option(
