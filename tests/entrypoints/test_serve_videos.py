@@ -187,7 +187,6 @@ def test_a_json_body_works_too_with_num_frames_winning_over_seconds(server):
         ({"num_frames": "many"}, "num_frames"),
         ({"num_inference_steps": 100000}, "num_inference_steps"),
         ({"fps": 0}, "fps"),
-        ({"model": "sora-2"}, "model"),
         ({"n": 2}, "n"),  # one job is one video
         ({"num_stepz": 2}, "num_stepz"),
     ],
@@ -202,6 +201,15 @@ def test_bad_input_is_a_400_naming_the_field(server, client, fields, param):
     # ... and as JSON.
     response = httpx.post(f"{server.url}/v1/videos", json=body)
     assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+
+
+def test_a_model_not_served_is_a_404_naming_it(server, client):
+    body = dict(FAST, model="sora-2", size=SIZE, seconds="1")
+    with pytest.raises(NotFoundError) as refused:
+        client.videos.create(prompt=PROMPT, extra_body=body)
+    assert refused.value.body["param"] == "model" and refused.value.body["code"] == "model_not_found"
+    response = httpx.post(f"{server.url}/v1/videos", json={**body, "prompt": PROMPT})
+    assert response.status_code == 404 and error_of(response)["param"] == "model", response.text
 
 
 def test_seconds_12_at_the_default_fps_is_a_400_saying_which_lengths_fit_and_at_what_fps_it_would(client):
