@@ -35,9 +35,10 @@ def build_tiny_adapter(name: str, folder: str | os.PathLike) -> None:
     import torch
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from vllm_omni.diffusion.worker.loader import resolve_model_path
+    from vllm_omni.diffusion.models.registry import TINY_MODELS
 
-    base = resolve_model_path(tiny_adapters()[name])
+    model = tiny_adapters()[name]
+    base = TINY_MODELS[model].family_module("tiny").tiny_model_path(model)  # built once, as the loader builds it
     index = json.loads((base / "model_index.json").read_text())
     _, transformer_class = index["transformer"]
     transformer = getattr(diffusers, transformer_class).from_pretrained(base, subfolder="transformer")
