@@ -49,7 +49,8 @@ def cell(folder: Path, gib: int, options: dict) -> str:
         side = min(limits.max_image_size, math.isqrt(envelope.max_tokens_per_step) * spec.token_side)
         side = side // spec.size_multiple * spec.size_multiple
         largest = f"{envelope.rows_for((side // spec.token_side) ** 2)}x {side}x{side}"
-    moved = " (model offload)" if plan.plan.offload == "model" and "cpu_offload" not in options else ""
+    offload = plan.plan.offload
+    moved = f" ({offload} offload)" if offload != "none" and "cpu_offload" not in options else ""  # auto's choice
     return f"yes{moved}: {largest}, {envelope.rows_for(default)}x default"
 
 

@@ -230,7 +230,11 @@ FAMILY = VideoFamily(
     "diffusers-eager ours-eager`, then `--size 832x480 --steps 3 --phase build ours --variants ours-default "
     "ours-fp8-levers`, then the same with ours-fp8-attention; at 1280x720 the same with `--steps 2` (and "
     "`--warmup-steps 0` in the ours-default calls).",
-    targets={"ours-fp8-levers": "<= 0.3 (issue 33)", "ours-fp8-levers-cache": "<= 0.3 (issue 33)"},
+    targets={
+        "ours-fp8-levers": "<= 0.3 (issue 33)",
+        "ours-fp8-levers-cache": "<= 0.3 (issue 33)",
+        "ours-expert-swap / ours-eager": "<= 1.03 (issue 44)",
+    },
     target_size="832x480",
 )
 

@@ -151,7 +151,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("fp8",)
 CACHE_POLICIES = ("first_block",)
 ATTENTION_BACKENDS = ("sdpa", "sdpa_masked", "cudnn_fp8")  # the kernels of attention/backends.py, by name
-CPU_OFFLOAD_MODES = ("auto", "none", "model", "layerwise")
+# Where the weights wait between their phases, the cheapest first after auto (worker/offload.py): what
+# `cpu_offload="auto"` tries in this order, each the same weights and arithmetic (worker/memory_plan.py).
+PLACEMENTS = ("none", "encoders", "model", "layerwise")
+CPU_OFFLOAD_MODES = ("auto", *PLACEMENTS)
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # the queue's order (diffusion/engine/policy.py)
 MAX_NUM_SEQS = 8  # the most requests in flight on a worker group (executor/protocol.py CANCEL_SLOTS holds their flags)
 
@@ -262,10 +265,11 @@ class OmniDiffusionConfig:
     ray_address: str | None = None
     # Which replica this engine is (data_parallel_size): its ranks use the GPUs from replica x world_size.
     replica: int = 0
-    # Where the weights wait between their phases (worker/offload.py): "none" (on the GPU), "model" (each
-    # component on the CPU until its phase), "layerwise" (the blocks streamed from pinned CPU memory); "auto": none
-    # where the model's default request fits on the GPU, else model when that fits (worker/memory_plan.py).
-    cpu_offload: Literal["auto", "none", "model", "layerwise"] = "auto"
+    # Where the weights wait between their phases (worker/offload.py): "none" (on the GPU), "encoders" (the text
+    # encoders and the VAE on the CPU until their phase, the denoisers stay), "model" (each component on the CPU until
+    # its phase), "layerwise" (the blocks streamed from pinned CPU memory); "auto": the first of PLACEMENTS in which
+    # the model's default request fits on the GPU (worker/memory_plan.py).
+    cpu_offload: Literal["auto", "none", "encoders", "model", "layerwise"] = "auto"
     # The share of each GPU the engine plans to use and may allocate (vLLM's --gpu-memory-utilization).
     gpu_memory_utilization: float = 0.9
     # What the memory plan must admit and may widen to (worker/memory_plan.py). Set by the engine from its limits

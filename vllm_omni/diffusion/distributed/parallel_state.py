@@ -163,6 +163,19 @@ def any_rank(flag: bool) -> bool:
     return _agree(flag, dist.ReduceOp.MAX, get_control_group())
 
 
+def most_of_ranks(value: int) -> int:
+    """The largest of every rank's `value` (e.g. the costliest placement any rank needs), on every rank.
+
+    A collective over the control group: every rank of the world must call it at the same point.
+    """
+    group = get_control_group()
+    if group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return int(tensor.item())
+
+
 def any_rank_each(*flags: bool) -> tuple[bool, ...]:
     """`any_rank` of several flags in one collective (a step's stop and whether a request waits to run inside it)."""
     group = get_control_group()

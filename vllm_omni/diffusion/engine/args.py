@@ -272,13 +272,14 @@ class EngineArgs:
     )
     cpu_offload: str = option(
         "engine",
-        "where weights wait between their phases: auto (none where the model's default request fits on the GPU, "
-        "else model where that fits: the same weights and arithmetic, agreed by every rank; the start line says "
-        "which); none (on the GPU, or refused); model (each component, the text encoders, "
-        "the VAE, each denoiser, in pinned CPU memory until its phase); layerwise (the blocks of "
-        "every component streamed from pinned CPU memory, the next one prefetched on a side stream: diffusers' "
-        "group offloading). Either turns CUDA graphs off (the weights move) and composes with --quantization fp8 "
-        "(each layer converted on the GPU, then offloaded); YAML stages[0].cpu_offload",
+        "where weights wait between their phases: auto (the first of none, encoders, model, layerwise in which the "
+        "model's default request fits on the GPU: the same weights and arithmetic, agreed by every rank; the start "
+        "line says which); none (on the GPU, or refused); encoders (the text encoders and the VAE in pinned CPU "
+        "memory until their phase, the denoisers on the GPU); model (each component, each denoiser too, in pinned "
+        "CPU memory until its phase); layerwise (the blocks of every component streamed from pinned CPU memory, the "
+        "next one prefetched on a side stream: diffusers' group offloading). Model and layerwise turn CUDA graphs "
+        "off (the weights move); all compose with --quantization fp8 (each layer converted on the GPU, then "
+        "offloaded); YAML stages[0].cpu_offload",
         ENGINE,
         choices=CPU_OFFLOAD_MODES,
         default_text="auto",
@@ -552,7 +553,8 @@ class EngineArgs:
                 ("--quantization", self.quantization, None),
                 ("--cpu-offload", self.cpu_offload, "none"),
             ):
-                if value != off and value != "auto":  # auto keeps the weights on the GPU where adapters are served
+                # auto and encoders keep the denoisers, which adapters are merged into, on the GPU
+                if value not in (off, "auto", "encoders"):
                     raise ValueError(
                         f"LoRA adapters with {other} {value}: adapters are merged into the denoisers' weights, which "
                         + (

@@ -102,7 +102,7 @@ class GraphCaptureFailed(RequestReport):
 class Stats(RequestReport):
     """The rank's figures once the request finished; the engine and the metrics read the last one per rank."""
 
-    phase_seconds: dict[str, float]  # encode, denoise, decode
+    phase_seconds: dict[str, float]  # encode, denoise, decode; onload (offloaded weights moved in)
     graph_captures: int  # since the rank's group started
     compiles: int  # graphs torch.compile compiled, likewise
     step_cache: dict[str, Any] | None = None  # the step cache's record (step_cache.CacheRecord.summary)

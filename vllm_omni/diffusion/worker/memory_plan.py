@@ -9,7 +9,8 @@ share of it under Ulysses); with interleaving (`--max-num-seqs N` under fair or 
 suspended requests of that size keep too. What is on the GPU at once depends on `--cpu-offload`:
 
 - none: every component, plus a step;
-- model: one component at a time (diffusers' model offload moves the last one out first);
+- encoders: the denoisers, plus a step; the text encoders and the VAE one at a time beside them, in their phases;
+- model: one component at a time (the last one moves out first; Wan2.2 A14B's idle expert waits on the CPU);
 - layerwise: a denoiser's non-block weights and two of its blocks (the one running and the one
   prefetched; diffusers' group offloading), plus a step; another component, two of its layers. What
   the budget leaves beyond that (less a tenth, `RESIDENT_HEADROOM`) keeps as many of the denoisers'
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.config import Admission, Envelope
+from vllm_omni.diffusion.config import PLACEMENTS, Admission, Envelope
 
 # Bytes of activations per token, per unit of model width and per byte of dtype, that one block of a
 # denoiser keeps alive at its peak: q, k, v and the attention output (and their all-to-all copies), the
@@ -68,6 +69,8 @@ UNTILED_DECODE_BYTES_PER_PIXEL = {
     "AutoencoderKLWan": 152,
 }
 DEFAULT_TEXT_TOKENS = 512
+# The placements that keep the denoisers on the GPU, where served LoRA adapters are merged into them (worker/lora.py).
+LORA_PLACEMENTS = ("none", "encoders")
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2}
 _DTYPE_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1}
@@ -155,13 +158,17 @@ class MemoryPlan:
         return sum(count * sizes[name] for name, count in self.resident_blocks().items())
 
     def _peak(self) -> tuple[int, int]:
-        """(need, weights) in the busiest phase, when one component at a time is on the GPU."""
-        phases = [(self._resident(c) + self._activations(c), self._resident(c)) for c in self.components]
+        """(need, weights) in the busiest phase: each component's, with what is on the GPU while it runs."""
+        phases = [(self._on_gpu(c) + self._activations(c), self._on_gpu(c)) for c in self.components]
         return max(phases, default=(self.step_bytes, 0))
 
-    def _resident(self, component: ComponentWeights) -> int:
+    def _on_gpu(self, component: ComponentWeights) -> int:
+        """Weights on the GPU while `component` runs."""
         if self.offload == "layerwise":
             return component.layerwise(block_level=component.name in self.denoisers)
+        if self.offload == "encoders":  # the denoisers stay; the component running beside them when it is not one
+            stay = sum(c.total for c in self.components if c.name in self.denoisers)
+            return stay + (0 if component.name in self.denoisers else component.total)
         return component.total
 
     def _activations(self, component: ComponentWeights) -> int:
@@ -410,6 +417,18 @@ def widest_envelope(
     return Envelope(per_row, max(most, per_row) + text_tokens, admission.max_rows, text_tokens)
 
 
+def cheapest_placement(plan_at: Callable[..., MemoryPlan], lora: bool) -> str:
+    """`cpu_offload="auto"`: the first of PLACEMENTS (cheapest first, each the same weights and arithmetic) in which
+    the request the deploy must admit fits; "none" where none does (the refusal then names what would). From pinned
+    memory a request moves each offloaded weight in once: the text encoders and the VAE cost little beside a
+    denoising loop (encoders), Wan2.2 A14B's idle expert once at its boundary step (model); layerwise streams every
+    block at every step. Served LoRA adapters are merged into resident denoisers (LORA_PLACEMENTS)."""
+    for mode in LORA_PLACEMENTS if lora else PLACEMENTS:
+        if plan_at(offload=mode).fits:
+            return mode
+    return "none"
+
+
 def device_memory(device: Any) -> tuple[int, int] | None:
     """(total, free) bytes of the rank's device; None on a CPU (no device memory to plan against),
     unless the test double VLLM_OMNI_TEST_GPU_MEMORY stands in for one (vllm_omni/testing/memory.py)."""
@@ -433,8 +452,8 @@ def plan_rank(
 
     The plan is made at the request the deploy must admit (`config.admission`: the model's default request, or
     the user's --max-tokens-per-step), and the envelope is what the rest of the memory holds beyond it. Under
-    `cpu_offload="auto"` the placement is none where that fits, else model offload where that fits (`plan.offload`
-    says which; the worker has every rank agree on it).
+    `cpu_offload="auto"` the placement is the cheapest that fits (`cheapest_placement`; `plan.offload` says which;
+    the worker has every rank agree on it).
     `components`: those this rank loads (runner.loaded_components). `config` is the worker's
     OmniDiffusionConfig; `spec` the pipeline's PipelineSpec. `memory`: (total, free) bytes of a device to plan
     against instead of `device`'s (`vllm-omni plan`)."""
@@ -486,11 +505,7 @@ def plan_rank(
         )
 
     if placement == "auto":
-        # The cheapest placement that fits and computes the same: resident, else each component moved in for its
-        # phase (from pinned memory: a request moves every weight in once). Served adapters keep the weights here.
-        placement = "none"
-        if not plan().fits and not lora and plan(offload="model").fits:
-            placement = "model"
+        placement = cheapest_placement(plan, lora)
     chosen = plan()
     if chosen.fits:
         envelope = widest_envelope(plan, admission, text_allowance, chosen.offload)
@@ -499,8 +514,8 @@ def plan_rank(
     fp8 = config.quantization is None and dtype_bytes == 2  # FP8 converts bf16 weights
     if fp8:
         alternatives["--quantization fp8"] = plan(fp8=True)
-    for mode in ("model", "layerwise"):
-        if mode != placement:
+    for mode in PLACEMENTS[1:]:
+        if mode != placement and not (lora and mode not in LORA_PLACEMENTS):
             alternatives[f"--cpu-offload {mode}"] = alone = plan(offload=mode)
             if fp8 and not alone.fits and not alternatives["--quantization fp8"].fits:  # both together
                 alternatives[f"--quantization fp8 --cpu-offload {mode}"] = plan(fp8=True, offload=mode)

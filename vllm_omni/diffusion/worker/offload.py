@@ -5,7 +5,11 @@
   in pinned CPU memory, and moving it out drops the GPU copy: served weights do not change, so nothing is copied
   back. diffusers' own copies them back with `.to("cpu")` into new pageable memory: 1.2 GB/s on an H100 against
   55 GB/s pinned (benchmarks/offload_copies.py; docs/serving.md has what it cost a request). Weights of a tensor
-  subclass (FP8) move as accelerate moves them.
+  subclass (torchao's FP8) wait with their parts pinned and move in part by part, as asynchronously. With two
+  denoisers (Wan2.2 A14B's experts) the idle one waits: the other moves in once, at the boundary step. Each request
+  reports the seconds its weights took to move in (`ModelOffload.moved`: the step log's `onload`).
+- encoders: the same, but the denoisers stay on the GPU: only the text encoders and the VAE wait, and calling a
+  denoiser moves the one that ran before out. Nothing moves during the denoising loop, so CUDA graphs stay.
 - layerwise: diffusers' group offloading. A denoiser's repeated blocks wait in pinned CPU memory and move
   in one at a time (block level), the next prefetched on a side stream while this one runs (CUDA); its other
   weights move in for its forward and out after. The other components are offloaded layer by layer (leaf
@@ -14,7 +18,7 @@
   the GPU for good (`resident`, spread evenly: each streamed block's transfer overlaps the blocks before it):
   their group hooks are removed (diffusers has no option to leave blocks out of its groups).
 
-Both move weights between phases, so the runner captures no CUDA graphs under them; compiled blocks
+Model and layerwise move weights between steps, so the runner captures no CUDA graphs under them; compiled blocks
 stay (the hooks run outside the compiled block's forward). Under SP every rank offloads its own replica.
 """
 
@@ -27,9 +31,26 @@ import torch
 from accelerate.hooks import ModelHook, add_hook_to_module
 from accelerate.utils import send_to_device
 
+from vllm_omni.diffusion.worker.quantization import stored_bytes
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
+# What `cpu_offload="auto"` says it chose a placement for (worker.py): what did not fit, and what the placement does.
+AUTO_PLACEMENT_REASONS = {
+    "encoders": (
+        "every weight resident",
+        "the text encoders and the VAE wait in pinned CPU memory between their phases, the denoisers stay on the GPU "
+        "(CUDA graphs too)",
+    ),
+    "model": (
+        "the denoisers resident",
+        "each component, each denoiser too (Wan2.2 A14B: the idle expert), moves in from pinned memory for its phase",
+    ),
+    "layerwise": (
+        "one whole component at a time",
+        "the denoisers' blocks stream in from pinned memory at every step, the next prefetched beside the running one",
+    ),
+}
 GROUP_OFFLOADING = "group_offloading"  # the name diffusers registers a block's group offloading hook under
 # With streams, diffusers also puts a tracker on every offloaded group (its lazy prefetch learns the order from
 # them at the first forward, then links each group's hook to the next): a resident block loses both.
@@ -49,8 +70,8 @@ def apply_offload(
     model_offload = None
     if mode == "none":
         return None
-    if mode == "model":
-        model_offload = ModelOffload(device)
+    if mode in ("model", "encoders"):
+        model_offload = ModelOffload(device, stay=frozenset(denoisers) if mode == "encoders" else frozenset())
         model_offload.install(pipe)
     elif mode == "layerwise":
         from diffusers.hooks import HookRegistry, apply_group_offloading
@@ -77,27 +98,41 @@ def apply_offload(
             if kept:
                 logger.info("CPU offload layerwise: %d of %s's blocks stay on %s", len(kept), name, device)
     else:
-        raise ValueError(f"cpu_offload must be none, model or layerwise, got {mode!r}")
+        raise ValueError(f"cpu_offload must be none, encoders, model or layerwise, got {mode!r}")
     logger.info("CPU offload %s: weights wait on the CPU between their phases; no CUDA graphs", mode)
     return model_offload
 
 
 class ModelOffload:
-    """`--cpu-offload model` (module doc): the component called last is on `device`, every other waits on the CPU."""
+    """`--cpu-offload model` and `encoders` (module doc): the component called last is on `device`, every other waits
+    on the CPU, but for those named in `stay` (the denoisers, under encoders), which stay on `device`; calling one of
+    them moves the other component out."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stay: frozenset[str] = frozenset()) -> None:
         self.device = device
-        # id(component) -> (module, name, CPU tensor) of each of its parameters and buffers; absent: a component with
-        # weights of a tensor subclass (FP8), moved whole with `.to`.
+        self.stay = stay
+        self._staying: set[int] = set()  # id(component) of those in `stay`
+        # id(component) -> (module, name, CPU home) of each of its parameters and buffers, pinned; a tensor subclass
+        # (torchao's FP8) is pinned part by part and its home is the Parameter itself (`_pinned`).
         self.homes: dict[int, list[tuple[torch.nn.Module, str, torch.Tensor]]] = {}
         self.resident: torch.nn.Module | None = None
+        self.names: dict[int, str] = {}  # id(component) -> its name in the pipeline
+        self._moves: list[tuple[str, int, Any, Any]] = []  # (component, bytes, start, end event) of each move in
+        self.last_moves: dict[str, tuple[int, float]] = {}  # component -> (bytes, seconds) moved in, as of `moved()`
 
     def install(self, pipe: Any) -> None:
-        for component in pipe.components.values():
-            if isinstance(component, torch.nn.Module):
+        for name, component in pipe.components.items():
+            if not isinstance(component, torch.nn.Module):
+                continue
+            self.names[id(component)] = name
+            if name in self.stay:
+                component.to(self.device)
+                self._staying.add(id(component))
+            else:
                 component.to("cpu")
                 self._pin(component)
-                add_hook_to_module(component, ComponentOnload(self), append=True)
+            # Every component hooked, the staying ones too: diffusers' pipelines read their device off the hooks.
+            add_hook_to_module(component, ComponentOnload(self), append=True)
 
     def _pin(self, component: torch.nn.Module) -> None:
         homes = []
@@ -106,21 +141,24 @@ class ModelOffload:
                 for name, tensor in table.items():
                     if tensor is None:
                         continue
-                    if type(tensor.data) is not torch.Tensor:
-                        return  # a tensor subclass: `.to` moves it (its wrapper and inner tensors together)
-                    home = tensor.data.pin_memory() if self.device.type == "cuda" else tensor.data
-                    tensor.data = home
+                    if type(tensor.data) is torch.Tensor:
+                        home = tensor.data.pin_memory() if self.device.type == "cuda" else tensor.data
+                        tensor.data = home
+                    else:  # a tensor subclass: its parts pinned, the Parameter (or buffer) itself the home
+                        home = table[name] = _as_held(tensor, _pinned(tensor.data, self.device))
                     homes.append((module, name, home))
         self.homes[id(component)] = homes
 
     def onload(self, component: torch.nn.Module) -> None:
-        """`component` onto the device, the one there before back to its CPU copy."""
+        """`component` onto the device, the one there before back to its CPU copy (a staying component stays)."""
         if self.resident is component:
             return
         if self.resident is not None:
             self._move(self.resident, onto_device=False)
-        self._move(component, onto_device=True)
-        self.resident = component
+            self.resident = None
+        if id(component) not in self._staying:
+            self._move(component, onto_device=True)
+            self.resident = component
 
     def release(self) -> None:
         """The component on the device back to the CPU (between requests: its copy is dropped, no transfer)."""
@@ -128,15 +166,36 @@ class ModelOffload:
             self._move(self.resident, onto_device=False)
             self.resident = None
 
+    def moved(self) -> tuple[int, float]:
+        """(bytes, seconds) of the weights moved onto the device since the last call: the copies' time on the stream
+        that waits for them (CUDA events; the request's denoising or decode waits that long)."""
+        moves, self._moves = self._moves, []
+        self.last_moves = {}
+        if moves:
+            moves[-1][3].synchronize()
+        for name, count, start, end in moves:
+            before = self.last_moves.get(name, (0, 0.0))
+            self.last_moves[name] = (before[0] + count, before[1] + start.elapsed_time(end) / 1e3)
+        return sum(m[0] for m in self.last_moves.values()), sum(m[1] for m in self.last_moves.values())
+
     def _move(self, component: torch.nn.Module, onto_device: bool) -> None:
-        homes = self.homes.get(id(component))
-        if homes is None:
-            component.to(self.device if onto_device else torch.device("cpu"))
-            return
-        for module, name, home in homes:
-            tensor = module._parameters[name] if name in module._parameters else module._buffers[name]
+        timed = onto_device and self.device.type == "cuda"
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        moved = 0
+        for module, name, home in self.homes[id(component)]:
+            table = module._parameters if name in module._parameters else module._buffers
             # From pinned memory the copy is asynchronous; the kernels that read it queue behind it on the stream.
-            tensor.data = home.to(self.device, non_blocking=True) if onto_device else home
+            # Out: the CPU home again, the device copy dropped.
+            if type(home.data) is torch.Tensor:
+                table[name].data = home.to(self.device, non_blocking=True) if onto_device else home
+            else:
+                table[name] = _as_held(home, _subclass_to(home.data, self.device)) if onto_device else home
+            moved += stored_bytes(home)
+        if timed:
+            end.record()
+            self._moves.append((self.names.get(id(component), "?"), moved, start, end))
 
 
 class ComponentOnload(ModelHook):
@@ -152,6 +211,30 @@ class ComponentOnload(ModelHook):
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         self.offload.onload(module)
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
+
+
+def _pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor subclass rebuilt from its parts (`__tensor_flatten__`: FP8 data and scales) in pinned memory, so that
+    it moves in as asynchronously as a plain weight."""
+    if type(tensor) is torch.Tensor:
+        return tensor.pin_memory() if device.type == "cuda" else tensor
+    names, context = tensor.__tensor_flatten__()
+    parts = {name: _pinned(getattr(tensor, name), device) for name in names}
+    return type(tensor).__tensor_unflatten__(parts, context, tensor.size(), tensor.stride())
+
+
+def _subclass_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`_pinned`'s tensor rebuilt on `device` from copies of its parts."""
+    if type(tensor) is torch.Tensor:
+        return tensor.to(device, non_blocking=True)
+    names, context = tensor.__tensor_flatten__()
+    parts = {name: _subclass_to(getattr(tensor, name), device) for name in names}
+    return type(tensor).__tensor_unflatten__(parts, context, tensor.size(), tensor.stride())
+
+
+def _as_held(old: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` held as `old` was: a Parameter (not trained: requires no grad) or a buffer."""
+    return torch.nn.Parameter(tensor, requires_grad=False) if isinstance(old, torch.nn.Parameter) else tensor
 
 
 def _resident_blocks(model: torch.nn.Module, count: int) -> list[torch.nn.Module]:

@@ -162,7 +162,7 @@ def grad_mode(method: str | None, cpu_offload: str) -> Callable[[], AbstractCont
     device (torchao 0.18.0: its handler "corrects" the output to alias the input); the FP8 GEMM then finds its
     weight on the CPU ("mat2 is on cpu", on an H200). Under no_grad the same call is a copy, moved whole.
     """
-    return torch.no_grad if method is not None and cpu_offload != "none" else torch.inference_mode
+    return torch.no_grad if method is not None and cpu_offload in ("model", "layerwise") else torch.inference_mode
 
 
 def converted_weight(model: torch.nn.Module, layers: list[str]) -> torch.nn.Parameter:

@@ -49,6 +49,7 @@ from vllm_omni.diffusion.worker.forward_chain import (
 from vllm_omni.diffusion.worker.interleave import put_aside
 from vllm_omni.diffusion.worker.lora import LoraAdapters
 from vllm_omni.diffusion.worker.memory_guard import GroupOutOfMemory, allocation_check, is_out_of_memory
+from vllm_omni.diffusion.worker.memory_plan import size
 from vllm_omni.diffusion.worker.offload import apply_offload
 from vllm_omni.diffusion.worker.quantization import grad_mode, quantize_denoisers, stored_bytes
 from vllm_omni.diffusion.worker.step_cache import CacheRecord
@@ -97,13 +98,13 @@ class PipelineRunner:
     ) -> None:
         self.spec = spec
         self.device = device
-        self.phase_seconds: dict[str, float] = {}  # the last request's: encode (text once), denoise, decode
+        self.phase_seconds: dict[str, float] = {}  # the last request's: encode (text once), denoise, decode, onload
         self.step_peak_bytes: int | None = None  # a profile request's measured step (CUDA): its peak activations
         self.phase: RunPhase = "denoise"  # where the current (or last) request is: what an out-of-memory names
         self.family: FamilyPipeline = spec.family_pipeline()
         # Straight onto the device, without a random initialisation first (accelerate's meta-device load);
         # offloaded weights load onto the CPU, where they wait between their phases (offload.py).
-        home = torch.device("cpu") if cpu_offload != "none" else device
+        home = device if cpu_offload in ("none", "encoders") else torch.device("cpu")  # the denoisers'
         self.denoisers: dict[str, torch.nn.Module] = {
             name: self.family.denoisers[name].from_pretrained(path, subfolder=name, dtype=dtype, device_map=str(home))
             for name in present_components(path, self.family.denoisers)
@@ -112,7 +113,8 @@ class PipelineRunner:
         # `device` a layer at a time.
         quantize_denoisers(self.denoisers, quantization, device)
         self.grad_mode = grad_mode(quantization, cpu_offload)  # what a request runs under: inference mode, mostly
-        # A profile request's step is measured only where no weight moves during it (offload would count them).
+        # A profile request's step is measured only where no weight moves during the call (a text encoder moving in
+        # would count as the step's).
         self.measures_steps = device.type == "cuda" and cpu_offload == "none"
         # Text encoded once per SP group: its rank 0 encodes and broadcasts the embeddings; its peers
         # load the pipeline without the text encoder(s).
@@ -130,7 +132,9 @@ class PipelineRunner:
             **dict.fromkeys(self.skipped),
             **({"vae": vae} if vae is not None else {}),
             dtype=dtype,
-        ).to(home)
+        )
+        if cpu_offload == "none":
+            self.pipe.to(device)  # the others load onto the CPU
         undeclared = undeclared_denoisers(self.pipe, self.denoisers)
         if undeclared:
             raise ValueError(
@@ -144,7 +148,9 @@ class PipelineRunner:
         graphs = None
         simulated = simulated_graphs_from_env()  # test-only: the graph decisions on CPU ranks
         # Offloaded weights move between phases (new addresses each time): a captured graph would read stale ones.
-        if (device.type == "cuda" or simulated is not None) and not enforce_eager and cpu_offload == "none":
+        # Under encoders the denoisers stay.
+        graphed = cpu_offload in ("none", "encoders")
+        if (device.type == "cuda" or simulated is not None) and not enforce_eager and graphed:
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # one for all experts
             graphs = dict(on_failure=self.graph_capture_failures.append, simulated=simulated, pool=pool)
         self.cfg: CFGParallel | None = None
@@ -249,6 +255,10 @@ class PipelineRunner:
         finally:
             if self.model_offload is not None:
                 self.model_offload.release()  # between requests every weight waits on the CPU
+                moved, seconds = self.model_offload.moved()
+                if moved:  # the copies' own time; the phases that waited for them include it
+                    self.phase_seconds["onload"] = seconds
+                    logger.debug("Offloaded weights moved in: %s in %.2f s", size(moved), seconds)
         if request.profile:
             return np.zeros((0,), dtype=np.uint8)
         array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)

@@ -24,7 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.diffusion.config import OmniDiffusionConfig
+from vllm_omni.diffusion.config import PLACEMENTS, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.protocol import (
     Cancelled,
     Done,
@@ -127,9 +127,10 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     import torch
 
     from vllm_omni.diffusion.attention.backends import configure_attention_backend
-    from vllm_omni.diffusion.distributed.parallel_state import any_rank, initialize_parallel_state
+    from vllm_omni.diffusion.distributed.parallel_state import initialize_parallel_state, most_of_ranks
     from vllm_omni.diffusion.worker.loader import read_pipeline_spec, ulysses_degree_error
     from vllm_omni.diffusion.worker.memory_plan import plan_rank
+    from vllm_omni.diffusion.worker.offload import AUTO_PLACEMENT_REASONS
     from vllm_omni.diffusion.worker.runner import PipelineRunner, present_components, skipped_text_encoders
 
     start = time.perf_counter()
@@ -159,17 +160,19 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     else:  # no device memory to plan against (a CPU): auto keeps every weight where it is
         offload = "none" if config.cpu_offload == "auto" else config.cpu_offload
     if rank_plan is not None and config.cpu_offload == "auto":
-        # Every rank offloads alike (CUDA graphs go with it): model offload where any rank needs it. Every rank of the
-        # world reaches this point (the same config, the same kind of device), or failed loading before it.
-        offload = "model" if any_rank(offload == "model") else "none"
+        # Every rank offloads alike (CUDA graphs go with it): the costliest placement any rank needs. Every rank of
+        # the world reaches this point (the same config, the same kind of device), or failed loading before it.
+        offload = PLACEMENTS[most_of_ranks(PLACEMENTS.index(offload))]
         if offload != rank_plan.plan.offload:
             agreed = dataclasses.replace(config, cpu_offload=offload)
             rank_plan = plan_rank(agreed, spec, Path(model_path), device, sorted(components))
-        if offload == "model":
+        if offload != "none":
             logger.info(
-                "Worker rank %d: model offload chosen (cpu_offload auto): the default request does not fit with every "
-                "weight resident on some rank; each component moves in from pinned memory for its phase",
+                "Worker rank %d: %s offload chosen (cpu_offload auto): the default request does not fit with %s on "
+                "some rank; %s",
                 rank,
+                offload,
+                *AUTO_PLACEMENT_REASONS[offload],
             )
     plan = rank_plan.plan if rank_plan is not None else None
     if plan is not None:

@@ -95,6 +95,7 @@ class ServerMetrics:
             "encode": "encoding its text (once per SP group)",
             "denoise": "denoising (the pipeline call up to its last step)",
             "decode": "decoding (after its last step)",
+            "onload": "moving offloaded weights onto the GPU (--cpu-offload encoders or model)",
         }
         self.phase_seconds = {
             name: Histogram(
