@@ -593,6 +593,8 @@ def totals(rows: dict[str, dict[str, Any]], a: str, b: str) -> tuple[float | Non
     ra, rb = rows.get(a), rows.get(b)
     if not (_ok(ra) and _ok(rb)):
         return None, None, ""
+    if ra.get("device") != rb.get("device"):  # rows of two cards: no ratio
+        return None, None, f"measured on {ra.get('device')} and {rb.get('device')}: not compared"
     if ra.get("extrapolated_with_mp4_s") is not None and rb.get("extrapolated_with_mp4_s") is not None:
         return ra["extrapolated_with_mp4_s"], rb["extrapolated_with_mp4_s"], "with MP4"
     return ra.get("extrapolated_s"), rb.get("extrapolated_s"), "without MP4"
@@ -668,18 +670,19 @@ def size_tables(family: VideoFamily, size: str, by_name: dict[str, dict[str, Any
     full = family.full_steps
     rows = [by_name[v.name] for v in family.variants if v.name in by_name]
     lines = [
-        f"| variant | measured steps | measured denoising s/step | text s | latent prep s | VAE decode s | other s | "
+        f"| variant | card | measured steps | measured denoising s/step | text s | latent prep s | VAE decode s | other s | "
         f"MP4 encode s | measured end to end s | extrapolated {full}-step total s | peak GPU memory GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row.get("error"):
-            lines.append(f"| {row['variant']} | error: {row['error']} |" + " |" * 9)
+            lines.append(f"| {row['variant']} | error: {row['error']} |" + " |" * 10)
             continue
         mp4 = _cell(row.get("mp4_s")) if row.get("mp4_s") is not None else "not measured"
         total = row.get("extrapolated_with_mp4_s")
         total_cell = _cell(total, 1) if total is not None else f"{_cell(row.get('extrapolated_s'), 1)} (without MP4)"
         cells = [
+            str(row.get("device", "n/a")),
             _cell(row.get("steps")),
             _cell(row.get("per_step_s"), 3),
             *(_cell(row.get(k)) for k in ("text_s", "prep_s", "decode_s", "other_s")),
