@@ -33,7 +33,7 @@ def cell(folder: Path, gib: int, options: dict) -> str:
     from vllm_omni.diffusion.engine.admission import default_request_tokens, max_frames, plan_deploy
     from vllm_omni.diffusion.engine.args import EngineArgs
     from vllm_omni.diffusion.engine.preprocess import bucket_target_size
-    from vllm_omni.diffusion.worker.loader import read_pipeline_spec
+    from vllm_omni.diffusion.model_source import read_pipeline_spec
 
     args = EngineArgs.from_kwargs(str(folder), **options)
     plan = plan_deploy(args, gib * 2**30)

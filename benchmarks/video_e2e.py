@@ -670,8 +670,8 @@ def size_tables(family: VideoFamily, size: str, by_name: dict[str, dict[str, Any
     full = family.full_steps
     rows = [by_name[v.name] for v in family.variants if v.name in by_name]
     lines = [
-        f"| variant | card | measured steps | measured denoising s/step | text s | latent prep s | VAE decode s | other s | "
-        f"MP4 encode s | measured end to end s | extrapolated {full}-step total s | peak GPU memory GiB |",
+        "| variant | card | measured steps | measured denoising s/step | text s | latent prep s | VAE decode s | "
+        f"other s | MP4 encode s | measured end to end s | extrapolated {full}-step total s | peak GPU memory GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:

@@ -14,14 +14,14 @@ import vllm_omni
 
 PACKAGE = pathlib.Path(vllm_omni.__file__).parent
 LAYERS = {  # a module's layer is that of the longest prefix it has here; the rest is the bottom (0)
-    # What a rank reports, the wire format between executor and worker: both import it, and it imports
-    # only the bottom (request.py), so it sits there.
-    "vllm_omni.diffusion.executor.protocol": 0,
     "vllm_omni.entrypoints": 7,
     "vllm_omni.diffusion.engine": 6,
     "vllm_omni.diffusion.executor": 5,
     "vllm_omni.diffusion.worker": 4,
     "vllm_omni.diffusion.models": 3,
+    # Model id -> folder -> spec: torch-free, it reads the families' specs, and the engine reads a model through it
+    # before any worker starts.
+    "vllm_omni.diffusion.model_source": 3,
     "vllm_omni.diffusion.attention": 2,
     "vllm_omni.diffusion.distributed": 1,
 }
@@ -44,16 +44,16 @@ def modules() -> dict[str, pathlib.Path]:
 MODULES = modules()
 
 
-def imports(name: str, top_level_only: bool) -> list[tuple[str, int]]:
-    """The package modules `name` imports, with their lines; `TYPE_CHECKING` blocks left out, and with
-    `top_level_only` those inside functions too (they run later, not while the module loads)."""
+def imports(name: str, top_level_only: bool, type_checking: bool = False) -> list[tuple[str, int]]:
+    """The package modules `name` imports, with their lines; `TYPE_CHECKING` blocks left out unless `type_checking`,
+    and with `top_level_only` those inside functions too (they run later, not while the module loads)."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: list[tuple[str, int]] = []
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test) and not type_checking:
                 continue
             if isinstance(child, ast.Import) and (top or not top_level_only):
                 found.extend((alias.name, child.lineno) for alias in child.names)
@@ -101,12 +101,37 @@ def find_cycles(graph: dict[str, set[str]]) -> list[str]:
     return cycles
 
 
-def test_no_import_cycle():
-    graph = {name: {module for module, _ in imports(name, top_level_only=True)} - {name} for name in MODULES}
+# Cycles through imports inside functions or `TYPE_CHECKING` blocks that are still to be broken (issue 45): a
+# family's spec and its contract reach each other (models/spec.py takes PipelineSpec out of the registry), and the
+# graph capture's test double is imported by what it doubles (test seams injected, testing/hooks.py).
+KNOWN_CYCLES = {
+    "vllm_omni.diffusion.models.family -> vllm_omni.diffusion.models.registry -> vllm_omni.diffusion.models.family",
+    "vllm_omni.diffusion.worker.cuda_graphs -> vllm_omni.testing.graphs -> vllm_omni.diffusion.worker.cuda_graphs",
+}
+
+
+def import_graph(top_level_only: bool, type_checking: bool) -> dict[str, set[str]]:
+    graph = {name: {module for module, _ in imports(name, top_level_only, type_checking)} - {name} for name in MODULES}
     # A package's __init__ is loaded before its modules: an edge to a parent package is no cycle of ours.
-    graph = {name: {m for m in deps if not name.startswith(m + ".")} for name, deps in graph.items()}
-    cycles = find_cycles(graph)
+    return {name: {m for m in deps if not name.startswith(m + ".")} for name, deps in graph.items()}
+
+
+def test_no_import_cycle():
+    cycles = find_cycles(import_graph(top_level_only=True, type_checking=False))
     assert not cycles, "\n".join(cycles)
+
+
+def _rotated(cycle: str) -> str:
+    """A cycle written from its smallest module, so one cycle found from two starts reads the same."""
+    names = cycle.split(" -> ")[:-1]
+    start = names.index(min(names))
+    names = names[start:] + names[:start]
+    return " -> ".join([*names, names[0]])
+
+
+def test_no_import_cycle_through_functions_or_type_checking_but_those_known():
+    cycles = {_rotated(c) for c in find_cycles(import_graph(top_level_only=False, type_checking=True))}
+    assert cycles <= KNOWN_CYCLES, "\n".join(sorted(cycles - KNOWN_CYCLES))
 
 
 def test_nothing_under_diffusion_imports_a_web_framework_or_vllm():
@@ -126,6 +151,6 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
     runner = "vllm_omni.diffusion.worker.runner"
     assert "vllm_omni.diffusion.models.registry" in {module for module, _ in imports(runner, top_level_only=True)}
     assert layer("vllm_omni.entrypoints.omni") > layer(runner) > layer("vllm_omni.diffusion.models.registry") > 0
-    assert layer("vllm_omni.diffusion.config") == layer("vllm_omni.diffusion.executor.protocol") == 0
+    assert layer("vllm_omni.diffusion.config") == layer("vllm_omni.diffusion.protocol") == 0  # the contracts
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
     assert find_cycles({"a": {"b"}, "b": set()}) == []

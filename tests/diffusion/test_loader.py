@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_omni.diffusion.worker.loader import check_ulysses_degree, read_pipeline_spec
+from vllm_omni.diffusion.model_source import check_ulysses_degree, read_pipeline_spec
 
 
 def _folder(tmp_path, index: dict, heads: dict[str, int]):

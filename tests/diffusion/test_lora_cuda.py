@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.lora_files import make_adapter
+from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.request import DiffusionRequest, LoraRequest
-from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.worker.runner import PipelineRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

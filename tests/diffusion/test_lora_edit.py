@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests.lora_files import make_adapter, pipeline_class
+from vllm_omni.diffusion.model_source import resolve_model_path
 from vllm_omni.diffusion.models.registry import TINY_MODELS
 from vllm_omni.diffusion.request import LoraRequest
-from vllm_omni.diffusion.worker.loader import resolve_model_path
 from vllm_omni.diffusion.worker.lora import LoraAdapters
 
 GRIDS = {  # the target's grid, then the sources' (token counts 35 + 24 (+ 9))

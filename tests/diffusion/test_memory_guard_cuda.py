@@ -15,9 +15,9 @@ import torch
 
 from vllm_omni.diffusion.config import DiffusionParallelConfig, EngineLimits, OmniDiffusionConfig
 from vllm_omni.diffusion.engine.preprocess import RequestPreprocessor
-from vllm_omni.diffusion.executor.protocol import Done, Failed, Ready, Stats
+from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path
+from vllm_omni.diffusion.protocol import Done, Failed, Ready, Stats
 from vllm_omni.diffusion.request import GenerationParams
-from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.worker.worker import run_rank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlparse
 import pytest
 from huggingface_hub import constants
 
-from vllm_omni.diffusion.worker.loader import ModelNotFoundError, resolve_model_path
+from vllm_omni.diffusion.model_source import ModelNotFoundError, resolve_model_path
 
 REPO = "acme/tiny-qwen-image"
 GATED = "acme/gated-model"

@@ -19,8 +19,8 @@ import torch
 from diffusers.hooks import HookRegistry
 
 from vllm_omni.diffusion.engine.args import EngineArgs
+from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.request import DiffusionRequest, RequestError
-from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.worker.memory_plan import ComponentWeights, MemoryPlan, cheapest_placement, plan_for_checkpoint
 from vllm_omni.diffusion.worker.runner import PipelineRunner, present_components
 from vllm_omni.entrypoints.omni import Omni

@@ -19,9 +19,9 @@ from PIL import Image
 
 from vllm_omni.diffusion.config import EngineLimits
 from vllm_omni.diffusion.engine.preprocess import RequestPreprocessor
+from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.models.registry import REGISTRY, bucket_size
 from vllm_omni.diffusion.request import GenerationParams, RequestError
-from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
 
 _folders: dict[str, object] = {}
 

@@ -42,8 +42,8 @@ from vllm_omni.diffusion.config import DiffusionParallelConfig, OmniDiffusionCon
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state  # noqa: E402
 from vllm_omni.diffusion.engine import core as engine_module  # noqa: E402
 from vllm_omni.diffusion.engine.args import EngineArgs  # noqa: E402
+from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path  # noqa: E402
 from vllm_omni.diffusion.models.registry import TINY_MODELS  # noqa: E402
-from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path  # noqa: E402
 from vllm_omni.diffusion.worker.quantization import (  # noqa: E402
     FP8_RULE,
     check_quantization,

@@ -1,4 +1,4 @@
-"""The rank protocol (executor/protocol.py): every report survives the trip between processes
+"""The rank protocol (diffusion/protocol.py): every report survives the trip between processes
 (pickle for multiprocessing queues, Ray's cloudpickle), and one health vocabulary is used by the
 executor, the engine and the scheduler."""
 
@@ -12,19 +12,21 @@ from typing import get_type_hints
 import numpy as np
 import pytest
 
+from vllm_omni.diffusion import protocol
 from vllm_omni.diffusion.engine import core, scheduler
-from vllm_omni.diffusion.engine.health import HEALTH_STATES, HealthState
-from vllm_omni.diffusion.executor import protocol
 from vllm_omni.diffusion.executor.base import ExecutorStatus
-from vllm_omni.diffusion.executor.protocol import (
+from vllm_omni.diffusion.protocol import (
+    HEALTH_STATES,
     Cancelled,
     Done,
     Failed,
     GraphCaptureFailed,
+    HealthState,
     LoadFailed,
     Log,
     Placed,
     Progress,
+    RankPlacement,
     RankReport,
     Ready,
     RequestReport,
@@ -32,15 +34,12 @@ from vllm_omni.diffusion.executor.protocol import (
 )
 from vllm_omni.diffusion.request import RequestError
 
-try:  # Ray is optional: without it, its pickler is left out and a placement is plain text
+PLACEMENT = RankPlacement(1, "node-a", 3, "10.0.0.2", 4242)
+try:  # Ray is optional: without it, its pickler is left out
     from ray import cloudpickle
 
-    from vllm_omni.diffusion.executor.ray import RankPlacement
-
-    PLACEMENT = RankPlacement(1, "node-a", 3, "10.0.0.2", 4242)
     PICKLERS = [pickle, cloudpickle]
 except ImportError:
-    PLACEMENT = "node node-a (10.0.0.2), bundle 3, pid 4242"
     PICKLERS = [pickle]
 
 REPORTS = [

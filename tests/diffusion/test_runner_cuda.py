@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from vllm_omni.diffusion.config import StepCacheConfig
+from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward
-from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.worker.runner import PipelineRunner
 from vllm_omni.diffusion.worker.step_cache import CachedForward
 

@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_omni.diffusion.config import BatchingConfig, EngineLimits
+from vllm_omni.diffusion.engine.job import Job
 from vllm_omni.diffusion.engine.policy import MAX_OVERTAKES, QueuePolicy
-from vllm_omni.diffusion.engine.scheduler import InternalError, Job, QueueFull, Scheduler, Unavailable
+from vllm_omni.diffusion.engine.scheduler import InternalError, QueueFull, Scheduler, Unavailable
 from vllm_omni.diffusion.request import (
     DiffusionOutput,
     DiffusionRequest,

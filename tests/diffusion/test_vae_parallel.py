@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
+from vllm_omni.diffusion.model_source import resolve_model_path
 from vllm_omni.diffusion.worker.forward_chain import install_decode_split
-from vllm_omni.diffusion.worker.loader import resolve_model_path
 from vllm_omni.diffusion.worker.memory_plan import UNTILED_DECODE_BYTES_PER_PIXEL, untiled_decode_bytes
 from vllm_omni.diffusion.worker.vae_parallel import DecodeSplitVAE, decode_split_class
 

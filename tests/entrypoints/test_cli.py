@@ -185,7 +185,7 @@ def test_a_refusal_before_serving_is_one_line_with_exit_code_2(tmp_path, args, w
 
 
 def test_server_exits_nonzero_when_its_workers_cannot_be_brought_back(tmp_path):
-    from vllm_omni.diffusion.worker.loader import resolve_model_path
+    from vllm_omni.diffusion.model_source import resolve_model_path
 
     model = tmp_path / "model"
     shutil.copytree(resolve_model_path(MODEL), model)

@@ -18,8 +18,8 @@ from PIL import Image
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
+from vllm_omni.diffusion.model_source import ModelNotFoundError  # noqa: E402
 from vllm_omni.diffusion.request import DiffusionRequest, GenerationParams, RequestCancelled, RequestFailed  # noqa: E402
-from vllm_omni.diffusion.worker.loader import ModelNotFoundError  # noqa: E402
 
 # 208x272 -> 13x17 = 221 image tokens: padded at Ulysses 2 (by 1) and 3 (by 1).
 HEIGHT, WIDTH = 208, 272

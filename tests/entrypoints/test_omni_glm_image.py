@@ -23,8 +23,8 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.config import EngineLimits  # noqa: E402
 from vllm_omni.diffusion.engine.preprocess import RequestPreprocessor  # noqa: E402
+from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path  # noqa: E402
 from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestError  # noqa: E402
-from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path  # noqa: E402
 from vllm_omni.entrypoints.openai.errors import request_error  # noqa: E402
 
 MODEL = "tiny/glm-image"

@@ -20,8 +20,8 @@ import pytest
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
+from vllm_omni.diffusion.engine.job import Job  # noqa: E402
 from vllm_omni.diffusion.engine.policy import QueuePolicy  # noqa: E402
-from vllm_omni.diffusion.engine.scheduler import Job  # noqa: E402
 from vllm_omni.diffusion.request import GenerationParams  # noqa: E402
 
 MODEL = "tiny/qwen-image"

@@ -23,9 +23,9 @@ from vllm_omni.diffusion.config import EngineLimits  # noqa: E402
 from vllm_omni.diffusion.engine.adapters import LoraRegistry  # noqa: E402
 from vllm_omni.diffusion.engine.preprocess import RequestPreprocessor  # noqa: E402
 from vllm_omni.diffusion.images import decode_image  # noqa: E402
+from vllm_omni.diffusion.model_source import resolve_model_path  # noqa: E402
 from vllm_omni.diffusion.models.registry import TINY_MODELS  # noqa: E402
 from vllm_omni.diffusion.request import GenerationParams, RequestError  # noqa: E402
-from vllm_omni.diffusion.worker.loader import resolve_model_path  # noqa: E402
 
 ATOL = 2e-4  # merged against unmerged float32: ~1e-6; the adapters change pixels by 1e-2 and more
 QWEN = "tiny/qwen-image"

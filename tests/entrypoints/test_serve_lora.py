@@ -22,7 +22,7 @@ from lora_files import ATTENTION, make_adapter
 from server_process import HTTP_TIMEOUT_S, decode_image, start_server
 
 from vllm_omni.diffusion.engine.args import EngineArgs
-from vllm_omni.diffusion.worker.loader import resolve_model_path
+from vllm_omni.diffusion.model_source import resolve_model_path
 from vllm_omni.entrypoints.openai.errors import install_error_handlers
 from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, VideoCreateRequest
 from vllm_omni.entrypoints.openai.routes import models

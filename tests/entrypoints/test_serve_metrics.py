@@ -16,9 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_process import HTTP_TIMEOUT_S, start_server
 
 from vllm_omni.diffusion.engine.core import DiffusionEngine
-from vllm_omni.diffusion.engine.health import HealthState
 from vllm_omni.diffusion.engine.scheduler import Health
-from vllm_omni.diffusion.executor.protocol import Stats
+from vllm_omni.diffusion.protocol import HealthState, Stats
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 
 KEY = "metrics-test-key"

@@ -21,7 +21,7 @@ import openai
 import pytest
 from server_process import HTTP_TIMEOUT_S, decode_image, open_request, start_server
 
-from vllm_omni.diffusion.worker.loader import resolve_model_path
+from vllm_omni.diffusion.model_source import resolve_model_path
 from vllm_omni.testing.memory import TEST_GPU_MEMORY_ENV, TEST_MEASURED_STEP_ENV
 
 MODEL = "tiny/qwen-image"

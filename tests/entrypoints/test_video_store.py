@@ -22,7 +22,7 @@ import av
 import numpy as np
 import pytest
 
-from vllm_omni.diffusion.engine.scheduler import Job, JobError
+from vllm_omni.diffusion.engine.job import Job, JobError
 from vllm_omni.diffusion.request import DiffusionOutput, DiffusionRequest
 from vllm_omni.entrypoints.openai import media
 from vllm_omni.entrypoints.openai.video_store import (

@@ -11,12 +11,12 @@ import pytest
 import torch
 from diffusers.hooks import HookRegistry
 
+from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.models.family import FamilyPipeline, SequenceParallelTransformer, is_denoiser
 from vllm_omni.diffusion.models.registry import TINY_MODELS
 from vllm_omni.diffusion.models.wan22.pipeline import Wan22Family
 from vllm_omni.diffusion.worker.cuda_graphs import TEST_GRAPHS_ENV, CUDAGraphForward
 from vllm_omni.diffusion.worker.forward_chain import CountForwards
-from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.worker.runner import PipelineRunner
 
 

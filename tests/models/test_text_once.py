@@ -15,9 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
+from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path
 from vllm_omni.diffusion.models.registry import TINY_MODELS
 from vllm_omni.diffusion.request import DiffusionRequest
-from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
 
 
 def _image(width: int, height: int, seed: int = 0) -> Image.Image:

@@ -156,7 +156,7 @@ ATTENTION_BACKENDS = ("sdpa", "sdpa_masked", "cudnn_fp8")  # the kernels of atte
 PLACEMENTS = ("none", "encoders", "model", "layerwise")
 CPU_OFFLOAD_MODES = ("auto", *PLACEMENTS)
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # the queue's order (diffusion/engine/policy.py)
-MAX_NUM_SEQS = 8  # the most requests in flight on a worker group (executor/protocol.py CANCEL_SLOTS holds their flags)
+MAX_NUM_SEQS = 8  # the most requests in flight on a worker group (diffusion/protocol.py CANCEL_SLOTS holds their flags)
 
 
 @dataclass(frozen=True)

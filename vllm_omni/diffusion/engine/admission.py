@@ -149,7 +149,7 @@ def plan_deploy(args: Any, gpu_bytes: int) -> DeployPlan:
     with the weights from the checkpoint's safetensors headers or, where it holds only configs, its modules built
     on the meta device. Reads no weight and needs no GPU."""
     from vllm_omni.diffusion.engine.preprocess import bucket_target_size
-    from vllm_omni.diffusion.worker.loader import read_pipeline_spec, resolve_model_path
+    from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path
     from vllm_omni.diffusion.worker.memory_plan import plan_rank
     from vllm_omni.diffusion.worker.runner import present_components
 

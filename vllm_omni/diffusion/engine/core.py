@@ -23,25 +23,24 @@ from vllm_omni.diffusion.config import EngineLimits, Envelope, OmniDiffusionConf
 from vllm_omni.diffusion.engine import admission
 from vllm_omni.diffusion.engine.adapters import LoraRegistry
 from vllm_omni.diffusion.engine.batching import batch_key
-from vllm_omni.diffusion.engine.health import HealthState
 from vllm_omni.diffusion.engine.preprocess import RequestPreprocessor
 from vllm_omni.diffusion.executor.base import WorkerGroupExecutor
 from vllm_omni.diffusion.executor.multiproc import MultiprocExecutor
-from vllm_omni.diffusion.executor.protocol import ProgressCallback
+from vllm_omni.diffusion.model_source import (
+    RAY_MISSING,
+    check_pipeline_options,
+    check_ulysses_degree,
+    read_pipeline_spec,
+    resolve_model_path,
+)
 from vllm_omni.diffusion.models.registry import PipelineSpec
+from vllm_omni.diffusion.protocol import HealthState, ProgressCallback
 from vllm_omni.diffusion.request import (
     DiffusionOutput,
     DiffusionRequest,
     GenerationParams,
     RequestCancelled,
     RequestError,
-)
-from vllm_omni.diffusion.worker.loader import (
-    RAY_MISSING,
-    check_pipeline_options,
-    check_ulysses_degree,
-    read_pipeline_spec,
-    resolve_model_path,
 )
 from vllm_omni.diffusion.worker.quantization import check_quantization
 from vllm_omni.diffusion.worker.step_cache import step_cache_report

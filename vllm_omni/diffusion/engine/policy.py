@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from vllm_omni.diffusion.config import SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.engine.scheduler import Job
+    from vllm_omni.diffusion.engine.job import Job
 
 MAX_OVERTAKES = 4  # fair: the most jobs queued after a job that may run before it
 

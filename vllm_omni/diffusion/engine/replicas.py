@@ -11,8 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from vllm_omni.diffusion.config import EngineLimits, Envelope, OmniDiffusionConfig
-from vllm_omni.diffusion.engine.health import HealthState
-from vllm_omni.diffusion.executor.protocol import ProgressCallback
+from vllm_omni.diffusion.protocol import HealthState, ProgressCallback
 from vllm_omni.diffusion.request import DiffusionRequest, GenerationParams
 from vllm_omni.logger import init_logger
 

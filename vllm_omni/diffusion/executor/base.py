@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.diffusion.config import Envelope, OmniDiffusionConfig
-from vllm_omni.diffusion.executor.protocol import (
+from vllm_omni.diffusion.protocol import (
     CANCEL_SLOTS,
     Cancelled,
     Done,

@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_omni.diffusion.config import OmniDiffusionConfig
 from vllm_omni.diffusion.executor.base import WorkerGroupExecutor
-from vllm_omni.diffusion.executor.protocol import CANCEL_SLOTS, RankReport
+from vllm_omni.diffusion.protocol import CANCEL_SLOTS, RankReport
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.worker.worker import worker_main
 

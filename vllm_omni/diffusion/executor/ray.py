@@ -40,7 +40,6 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +56,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 
 from vllm_omni.diffusion.config import OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.executor.base import WorkerGroupExecutor, WorkerStartError  # noqa: E402
-from vllm_omni.diffusion.executor.protocol import CANCEL_SLOTS, Done, LoadFailed, Log, Placed, RankReport  # noqa: E402
+from vllm_omni.diffusion.protocol import (  # noqa: E402
+    CANCEL_SLOTS,
+    Done,
+    LoadFailed,
+    Log,
+    Placed,
+    RankPlacement,
+    RankReport,
+)
 from vllm_omni.diffusion.request import DiffusionRequest  # noqa: E402
 from vllm_omni.logger import init_logger  # noqa: E402
 
@@ -164,20 +171,6 @@ class RaySession:
                     ray.shutdown()
 
 
-@dataclass(frozen=True)
-class RankPlacement:
-    """Where a rank runs: node id and bundle index name it (an IP may be shared by several nodes)."""
-
-    rank: int
-    node_id: str
-    bundle_index: int
-    ip: str
-    pid: int
-
-    def __str__(self) -> str:
-        return f"node {self.node_id[:12]} ({self.ip}), bundle {self.bundle_index}, pid {self.pid}"
-
-
 class _CancelToken:
     """The cancel tokens the executor flagged last (worker.run_rank reads `[:]`)."""
 
@@ -241,7 +234,7 @@ class RankActor:
         self._thread.start()
 
     def _run(self, config: OmniDiffusionConfig, model_path: str, init_method: str) -> None:
-        from vllm_omni.diffusion.worker.loader import resolve_model_path
+        from vllm_omni.diffusion.model_source import resolve_model_path
         from vllm_omni.diffusion.worker.worker import run_rank
 
         try:

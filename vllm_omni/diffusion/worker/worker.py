@@ -3,7 +3,7 @@
 MultiprocExecutor (executor/multiproc.py) runs it in a process per rank (`worker_main`),
 RayExecutor (executor/ray.py) in a thread of a Ray actor per rank. Every rank runs the whole
 pipeline on the same request and seed; rank 0 sends the images back. What a rank reports (ready,
-progress, a failed graph capture, stats, done / cancelled / failed) is in executor/protocol.py:
+progress, a failed graph capture, stats, done / cancelled / failed) is in diffusion/protocol.py:
 the executor's deadlines read the progress, and it tells a request that failed everywhere (bad
 input) from one that left ranks stuck in a collective (it restarts the group). A worker process
 never outlives the executor's process (`bind_lifetime_to_parent`).
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni.diffusion.config import PLACEMENTS, OmniDiffusionConfig
-from vllm_omni.diffusion.executor.protocol import (
+from vllm_omni.diffusion.protocol import (
     Cancelled,
     Done,
     Failed,
@@ -128,7 +128,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
 
     from vllm_omni.diffusion.attention.backends import configure_attention_backend
     from vllm_omni.diffusion.distributed.parallel_state import initialize_parallel_state, most_of_ranks
-    from vllm_omni.diffusion.worker.loader import read_pipeline_spec, ulysses_degree_error
+    from vllm_omni.diffusion.model_source import read_pipeline_spec, ulysses_degree_error
     from vllm_omni.diffusion.worker.memory_plan import plan_rank
     from vllm_omni.diffusion.worker.offload import AUTO_PLACEMENT_REASONS
     from vllm_omni.diffusion.worker.runner import PipelineRunner, present_components, skipped_text_encoders

@@ -76,7 +76,7 @@ def check_before_start(engine: EngineArgs) -> None:
     downloaded here, with its progress bars), its pipeline served, the options it cannot take, a missing extra.
     A ValueError (one line) says which; cli/main.py prints it with exit code 2. The engine checks all of it again.
     Imports torch only for the options that need a device (quantization, attention backend)."""
-    from vllm_omni.diffusion.worker.loader import (
+    from vllm_omni.diffusion.model_source import (
         RAY_MISSING,
         check_pipeline_options,
         check_ulysses_degree,

@@ -21,7 +21,7 @@ server already holds and never asks the workers:
   `vllm_omni_request_bodies_reading` (bodies being read, before their requests are queued),
   `vllm_omni_running_requests`, `vllm_omni_worker_restarts_total`,
   `vllm_omni_graph_capture_failures_total`, `vllm_omni_server_state{state}` (1 for the current one
-  of engine.health.HEALTH_STATES); per replica
+  of protocol.HEALTH_STATES); per replica
   (data_parallel_size): `vllm_omni_replica_running_requests{replica}` (in flight on its group: with
   interleaving, the running one and those run inside it),
   `vllm_omni_replica_state{replica, state}`, `vllm_omni_replica_worker_restarts_total{replica}`;
@@ -52,10 +52,11 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from vllm_omni.diffusion.engine.health import HEALTH_STATES
+from vllm_omni.diffusion.protocol import HEALTH_STATES
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.engine.scheduler import Job, Scheduler
+    from vllm_omni.diffusion.engine.job import Job
+    from vllm_omni.diffusion.engine.scheduler import Scheduler
 
 # Seconds, from a tiny model's fraction of a second to a long video's tens of minutes.
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)

@@ -1,9 +1,11 @@
-"""What a rank reports to its executor (one frozen dataclass per report), and the group's health states.
+"""The rank protocol: what a rank reports to its executor (one frozen dataclass per report), where a Ray rank
+runs, and the group's health states.
 
-The worker (worker.run_rank) and a Ray rank actor (ray.RankActor) send these; the executors
+The worker (worker.run_rank) and a Ray rank actor (executor/ray.RankActor) send these; the executors
 (base.WorkerGroupExecutor, ray.RayExecutor) match them by type. They cross processes pickled (a
-multiprocessing queue, Ray's object store), so they hold plain data. `HealthState` lives here, the
-lowest layer that needs it (the executor's status); engine/health.py gives it to the layers above.
+multiprocessing queue, Ray's object store), so they hold plain data. A contract between the layers, it sits at the
+bottom: the worker, the executor, the engine, the scheduler and /metrics all import it, and it imports only the
+bottom (config, request).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from vllm_omni.diffusion.request import RequestError
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from vllm_omni.diffusion.executor.ray import RankPlacement
 
 # loading: the first load; warming_up: a loaded group runs its warm-up requests; ok: serving;
 # restarting: a new group loads after a restart; unhealthy: a worker died while idle (respawned
@@ -66,6 +66,20 @@ class Log(RankReport):
     """A Ray rank's vllm_omni log record, plain data, for the driver's log."""
 
     record: logging.LogRecord
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where a rank runs: node id and bundle index name it (an IP may be shared by several nodes)."""
+
+    rank: int
+    node_id: str
+    bundle_index: int
+    ip: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"node {self.node_id[:12]} ({self.ip}), bundle {self.bundle_index}, pid {self.pid}"
 
 
 @dataclass(frozen=True)
