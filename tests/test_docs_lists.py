@@ -1,11 +1,13 @@
-"""docs/serving.md's lists that the code owns: the tiny models (registry TINY_MODELS), the tiny LoRA adapters
-and the packaged deploy configs (vllm_omni/deploy/*.yaml). Each list names every one and nothing else."""
+"""docs/serving.md's lists that the code owns: the tiny models (registry TINY_MODELS), the tiny LoRA adapters,
+the packaged deploy configs (vllm_omni/deploy/*.yaml) and the environment variables a user sets (envs.py). Each list
+names every one and nothing else."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from vllm_omni import envs
 from vllm_omni.diffusion.models.registry import TINY_MODELS
 from vllm_omni.diffusion.models.tiny_lora import tiny_adapters
 from vllm_omni.entrypoints.deploy_config import PACKAGED_DIR
@@ -39,3 +41,9 @@ def test_serving_docs_name_every_packaged_deploy_config():
     row = _between("| `--deploy-config PATH` |", "\n")
     packaged = sorted(path.stem for path in PACKAGED_DIR.glob("*.yaml"))
     assert sorted(_quoted(row.split("by name:", 1)[1])) == packaged, f"write: {', '.join(packaged)}"
+
+
+def test_serving_docs_name_every_environment_variable_a_user_sets():
+    paragraph = _between("Environment (`vllm_omni/envs.py` declares ours)", "\n\n")
+    listed = [name.split("=")[0] for name in _quoted(paragraph) if name.startswith(envs.PREFIX)]
+    assert listed == list(envs.USER_VARIABLES), f"write: {', '.join(f'`{name}`' for name in envs.USER_VARIABLES)}"

@@ -154,3 +154,30 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
     assert layer("vllm_omni.diffusion.config") == layer("vllm_omni.diffusion.protocol") == 0  # the contracts
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_environment_variables_are_spelled_only_in_envs():
+    """Every VLLM_OMNI_* variable is declared in vllm_omni/envs.py; code elsewhere reads it by that name (docstrings
+    and comments may mention it)."""
+    offenders = []
+    for name, path in MODULES.items():
+        if name == "vllm_omni.envs":
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        offenders += [
+            f"{name}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and "VLLM_OMNI_" in node.value
+            and id(node) not in docstrings
+        ]
+    assert not offenders, offenders

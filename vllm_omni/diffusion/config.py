@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from vllm_omni import envs
+
 PaddingMode = Literal["mask", "trim", "none"]
 ExecutorBackend = Literal["mp", "ray"]
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -299,9 +301,9 @@ class OmniDiffusionConfig:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model must be a non-empty model id or path")
         if self.load_timeout_s is None:
-            self.load_timeout_s = _seconds_from_env("VLLM_OMNI_LOAD_TIMEOUT_S", 600.0)
+            self.load_timeout_s = _seconds_from_env(envs.LOAD_TIMEOUT_S, 600.0)
         if self.stall_timeout_s is None:
-            self.stall_timeout_s = _seconds_from_env("VLLM_OMNI_STALL_TIMEOUT_S", 300.0)
+            self.stall_timeout_s = _seconds_from_env(envs.STALL_TIMEOUT_S, 300.0)
         if isinstance(self.replica, bool) or not isinstance(self.replica, int) or self.replica < 0:
             raise ValueError(f"replica must be a non-negative integer, got {self.replica!r}")
         _check_seconds("load_timeout_s", self.load_timeout_s)

@@ -13,12 +13,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vllm_omni import envs
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
-TEST_FAULT_ENV = "VLLM_OMNI_TEST_FAULT"
+TEST_FAULT_ENV = envs.TEST_FAULT
 KINDS = ("hang", "raise", "pause", "oom", "leak")
 PHASES = ("step", "decode", "encode", "text", "lora")
 LEAK_BYTES = 64 * 1024

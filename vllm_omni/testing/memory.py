@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 
-TEST_GPU_MEMORY_ENV = "VLLM_OMNI_TEST_GPU_MEMORY"
-TEST_MEASURED_STEP_ENV = "VLLM_OMNI_TEST_MEASURED_STEP"
+from vllm_omni import envs
+
+TEST_GPU_MEMORY_ENV = envs.TEST_GPU_MEMORY
+TEST_MEASURED_STEP_ENV = envs.TEST_MEASURED_STEP
 _UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 

@@ -12,9 +12,10 @@ import os
 
 import torch
 
+from vllm_omni import envs
 from vllm_omni.diffusion.request import DiffusionRequest
 
-TRACE_ENV = "VLLM_OMNI_TEST_MEMORY_TRACE"
+TRACE_ENV = envs.TEST_MEMORY_TRACE
 
 
 class MemoryTrace:

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ENV_VAR = "VLLM_OMNI_ATTENTION_BACKEND"
+from vllm_omni import envs
+
+ENV_VAR = envs.ATTENTION_BACKEND
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from vllm_omni import envs
 from vllm_omni.diffusion.config import (
     ATTENTION_BACKENDS,
     CACHE_POLICIES,
@@ -336,7 +337,7 @@ class EngineArgs:
         "engine",
         "attention kernel: sdpa (dense), sdpa_masked, or cudnn_fp8 (cuDNN's FP8 attention on Hopper or newer, "
         "lossy; needs pip install -e '.[fp8]') (default: sdpa_masked when the padding is masked, else sdpa; "
-        "env VLLM_OMNI_ATTENTION_BACKEND)",
+        f"env {envs.ATTENTION_BACKEND})",
         ENGINE,
         choices=ATTENTION_BACKENDS,
     )
@@ -373,7 +374,7 @@ class EngineArgs:
     load_timeout_s: float | None = option(
         "engine",
         "every worker must have loaded the model within this, or the start fails "
-        "(default: env VLLM_OMNI_LOAD_TIMEOUT_S, else 600)",
+        f"(default: env {envs.LOAD_TIMEOUT_S}, else 600)",
         ENGINE,
         flag="--load-timeout",
         type=positive_seconds,
@@ -382,7 +383,7 @@ class EngineArgs:
     stall_timeout_s: float | None = option(
         "engine",
         "a request in which no worker reports progress (a finished step) for this long fails and the "
-        "workers restart (default: env VLLM_OMNI_STALL_TIMEOUT_S, else 300)",
+        f"workers restart (default: env {envs.STALL_TIMEOUT_S}, else 300)",
         ENGINE,
         flag="--stall-timeout",
         type=positive_seconds,

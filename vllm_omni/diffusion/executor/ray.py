@@ -54,6 +54,7 @@ from ray.exceptions import GetTimeoutError, RayActorError  # noqa: E402
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
+from vllm_omni import envs
 from vllm_omni.diffusion.config import OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.executor.base import WorkerGroupExecutor, WorkerStartError  # noqa: E402
 from vllm_omni.diffusion.protocol import (  # noqa: E402
@@ -72,14 +73,14 @@ logger = init_logger(__name__)
 
 POLL_WAIT_S = 1.0  # an actor's poll returns empty after this long without a report
 KILL_WAIT_S = 10.0  # a killed group's actors are gone within this (their GPUs are free for the next group)
-LOG_TO_DRIVER_ENV = "VLLM_OMNI_RAY_LOG_TO_DRIVER"
+LOG_TO_DRIVER_ENV = envs.RAY_LOG_TO_DRIVER
 # Actor calls run on a pool of this many threads: the lifeline, a poll, and control calls beside them.
 ACTOR_THREADS = 4
 
 
 def forwarded_env() -> dict[str, str]:
     """The variables of this process that every actor gets: vllm_omni's own settings."""
-    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_OMNI_") or k == "VLLM_LOGGING_LEVEL"}
+    return {k: v for k, v in os.environ.items() if k.startswith(envs.PREFIX) or k == "VLLM_LOGGING_LEVEL"}
 
 
 @contextmanager

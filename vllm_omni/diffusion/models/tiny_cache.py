@@ -13,10 +13,12 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
+from vllm_omni import envs
+
 
 def cache_root(cache_dir: str | None = None) -> pathlib.Path:
     if cache_dir is None:
-        cache_dir = os.environ.get("VLLM_OMNI_CACHE") or os.path.join("~", ".cache", "vllm_omni")
+        cache_dir = os.environ.get(envs.CACHE) or os.path.join("~", ".cache", "vllm_omni")
     return pathlib.Path(cache_dir).expanduser()
 
 

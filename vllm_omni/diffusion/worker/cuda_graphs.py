@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_omni import envs
 from vllm_omni.diffusion.attention.backends import attention_precision
 from vllm_omni.diffusion.distributed.parallel_state import every_sp_rank, get_parallel_state
 from vllm_omni.diffusion.distributed.sequence_parallel import fresh_sp_context
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-TEST_GRAPHS_ENV = "VLLM_OMNI_TEST_CUDA_GRAPHS"  # switches on vllm_omni/testing/graphs.py
+TEST_GRAPHS_ENV = envs.TEST_CUDA_GRAPHS  # switches on vllm_omni/testing/graphs.py
 
 
 def simulated_graphs_from_env() -> SimulatedGraphs | None:

@@ -14,11 +14,12 @@ import threading
 import time
 from pathlib import Path
 
+from vllm_omni import envs
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
-ENV_VAR = "VLLM_OMNI_PREFETCH_WEIGHTS"
+ENV_VAR = envs.PREFETCH_WEIGHTS
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 CHUNK = 16 * 2**20
 

@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from vllm_omni import envs
 from vllm_omni.diffusion.config import PLACEMENTS, OmniDiffusionConfig
 from vllm_omni.diffusion.protocol import (
     Cancelled,
@@ -48,8 +49,8 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _cpu_threads(world_size: int) -> int:
-    if "VLLM_OMNI_CPU_THREADS" in os.environ:
-        return max(1, int(os.environ["VLLM_OMNI_CPU_THREADS"]))
+    if envs.CPU_THREADS in os.environ:
+        return max(1, int(os.environ[envs.CPU_THREADS]))
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
