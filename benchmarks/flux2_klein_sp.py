@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
 from benchmarks.forward_timing import agreement, init_parallel, time_variants, with_padding_mode  # noqa: E402
 from benchmarks.sp_forward import CompiledBlocks, build_shared_models, switched_on, with_cuda_graphs  # noqa: E402
-from vllm_omni.diffusion.models.flux2 import Flux2Transformer2DModel  # noqa: E402
+from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel  # noqa: E402
 from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks  # noqa: E402
 
 COMMON = dict(

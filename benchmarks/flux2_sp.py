@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.sp_forward import ForwardBenchmark, build_shared_models, main  # noqa: E402
-from vllm_omni.diffusion.models.flux2 import Flux2Transformer2DModel  # noqa: E402
+from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel  # noqa: E402
 
 # black-forest-labs/FLUX.2-dev transformer/config.json (equal to the diffusers 0.42.1 defaults).
 REAL_CONFIG = dict(

@@ -65,8 +65,8 @@ from benchmarks.sp_forward import build_shared_models  # noqa: E402
 from benchmarks.wan22_sp import DEFAULT, compiled_forwards, own_block_code, ratios, variants  # noqa: E402
 from vllm_omni.diffusion.config import DiffusionParallelConfig  # noqa: E402
 from vllm_omni.diffusion.distributed.parallel_state import initialize_simulated_parallel_state  # noqa: E402
-from vllm_omni.diffusion.models.glm_image import GlmImageTransformer2DModel  # noqa: E402
 from vllm_omni.diffusion.models.glm_image.pipeline import FAMILY, generate_prior_tokens  # noqa: E402
+from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel  # noqa: E402
 
 # zai-org/GLM-Image transformer/config.json.
 REAL_DIT = dict(

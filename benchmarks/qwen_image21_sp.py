@@ -44,7 +44,7 @@ from benchmarks.forward_timing import ParallelSetup, agreement, time_variants  #
 from benchmarks.glm_image import device_name, host_timing, parallel_setup, size_label  # noqa: E402
 from benchmarks.sp_forward import build_shared_models  # noqa: E402
 from benchmarks.wan22_sp import DEFAULT, compiled_forwards, own_block_code, ratios, variants  # noqa: E402
-from vllm_omni.diffusion.models.qwen_image21 import QwenImage21Transformer2DModel  # noqa: E402
+from vllm_omni.diffusion.models.qwen_image21.transformer import QwenImage21Transformer2DModel  # noqa: E402
 
 # diffusers 0.42.1 QwenImage21Transformer2DModel.__init__ defaults (its docstring: "The single-stream
 # Transformer used by Qwen-Image 2.1").

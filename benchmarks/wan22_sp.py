@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.docs_table import replace_section  # noqa: E402
 from benchmarks.forward_timing import agreement, init_parallel, time_variants, with_padding_mode  # noqa: E402
 from benchmarks.sp_forward import CompiledBlocks, build_shared_models, switched_on, with_cuda_graphs  # noqa: E402
-from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel  # noqa: E402
+from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel  # noqa: E402
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward  # noqa: E402
 
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers transformer/config.json (equal to the diffusers 0.42.1 defaults).

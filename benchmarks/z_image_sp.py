@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.sp_forward import ForwardBenchmark, build_shared_models, main  # noqa: E402
-from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel  # noqa: E402
+from vllm_omni.diffusion.models.z_image.transformer import ZImageTransformer2DModel  # noqa: E402
 
 # diffusers 0.42.1 ZImageTransformer2DModel.__init__ defaults (Tongyi-MAI/Z-Image-Turbo's transformer).
 REAL_CONFIG = dict(

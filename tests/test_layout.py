@@ -101,11 +101,9 @@ def find_cycles(graph: dict[str, set[str]]) -> list[str]:
     return cycles
 
 
-# Cycles through imports inside functions or `TYPE_CHECKING` blocks that are still to be broken (issue 45): a
-# family's spec and its contract reach each other (models/spec.py takes PipelineSpec out of the registry), and the
+# Cycles through imports inside functions or `TYPE_CHECKING` blocks that are still to be broken (issue 45): the
 # graph capture's test double is imported by what it doubles (test seams injected, testing/hooks.py).
 KNOWN_CYCLES = {
-    "vllm_omni.diffusion.models.family -> vllm_omni.diffusion.models.registry -> vllm_omni.diffusion.models.family",
     "vllm_omni.diffusion.worker.cuda_graphs -> vllm_omni.testing.graphs -> vllm_omni.diffusion.worker.cuda_graphs",
 }
 
@@ -149,8 +147,8 @@ def test_nothing_under_diffusion_imports_a_web_framework_or_vllm():
 def test_the_checks_see_an_upward_import_and_a_cycle():
     """The layering tests can fail: they read real imports, order the layers and find a cycle."""
     runner = "vllm_omni.diffusion.worker.runner"
-    assert "vllm_omni.diffusion.models.registry" in {module for module, _ in imports(runner, top_level_only=True)}
-    assert layer("vllm_omni.entrypoints.omni") > layer(runner) > layer("vllm_omni.diffusion.models.registry") > 0
+    assert "vllm_omni.diffusion.models.spec" in {module for module, _ in imports(runner, top_level_only=True)}
+    assert layer("vllm_omni.entrypoints.omni") > layer(runner) > layer("vllm_omni.diffusion.models.spec") > 0
     assert layer("vllm_omni.diffusion.config") == layer("vllm_omni.diffusion.protocol") == 0  # the contracts
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
     assert find_cycles({"a": {"b"}, "b": set()}) == []

@@ -17,7 +17,7 @@ from vllm_omni.diffusion.attention.backends import configure_attention_backend
 from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.comm import SimulatedGroup
 from vllm_omni.diffusion.distributed.parallel_state import ParallelState, use_parallel_state
-from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

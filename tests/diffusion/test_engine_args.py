@@ -185,6 +185,8 @@ def test_the_earlier_shorthands_of_omni_still_set_the_options():
 
 def test_engine_args_import_neither_torch_nor_the_server_and_are_exported():
     script = "import sys\nfrom vllm_omni import EngineArgs\nEngineArgs('m').engine_config()\n"
+    # The families' specs too (each package's spec.py, through the registry), as the engine reads a model.
+    script += "import vllm_omni.diffusion.model_source, vllm_omni.diffusion.models.registry\n"
     script += "print(sorted(m for m in ('torch', 'fastapi', 'diffusers') if m in sys.modules))\n"
     repo = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=repo)

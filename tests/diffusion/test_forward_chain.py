@@ -15,7 +15,7 @@ import torch
 from tiny_qwen_transformer import QWEN_CONFIG, qwen_inputs
 
 from vllm_omni.diffusion.config import StepCacheConfig
-from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel
 from vllm_omni.diffusion.worker.forward_chain import chain_of, install_denoiser_chain
 from vllm_omni.diffusion.worker.step_cache import CacheRecord

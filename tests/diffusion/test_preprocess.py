@@ -20,7 +20,8 @@ from PIL import Image
 from vllm_omni.diffusion.config import EngineLimits
 from vllm_omni.diffusion.engine.preprocess import RequestPreprocessor
 from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_path
-from vllm_omni.diffusion.models.registry import REGISTRY, bucket_size
+from vllm_omni.diffusion.models.registry import REGISTRY
+from vllm_omni.diffusion.models.spec import bucket_size
 from vllm_omni.diffusion.request import GenerationParams, RequestError
 
 _folders: dict[str, object] = {}

@@ -14,7 +14,8 @@ import yaml
 from pydantic import ValidationError
 
 from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME, SAMPLING_FIELDS
-from vllm_omni.diffusion.models.registry import FAMILIES, REGISTRY, VIDEO_FIELDS
+from vllm_omni.diffusion.models.registry import FAMILIES, REGISTRY
+from vllm_omni.diffusion.models.spec import VIDEO_FIELDS
 from vllm_omni.diffusion.request import GenerationParams
 from vllm_omni.entrypoints.cli.generate import SERVER_ONLY_FIELDS
 from vllm_omni.entrypoints.cli.main import build_parser

@@ -59,7 +59,7 @@ def test_two_shapes_make_the_compiled_blocks_dynamic():
     """Why the second request: after two shapes, no further size or text length compiles a graph."""
     import torch._dynamo.utils as dynamo_utils
 
-    from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
+    from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
     from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks
 
     torch._dynamo.reset()

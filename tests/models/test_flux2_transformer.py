@@ -15,7 +15,7 @@ from sp_cases import sp_mode, worker_model
 from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.comm import SimulatedGroup
 from vllm_omni.diffusion.distributed.parallel_state import ParallelState, get_parallel_state, use_parallel_state
-from vllm_omni.diffusion.models.flux2 import Flux2Transformer2DModel
+from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel
 from vllm_omni.logger import reset_warning_once
 
 CONFIG = dict(

@@ -17,7 +17,7 @@ from diffusers import GlmImageTransformer2DModel as ReferenceTransformer
 from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 from sp_cases import sp_mode, worker_model
 
-from vllm_omni.diffusion.models.glm_image import GlmImageTransformer2DModel
+from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel
 
 TEXT_DIM, CODEBOOK, LATENT_CHANNELS = 32, 128, 16
 CONFIG = dict(

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from vllm_omni.diffusion.models.hunyuan_video_15.pipeline import FAMILY
 from vllm_omni.diffusion.models.hunyuan_video_15.tiny import TINY_MODELS, build_tiny_model
-from vllm_omni.diffusion.models.registry import PipelineSpec
+from vllm_omni.diffusion.models.spec import PipelineSpec
 from vllm_omni.diffusion.request import DiffusionRequest
 
 HEIGHT, WIDTH, FRAMES = 144, 176, 9  # 3 x 9 x 11 latent grid

@@ -20,13 +20,13 @@ import test_z_image_transformer as z_image_case
 import torch
 from tiny_qwen_transformer import QWEN_CONFIG, qwen_inputs
 
-from vllm_omni.diffusion.models.flux2 import Flux2Transformer2DModel
+from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel
 from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel
-from vllm_omni.diffusion.models.hunyuan_video_15 import HunyuanVideo15Transformer3DModel
-from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
-from vllm_omni.diffusion.models.qwen_image21 import QwenImage21Transformer2DModel
-from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel
-from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
+from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
+from vllm_omni.diffusion.models.qwen_image21.transformer import QwenImage21Transformer2DModel
+from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel
+from vllm_omni.diffusion.models.z_image.transformer import ZImageTransformer2DModel
 from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks
 
 FAMILIES = {

@@ -16,7 +16,7 @@ import torch
 from diffusers import WanTransformer3DModel as ReferenceTransformer
 from sp_cases import sp_mode, worker_model
 
-from vllm_omni.diffusion.models.wan22 import WanTransformer3DModel
+from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel
 
 TEXT_DIM, TEXT_LEN = 32, 512
 BASE = dict(

@@ -16,7 +16,7 @@ from sp_cases import sp_mode, worker_model
 from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.comm import SimulatedGroup
 from vllm_omni.diffusion.distributed.parallel_state import ParallelState, use_parallel_state
-from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
+from vllm_omni.diffusion.models.z_image.transformer import ZImageTransformer2DModel
 from vllm_omni.logger import reset_warning_once
 
 CONFIG = dict(

@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 
 from vllm_omni.diffusion.models.family import attention_heads
-from vllm_omni.diffusion.models.registry import TINY_MODELS, PipelineSpec, spec_for
+from vllm_omni.diffusion.models.registry import TINY_MODELS, spec_for
+from vllm_omni.diffusion.models.spec import PipelineSpec
 
 # The install hint for the ray extra, from a clone (PyPI's vllm-omni is another project).
 RAY_MISSING = "distributed_executor_backend='ray' needs Ray on every node: pip install -e '.[ray]' from a clone"

@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 from vllm_omni.diffusion.config import Admission, EngineLimits, Envelope
-from vllm_omni.diffusion.models.registry import PipelineSpec
+from vllm_omni.diffusion.models.spec import PipelineSpec
 from vllm_omni.diffusion.request import DiffusionRequest, GenerationParams
 
 # The source image a default (or measured) edit sends: the pipelines resize sources to about 1 MP.

@@ -33,7 +33,7 @@ from vllm_omni.diffusion.model_source import (
     read_pipeline_spec,
     resolve_model_path,
 )
-from vllm_omni.diffusion.models.registry import PipelineSpec
+from vllm_omni.diffusion.models.spec import PipelineSpec
 from vllm_omni.diffusion.protocol import HealthState, ProgressCallback
 from vllm_omni.diffusion.request import (
     DiffusionOutput,

@@ -26,7 +26,7 @@ from typing import Any
 from vllm_omni.diffusion.config import EngineLimits, Envelope, StepCacheConfig
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.diffusion.images import inspect_image
-from vllm_omni.diffusion.models.registry import PipelineSpec
+from vllm_omni.diffusion.models.spec import PipelineSpec
 from vllm_omni.diffusion.request import DiffusionRequest, GenerationParams, LoraRequest, RequestError
 from vllm_omni.logger import init_logger
 

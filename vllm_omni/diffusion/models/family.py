@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from vllm_omni.diffusion.models.registry import PipelineSpec
+    from vllm_omni.diffusion.models.spec import PipelineSpec
     from vllm_omni.diffusion.request import DiffusionRequest
 
 

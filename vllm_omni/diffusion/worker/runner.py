@@ -33,7 +33,7 @@ from vllm_omni.diffusion.distributed.comm import SourceFailed, broadcast_tensors
 from vllm_omni.diffusion.distributed.parallel_state import every_rank, get_parallel_state, same_on_every_rank
 from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, attention_heads, undeclared_denoisers
-from vllm_omni.diffusion.models.registry import PipelineSpec
+from vllm_omni.diffusion.models.spec import PipelineSpec
 from vllm_omni.diffusion.protocol import RunPhase
 from vllm_omni.diffusion.request import DiffusionRequest, LoraRequest, RequestError
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, swap_prompts

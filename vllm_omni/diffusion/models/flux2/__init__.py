@@ -1,5 +1,4 @@
-"""FLUX.2: the SP transformer, the pipeline adapter and the tiny model."""
+"""FLUX.2: the SP transformer, the pipeline adapter and the tiny model.
 
-from .transformer import Flux2Transformer2DModel
-
-__all__ = ["Flux2Transformer2DModel"]
+spec.py (torch-free: the registry imports it without the model code), pipeline.py, transformer.py, tiny.py.
+"""

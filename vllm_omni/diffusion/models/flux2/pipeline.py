@@ -22,7 +22,7 @@ from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.models.registry import PipelineSpec
+    from vllm_omni.diffusion.models.spec import PipelineSpec
 
 
 class Flux2Family(FamilyPipeline):

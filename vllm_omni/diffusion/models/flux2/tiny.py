@@ -22,13 +22,10 @@ import pathlib
 
 import torch
 
+from vllm_omni.diffusion.models.flux2.spec import FAMILY
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 
-TINY_MODELS: dict[str, str] = {
-    "tiny/flux2": "Flux2Pipeline",
-    "tiny/flux2-klein": "Flux2KleinPipeline",
-    "tiny/flux2-klein-kv": "Flux2KleinKVPipeline",
-}
+TINY_MODELS: dict[str, str] = FAMILY.tiny_models  # name -> diffusers pipeline, declared in spec.py
 
 # Bump when the generated folder changes so stale caches are not reused.
 _CACHE_VERSION = "v1"

@@ -1,5 +1,4 @@
-"""GLM-Image (text-to-image: an autoregressive stage, then the DiT): SP transformer, pipeline adapter, tiny model."""
+"""GLM-Image (text-to-image: an autoregressive stage, then the DiT): SP transformer, pipeline adapter, tiny model.
 
-from .transformer import GlmImageTransformer2DModel
-
-__all__ = ["GlmImageTransformer2DModel"]
+spec.py (torch-free: the registry imports it without the model code), pipeline.py, transformer.py, tiny.py.
+"""

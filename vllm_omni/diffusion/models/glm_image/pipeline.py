@@ -38,7 +38,7 @@ from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer
 from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.models.registry import PipelineSpec
+    from vllm_omni.diffusion.models.spec import PipelineSpec
 
 DEFAULT_GUIDANCE_SCALE = 1.5  # the pipeline's `guidance_scale` default
 

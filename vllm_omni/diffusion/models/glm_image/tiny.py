@@ -19,9 +19,10 @@ import pathlib
 
 import torch
 
+from vllm_omni.diffusion.models.glm_image.spec import FAMILY
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 
-TINY_MODELS: dict[str, str] = {"tiny/glm-image": "GlmImagePipeline"}
+TINY_MODELS: dict[str, str] = FAMILY.tiny_models  # name -> diffusers pipeline, declared in spec.py
 
 # Bump when the generated folder changes so stale caches are not reused.
 _CACHE_VERSION = "v2"

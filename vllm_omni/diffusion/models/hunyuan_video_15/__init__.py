@@ -1,5 +1,4 @@
-"""HunyuanVideo 1.5 (text-to-video, image-to-video): the SP transformer, the pipeline adapter and the tiny models."""
+"""HunyuanVideo 1.5 (text-to-video, image-to-video): the SP transformer, the pipeline adapter and the tiny models.
 
-from .transformer import HunyuanVideo15Transformer3DModel
-
-__all__ = ["HunyuanVideo15Transformer3DModel"]
+spec.py (torch-free: the registry imports it without the model code), pipeline.py, transformer.py, tiny.py.
+"""

@@ -24,7 +24,7 @@ from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo
 from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.models.registry import PipelineSpec
+    from vllm_omni.diffusion.models.spec import PipelineSpec
 
 IMAGE_TO_VIDEO_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 

@@ -19,6 +19,7 @@ import pathlib
 
 import torch
 
+from vllm_omni.diffusion.models.hunyuan_video_15.spec import FAMILY
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 from vllm_omni.diffusion.models.tiny_qwen_tokenizer import (
     CHAT_TEMPLATE,
@@ -27,10 +28,7 @@ from vllm_omni.diffusion.models.tiny_qwen_tokenizer import (
     qwen2_5_vl_text_config,
 )
 
-TINY_MODELS: dict[str, str] = {
-    "tiny/hunyuan-video-1.5": "HunyuanVideo15Pipeline",
-    "tiny/hunyuan-video-1.5-i2v": "HunyuanVideo15ImageToVideoPipeline",
-}
+TINY_MODELS: dict[str, str] = FAMILY.tiny_models  # name -> diffusers pipeline, declared in spec.py
 
 # Bump when the generated folders change so stale caches are not reused.
 _CACHE_VERSION = "v1"

@@ -1,5 +1,4 @@
-"""Qwen-Image, Qwen-Image-Edit and Qwen-Image-Edit-Plus (one transformer)."""
+"""Qwen-Image, Qwen-Image-Edit and Qwen-Image-Edit-Plus (one transformer).
 
-from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
-
-__all__ = ["QwenImageTransformer2DModel"]
+spec.py (torch-free: the registry imports it without the model code), pipeline.py, transformer.py, tiny.py.
+"""

@@ -17,7 +17,7 @@ from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransform
 from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.models.registry import PipelineSpec
+    from vllm_omni.diffusion.models.spec import PipelineSpec
 
 
 class QwenImageFamily(FamilyPipeline):

@@ -18,6 +18,7 @@ import pathlib
 
 import torch
 
+from vllm_omni.diffusion.models.qwen_image.spec import FAMILY
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 from vllm_omni.diffusion.models.tiny_qwen_tokenizer import (
     CHAT_TEMPLATE,
@@ -27,11 +28,7 @@ from vllm_omni.diffusion.models.tiny_qwen_tokenizer import (
     special_token_ids,
 )
 
-TINY_MODELS: dict[str, str] = {
-    "tiny/qwen-image": "QwenImagePipeline",
-    "tiny/qwen-image-edit": "QwenImageEditPipeline",
-    "tiny/qwen-image-edit-plus": "QwenImageEditPlusPipeline",
-}
+TINY_MODELS: dict[str, str] = FAMILY.tiny_models  # name -> diffusers pipeline, declared in spec.py
 
 # Bump when the generated folders change so stale caches are not reused.
 _CACHE_VERSION = "v1"

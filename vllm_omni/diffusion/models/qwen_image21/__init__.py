@@ -1,5 +1,4 @@
-"""Qwen-Image 2.1 (block-causal single-stream transformer, Qwen3-VL text encoder)."""
+"""Qwen-Image 2.1 (block-causal single-stream transformer, Qwen3-VL text encoder).
 
-from vllm_omni.diffusion.models.qwen_image21.transformer import QwenImage21Transformer2DModel
-
-__all__ = ["QwenImage21Transformer2DModel"]
+spec.py (torch-free: the registry imports it without the model code), pipeline.py, transformer.py, tiny.py.
+"""

@@ -18,7 +18,7 @@ from vllm_omni.diffusion.models.qwen_image21.transformer import QwenImage21Trans
 from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.models.registry import PipelineSpec
+    from vllm_omni.diffusion.models.spec import PipelineSpec
 
 
 class QwenImage21Family(FamilyPipeline):

@@ -14,6 +14,7 @@ import pathlib
 
 import torch
 
+from vllm_omni.diffusion.models.qwen_image21.spec import FAMILY
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 from vllm_omni.diffusion.models.tiny_qwen_tokenizer import (
     CHAT_TEMPLATE,
@@ -22,7 +23,7 @@ from vllm_omni.diffusion.models.tiny_qwen_tokenizer import (
     special_token_ids,
 )
 
-TINY_MODELS: dict[str, str] = {"tiny/qwen-image-2.1": "QwenImage21Pipeline"}
+TINY_MODELS: dict[str, str] = FAMILY.tiny_models  # name -> diffusers pipeline, declared in spec.py
 
 # Bump when the generated folder changes so stale caches are not reused.
 _CACHE_VERSION = "v1"

@@ -18,7 +18,7 @@ from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel
 from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.models.registry import PipelineSpec
+    from vllm_omni.diffusion.models.spec import PipelineSpec
 
 IMAGE_TO_VIDEO_PIPELINE = "WanImageToVideoPipeline"
 DEFAULT_GUIDANCE_SCALE = 5.0  # both pipelines' `guidance_scale` default

@@ -32,12 +32,9 @@ from collections import Counter
 import torch
 
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
+from vllm_omni.diffusion.models.wan22.spec import FAMILY
 
-TINY_MODELS: dict[str, str] = {
-    "tiny/wan2.2-t2v": "WanPipeline",
-    "tiny/wan2.2-i2v": "WanImageToVideoPipeline",
-    "tiny/wan2.2-ti2v": "WanPipeline",
-}
+TINY_MODELS: dict[str, str] = FAMILY.tiny_models  # name -> diffusers pipeline, declared in spec.py
 
 # Bump when the generated folders change so stale caches are not reused.
 _CACHE_VERSION = "v1"

@@ -1,5 +1,4 @@
-"""Z-Image (and its 8-step Turbo): the SP transformer, the pipeline adapter and the tiny model."""
+"""Z-Image (and its 8-step Turbo): the SP transformer, the pipeline adapter and the tiny model.
 
-from .transformer import ZImageTransformer2DModel
-
-__all__ = ["ZImageTransformer2DModel"]
+spec.py (torch-free: the registry imports it without the model code), pipeline.py, transformer.py, tiny.py.
+"""

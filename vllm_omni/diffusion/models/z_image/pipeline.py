@@ -22,7 +22,7 @@ from vllm_omni.diffusion.models.z_image.transformer import ZImageTransformer2DMo
 from vllm_omni.diffusion.request import DiffusionRequest
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.models.registry import PipelineSpec
+    from vllm_omni.diffusion.models.spec import PipelineSpec
 
 EMBEDS = ("prompt_embeds", "negative_prompt_embeds")
 

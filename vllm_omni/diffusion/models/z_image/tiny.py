@@ -18,8 +18,9 @@ import torch
 
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 from vllm_omni.diffusion.models.tiny_qwen_tokenizer import CHAT_TEMPLATE, build_qwen2_tokenizer, special_token_ids
+from vllm_omni.diffusion.models.z_image.spec import FAMILY
 
-TINY_MODELS: dict[str, str] = {"tiny/z-image": "ZImagePipeline"}
+TINY_MODELS: dict[str, str] = FAMILY.tiny_models  # name -> diffusers pipeline, declared in spec.py
 
 # Bump when the generated folder changes so stale caches are not reused.
 _CACHE_VERSION = "v1"
