@@ -38,6 +38,8 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from vllm_omni.diffusion import diffusers_compat
+
 if TYPE_CHECKING:
     import torch
 
@@ -161,13 +163,7 @@ class SequenceParallelTransformer:
 def declare_cache_block(block_class: type, hidden_states_index: int, encoder_hidden_states_index: int | None) -> None:
     """Tell diffusers' cache hooks (the step cache, worker/step_cache.py) which of a block's outputs are its
     hidden states and its encoder hidden states, for a block diffusers registers none for."""
-    # diffusers keeps its block registry in a private module (hooks/_helpers.py); this is its one use here.
-    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
-
-    metadata = TransformerBlockMetadata(
-        return_hidden_states_index=hidden_states_index, return_encoder_hidden_states_index=encoder_hidden_states_index
-    )
-    TransformerBlockRegistry.register(block_class, metadata)
+    diffusers_compat.register_block_outputs(block_class, hidden_states_index, encoder_hidden_states_index)
 
 
 def attention_heads(config: Mapping[str, Any]) -> int | None:

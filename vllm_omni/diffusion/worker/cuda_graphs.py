@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_omni import envs
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.attention.backends import attention_precision
 from vllm_omni.diffusion.distributed.parallel_state import every_sp_rank, get_parallel_state
 from vllm_omni.diffusion.distributed.sequence_parallel import fresh_sp_context
@@ -66,7 +67,7 @@ def compile_repeated_blocks(model: torch.nn.Module, backend: str = "inductor") -
     ~/.cache/vllm_omni), so a restart reuses them.
     """
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path("~/.cache/vllm_omni/inductor").expanduser()))
-    names = set(getattr(model, "_repeated_blocks", None) or ())
+    names = diffusers_compat.repeated_block_names(model)
     compiled = 0
     for module in model.modules():
         if type(module).__name__ in names:

@@ -39,6 +39,7 @@ import torch
 from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, ModelHook, apply_first_block_cache
 from diffusers.hooks.first_block_cache import FBCHeadBlockHook
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, CFGParallelHook
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward
@@ -109,12 +110,12 @@ def _install_block_cache(denoiser: torch.nn.Module, record: CacheRecord) -> Grou
 
 def _first_block_cache_head(denoiser: torch.nn.Module) -> tuple[HookRegistry, str, FBCHeadBlockHook]:
     """The registry, name and hook of the one First-Block-Cache head hook among the denoiser's blocks."""
-    # diffusers keeps a module's registry in the private `_diffusers_hook`; its public lookup creates one where none is.
     found = [
-        (module._diffusers_hook, hook_name, hook)
+        (registry, hook_name, hook)
         for module in denoiser.modules()
-        if hasattr(module, "_diffusers_hook")
-        for hook_name, hook in module._diffusers_hook.hooks.items()
+        for registry in [diffusers_compat.hook_registry(module)]
+        if registry is not None
+        for hook_name, hook in registry.hooks.items()
         if isinstance(hook, FBCHeadBlockHook)
     ]
     (head,) = found

@@ -23,6 +23,7 @@ from diffusers.guiders.guider_utils import BaseGuidance
 from diffusers.hooks import HookRegistry
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.worker.forward_chain import StepReportingScheduler
 
 
@@ -41,7 +42,7 @@ class RequestState:
             vars(target).clear()
             vars(target).update(state)
         for manager, cache, context in self.hook_states:
-            manager._state_cache, manager._context = cache, context
+            diffusers_compat.set_manager_state(manager, cache, context)
 
 
 def _stateful_components(pipe: Any) -> list[Any]:
@@ -60,12 +61,12 @@ def _hook_managers(modules: list[torch.nn.Module]) -> list[Any]:
     managers: dict[int, Any] = {}
     for root in modules:
         for module in root.modules():
-            registry = getattr(module, "_diffusers_hook", None)
+            registry = diffusers_compat.hook_registry(module)
             if not isinstance(registry, HookRegistry):
                 continue
             for hook in registry.hooks.values():
                 manager = getattr(hook, "state_manager", None)
-                if getattr(hook, "_is_stateful", False) and manager is not None:
+                if diffusers_compat.is_stateful(hook) and manager is not None:
                     managers[id(manager)] = manager
     return list(managers.values())
 
@@ -83,6 +84,6 @@ def put_aside(pipe: Any, denoisers: list[torch.nn.Module], objects: list[Any]) -
         elif target is not None:
             state.objects.append((target, copy.copy(vars(target))))
     for manager in _hook_managers(denoisers):
-        state.hook_states.append((manager, manager._state_cache, manager._context))
-        manager._state_cache, manager._context = {}, None
+        state.hook_states.append((manager, *diffusers_compat.manager_state(manager)))
+        diffusers_compat.set_manager_state(manager, {}, None)
     return state

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.config import PLACEMENTS, Admission, Envelope
 
 # Bytes of activations per token, per unit of model width and per byte of dtype, that one block of a
@@ -240,7 +241,7 @@ def _meta_tensors(folder: Path, mtime_ns: int) -> dict[str, tuple[str, tuple[int
     else:
         model_class = getattr(transformers, class_name)
         with torch.device("meta"):
-            model = model_class._from_config(transformers.AutoConfig.from_pretrained(folder))
+            model = diffusers_compat.model_on_meta(model_class, transformers.AutoConfig.from_pretrained(folder))
     names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     return {name: (names.get(t.dtype, "F32"), tuple(t.shape)) for name, t in tensors.items()}

@@ -43,6 +43,7 @@ from diffusers.hooks import ModelHook
 from diffusers.hooks.first_block_cache import FBCHeadBlockHook
 from diffusers.hooks.hooks import CacheContext
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.config import StepCacheConfig
 from vllm_omni.diffusion.distributed.sequence_parallel import IMAGE, group_sum, real_rows
 from vllm_omni.logger import init_logger
@@ -154,8 +155,7 @@ class BranchContext(ModelHook):
 
 def pipeline_context(manager: Any) -> CacheContext | None:
     """The cache context a state manager holds now; None where none is set."""
-    # diffusers' StateManager exposes it only through a property that raises when unset: `_context` tells "none".
-    return manager._context
+    return diffusers_compat.manager_state(manager)[1]
 
 
 class CachedForward:

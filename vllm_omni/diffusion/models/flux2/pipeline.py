@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -72,7 +73,7 @@ class Flux2Family(FamilyPipeline):
         if kwargs.get("caption_upsample_temperature"):
             return {}  # FLUX.2-dev would rewrite the prompt with its text encoder first
         encode = dict(
-            device=pipe._execution_device,
+            device=diffusers_compat.execution_device(pipe),
             max_sequence_length=call_arg(pipe, kwargs, "max_sequence_length"),
             text_encoder_out_layers=call_arg(pipe, kwargs, "text_encoder_out_layers"),
         )

@@ -32,6 +32,7 @@ from diffusers.models.transformers import transformer_flux2 as reference
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.attention.layer import QKV, JointAttention, ReferenceKV
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
@@ -44,6 +45,11 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     shard_with_auto_pad,
 )
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer
+
+# diffusers' own helpers for the projections and the klein KV modulation blends (private: diffusers_compat.py).
+_get_qkv_projections = diffusers_compat.reference_function("transformer_flux2", "get_qkv_projections")
+_blend_double_block_mods = diffusers_compat.reference_function("transformer_flux2", "blend_double_block_mods")
+_blend_single_block_mods = diffusers_compat.reference_function("transformer_flux2", "blend_single_block_mods")
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), [S, head_dim] each
 
@@ -112,7 +118,7 @@ class Flux2SPAttnProcessor:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if attention_mask is not None:
             raise ValueError("FLUX.2 attends to every token; SP padding is handled by the attention layer")
-        query, key, value, txt_query, txt_key, txt_value = reference._get_qkv_projections(
+        query, key, value, txt_query, txt_key, txt_value = _get_qkv_projections(
             attn, hidden_states, encoder_hidden_states
         )
         query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
@@ -323,7 +329,7 @@ class Flux2Transformer2DModel(SequenceParallelTransformer, reference.Flux2Transf
             ref_len = ref_hidden_states.shape[1]
             hidden_states = torch.cat([ref_hidden_states, hidden_states], dim=1)
             img_cos, img_sin = torch.cat([ref_cos, img_cos], dim=0), torch.cat([ref_sin, img_sin], dim=0)
-            double_stream_mod_img = reference._blend_double_block_mods(
+            double_stream_mod_img = _blend_double_block_mods(
                 double_stream_mod_img, self.double_stream_modulation_img(ref_temb), ref_len, hidden_states.shape[1]
             )
         rotary = (torch.cat([txt_cos, img_cos], dim=0), torch.cat([txt_sin, img_sin], dim=0))
@@ -365,7 +371,7 @@ class Flux2Transformer2DModel(SequenceParallelTransformer, reference.Flux2Transf
         text_len = encoder_hidden_states.shape[1]  # this rank's text tokens, padding included
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         if extract:
-            single_stream_mod = reference._blend_single_block_mods(
+            single_stream_mod = _blend_single_block_mods(
                 single_stream_mod, self.single_stream_modulation(ref_temb), text_len, ref_len, hidden_states.shape[1]
             )
         for index, block in enumerate(self.single_transformer_blocks):

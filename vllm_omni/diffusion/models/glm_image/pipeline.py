@@ -33,6 +33,7 @@ import torch
 from PIL import Image
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import FamilyPipeline
 from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -71,7 +72,7 @@ def generate_prior_tokens(
     Returns `prior_token_ids` [1, (H/16)(W/16)]; with images also the sources' upsampled AR tokens
     `prior_token_image_ids` [sum of their DiT tokens] and their grids `source_image_grid_thw` [n, 3].
     `generate_kwargs`: more of `generate`'s arguments (benchmarks/glm_image.py measures a static cache)."""
-    device = pipe._execution_device
+    device = diffusers_compat.execution_device(pipe)
     content = [{"type": "image", "image": image} for image in images or []]
     messages = [[{"role": "user", "content": [*content, {"type": "text", "text": prompt}]}]]
     inputs = pipe.processor.apply_chat_template(
@@ -79,7 +80,7 @@ def generate_prior_tokens(
     ).to(device)
     # Text-to-image: ph*pw preview tokens, then (H/32)(W/32) image tokens, then the end token; with
     # sources, the image tokens and the end token.
-    total, image_offset, token_h, token_w = pipe._compute_generation_params(
+    total, image_offset, token_h, token_w = diffusers_compat.pipeline_method(pipe, "compute_generation_params")(
         inputs["image_grid_thw"], is_text_to_image=not images
     )
     out = {}
@@ -95,8 +96,11 @@ def generate_prior_tokens(
     outputs = pipe.vision_language_encoder.generate(
         **inputs, max_new_tokens=total, do_sample=True, stopping_criteria=stopping, **(generate_kwargs or {})
     )
-    tokens = pipe._extract_large_image_tokens(outputs, prompt_len, image_offset, token_h * token_w)
-    return {"prior_token_ids": pipe._upsample_token_ids(tokens, token_h, token_w), **out}
+    tokens = diffusers_compat.pipeline_method(pipe, "extract_large_image_tokens")(
+        outputs, prompt_len, image_offset, token_h * token_w
+    )
+    upsample = diffusers_compat.pipeline_method(pipe, "upsample_token_ids")
+    return {"prior_token_ids": upsample(tokens, token_h, token_w), **out}
 
 
 def _source_tokens(pipe: Any, inputs: Any, images: list[Any]) -> dict[str, torch.Tensor]:
@@ -115,7 +119,8 @@ def _source_tokens(pipe: Any, inputs: Any, images: list[Any]) -> dict[str, torch
                 "32-pixel grid within the processor's size bounds"
             )
         tokens = ar.get_image_tokens(feature[None], grid[None])
-        ids.append(pipe._upsample_token_ids(tokens, *grid[1:].tolist()).squeeze(0))
+        upsample = diffusers_compat.pipeline_method(pipe, "upsample_token_ids")
+        ids.append(upsample(tokens, *grid[1:].tolist()).squeeze(0))
     return {"prior_token_image_ids": torch.cat(ids), "source_image_grid_thw": upsampled}
 
 

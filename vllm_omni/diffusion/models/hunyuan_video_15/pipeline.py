@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import FamilyPipeline
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -83,12 +84,14 @@ class HunyuanVideo15Family(FamilyPipeline):
         num_videos_per_prompt times); the negative prompt's only where the guider that
         `call_kwargs` set runs CFG."""
         branches = ["prompt"]
-        if pipe.guider._enabled and pipe.guider.num_conditions > 1:  # as __call__ decides it
+        if diffusers_compat.guider_enabled(pipe.guider) and pipe.guider.num_conditions > 1:  # as __call__ decides it
             branches.append("negative_prompt")
         embeds = {}
         for name in branches:
             # dtype as __call__ passes it (encode_prompt's own default reads the text encoder's dtype)
-            outputs = pipe.encode_prompt(kwargs.get(name), device=pipe._execution_device, dtype=pipe.transformer.dtype)
+            outputs = pipe.encode_prompt(
+                kwargs.get(name), device=diffusers_compat.execution_device(pipe), dtype=pipe.transformer.dtype
+            )
             keys = (f"{name}_embeds", f"{name}_embeds_mask", f"{name}_embeds_2", f"{name}_embeds_mask_2")
             embeds.update(zip(keys, outputs))
         return embeds

@@ -19,6 +19,7 @@ import pathlib
 
 import torch
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.hunyuan_video_15.spec import FAMILY
 from vllm_omni.diffusion.models.tiny_cache import cached_tiny_model
 from vllm_omni.diffusion.models.tiny_qwen_tokenizer import (
@@ -57,7 +58,8 @@ def _prompt_template() -> tuple[str, int]:
     """The Qwen2.5-VL prompt as the pipeline renders it for an empty prompt, and its crop (tokens dropped)."""
     from diffusers import HunyuanVideo15Pipeline
 
-    defaults = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
+    template = diffusers_compat.unbound_method(HunyuanVideo15Pipeline, "get_mllm_prompt_embeds")
+    defaults = inspect.signature(template).parameters
     system, crop = defaults["system_message"].default, defaults["crop_start"].default
     return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n", crop
 

@@ -12,6 +12,7 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -55,7 +56,7 @@ class QwenImageFamily(FamilyPipeline):
         the same (the sources still go to the VAE), so edits are encoded once too.
         """
         encode = dict(
-            device=pipe._execution_device,
+            device=diffusers_compat.execution_device(pipe),
             max_sequence_length=call_arg(pipe, kwargs, "max_sequence_length"),  # encode_prompt's default differs
         )
         if isinstance(pipe, (QwenImageEditPipeline, QwenImageEditPlusPipeline)):

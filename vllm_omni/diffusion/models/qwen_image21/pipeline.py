@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.qwen_image21.transformer import QwenImage21Transformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -64,7 +65,7 @@ class QwenImage21Family(FamilyPipeline):
             branches.append("negative_prompt")
         embeds = {}
         for name in branches:
-            prompt_embeds, mask, _ = pipe.encode_prompt(kwargs[name], device=pipe._execution_device)
+            prompt_embeds, mask, _ = pipe.encode_prompt(kwargs[name], device=diffusers_compat.execution_device(pipe))
             embeds[f"{name}_embeds"] = prompt_embeds
             if mask is not None:
                 embeds[f"{name}_embeds_mask"] = mask

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -68,7 +69,7 @@ class Wan22Family(FamilyPipeline):
             do_classifier_free_guidance=call_arg(pipe, kwargs, "guidance_scale") > 1,  # as the pipeline's property
             num_videos_per_prompt=call_arg(pipe, kwargs, "num_videos_per_prompt"),
             max_sequence_length=call_arg(pipe, kwargs, "max_sequence_length"),  # encode_prompt's default is 226
-            device=pipe._execution_device,
+            device=diffusers_compat.execution_device(pipe),
         )
         embeds = {"prompt_embeds": prompt_embeds}
         if negative_prompt_embeds is not None:

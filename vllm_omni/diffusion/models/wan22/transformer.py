@@ -29,6 +29,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers import transformer_wan as reference
 from diffusers.utils import apply_lora_scale
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.attention.layer import CrossAttention, JointAttention
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
@@ -37,6 +38,9 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     shard_with_auto_pad,
 )
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer
+
+# diffusers' own projections, fused or not (private: diffusers_compat.py).
+_get_qkv_projections = diffusers_compat.reference_function("transformer_wan", "get_qkv_projections")
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,7 +74,7 @@ class WanSPAttnProcessor:
         if attention_mask is not None or cross != (encoder_hidden_states is not None):
             raise ValueError("Wan self-attention takes no context, cross-attention the text; neither takes a mask")
         # The reference's projections, fused (`fuse_qkv_projections`) or not: token by token either way.
-        query, key, value = reference._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from diffusers import ZImageImg2ImgPipeline
 
+from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.z_image.transformer import ZImageTransformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -78,7 +79,7 @@ class ZImageFamily(FamilyPipeline):
         prompt_embeds, negative_embeds = pipe.encode_prompt(
             # Copies: the pipeline writes the chat-templated prompts into the list it is given.
             list(prompt) if isinstance(prompt, list) else prompt,
-            device=pipe._execution_device,
+            device=diffusers_compat.execution_device(pipe),
             do_classifier_free_guidance=call_arg(pipe, kwargs, "guidance_scale") > 0,  # the pipelines' rule
             negative_prompt=list(negative) if isinstance(negative, list) else negative,
             max_sequence_length=call_arg(pipe, kwargs, "max_sequence_length"),
