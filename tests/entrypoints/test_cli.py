@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 from PIL import Image
-from server_process import REPO, ServerProcess, omni_command, process_alive, server_env, start_server
+from server_process import REPO, ServerProcess, free_port, omni_command, process_alive, server_env, start_server
 
 MODEL = "tiny/qwen-image"
 
@@ -170,18 +171,70 @@ def test_serve_with_an_unknown_yaml_key_fails_at_start_naming_it(tmp_path, yaml_
         (["tiny/qwen-imag"], "unknown tiny model 'tiny/qwen-imag'; tiny models: tiny/qwen-image"),
         (["no-such-org/no-such-model"], "model 'no-such-org/no-such-model' is not in the Hugging Face cache"),
         ([MODEL, "--distributed-executor-backend", "ray"], "needs Ray on every node: pip install -e '.[ray]'"),
+        (
+            [MODEL, "--lora-modules", "a=/does/not/exist"],
+            "--lora-modules a=/does/not/exist: adapter 'a': /does/not/exist does not exist",
+        ),
+        ([MODEL, "--lora-modules", "a=tiny/qwen-image-lor"], "unknown tiny adapter 'tiny/qwen-image-lor'"),
+        ([MODEL, "--lora-modules", "a={tmp}/empty"], "/empty holds no .safetensors or .bin file: not a LoRA adapter"),
+        ([MODEL, "--lora-modules", "a={tmp}/x.safetensors"], "x.safetensors is not a LoRA adapter: not a safetensors"),
+        ([MODEL, "--lora-modules", "a={model}/transformer"], "transformer is not a LoRA adapter: none of its"),
     ],
-    ids=["misspelt-tiny-model", "hub-model-offline", "ray-not-installed"],
+    ids=[
+        "misspelt-tiny-model",
+        "hub-model-offline",
+        "ray-not-installed",
+        "lora-path-missing",
+        "lora-tiny-name-misspelt",
+        "lora-folder-without-weights",
+        "lora-file-not-safetensors",
+        "lora-path-is-model-weights",
+    ],
 )
 def test_a_refusal_before_serving_is_one_line_with_exit_code_2(tmp_path, args, words):
+    from vllm_omni.diffusion.model_source import resolve_model_path
+
     (tmp_path / "ray").mkdir()  # on the path first: Ray as if it were not installed
     (tmp_path / "ray" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "x.safetensors").write_bytes(b"\x07not a safetensors file" * 8)
+    args = [arg.format(tmp=tmp_path, model=resolve_model_path(MODEL)) for arg in args]
     env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join((str(tmp_path), str(REPO)))}
-    result = run(omni_command("serve", *args, "--port", "1"), timeout=120, **env)
+    result = run(omni_command("serve", *args, "--port", str(free_port())), timeout=120, **env)
     assert result.returncode == 2, result.stderr[-4000:]
     # One line and nothing else: no traceback, no log line, no shutdown line, nothing said Serving.
     assert result.stderr.startswith("vllm-omni serve: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert words in result.stderr and result.stdout == ""
+
+
+def test_a_busy_port_is_refused_in_one_line_before_serving():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run(omni_command("serve", MODEL, "--host", "127.0.0.1", "--port", str(port)), timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"vllm-omni serve: error: port {port} on 127.0.0.1 is in use: choose another with --port\n"
+
+
+def test_the_port_check_takes_a_port_uvicorn_takes_whose_old_connections_wait_in_time_wait():
+    import uvicorn
+
+    from vllm_omni.entrypoints.cli.serve import check_port
+
+    with socket.socket() as listener:  # a server before this one, with uvicorn's SO_REUSEADDR
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            connection, _ = listener.accept()
+            connection.close()  # the server's end closes first: it waits in TIME_WAIT
+            assert client.recv(1) == b""
+    with socket.socket() as plain, pytest.raises(OSError):  # a bind without SO_REUSEADDR would call it busy
+        plain.bind(("127.0.0.1", port))
+    check_port("127.0.0.1", port)
+    uvicorn.Config(app=None, host="127.0.0.1", port=port).bind_socket().close()  # and uvicorn takes it
 
 
 def test_server_exits_nonzero_when_its_workers_cannot_be_brought_back(tmp_path):

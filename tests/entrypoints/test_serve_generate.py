@@ -42,6 +42,7 @@ def server(tmp_path_factory):
     try:
         # Right after the port opens the workers are still loading (that takes seconds).
         srv.early_health = srv.first_health()
+        srv.early_ping = httpx.get(f"{srv.url}/ping", timeout=30)
         srv.early_generation = httpx.post(
             f"{srv.url}/v1/images/generations", json={"prompt": PROMPT, "size": SIZE}, timeout=30
         )
@@ -62,12 +63,14 @@ def generate(server, **fields) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=HTTP_TIMEOUT_S)
 
 
-def test_health_answers_503_while_the_workers_load_then_200(server):
+def test_health_and_ping_answer_503_while_the_workers_load_then_200(server):
     assert server.early_health.status_code == 503
     assert server.early_health.json()["status"] == "loading"
+    assert server.early_ping.status_code == 503  # vLLM's readiness route says the same
     assert server.early_generation.status_code == 503
     assert "loading" in server.early_generation.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/ping").status_code == 200
 
 
 def test_openai_client_generates_at_a_padded_size(server, client):

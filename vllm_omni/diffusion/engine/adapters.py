@@ -8,14 +8,16 @@ checkpoint's safetensors headers: no weight is loaded), with A and B of that lin
 rank of at most `max_lora_rank`. diffusers only warns about keys that match nothing; here the
 adapter is refused naming the first one (a silent no-op adapter is the worst outcome). The workers
 read the same file when a request first needs it (worker/lora.py). A path `tiny/<name>-lora` is a tiny adapter,
-built once into the tiny-model cache (models/tiny_lora.py), as `tiny/<name>` is a tiny model.
+built once into the tiny-model cache (models/tiny_lora.py), as `tiny/<name>` is a tiny model. The checks that need
+no model (`check_adapter_file`) also run in `vllm-omni serve` before it starts (`check_lora_modules`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,62 @@ def adapter_path(path: str) -> str:
         return str(tiny_adapter_path(path))
     except ValueError as exc:
         raise RequestError(str(exc), "lora_path") from None
+
+
+# What diffusers' lora_state_dict reads from a folder: the top-level .safetensors files, else the pickled .bin ones.
+ADAPTER_SUFFIXES = (".safetensors", ".bin")
+
+
+def check_adapter_file(name: str, path: str) -> None:
+    """Refuse an adapter whose file cannot be one (RequestError naming `lora_path`), reading headers only: `path`
+    (resolved: `adapter_path`) exists, is or holds a weights file diffusers reads, each readable, and its
+    safetensors name LoRA tensors (a model's own weights do not)."""
+    given = Path(path)
+    if not given.exists():
+        raise RequestError(f"adapter {name!r}: {path} does not exist", "lora_path")
+    files = [given]
+    if given.is_dir():
+        files = sorted(f for f in given.iterdir() if f.suffix in ADAPTER_SUFFIXES and f.is_file())
+        if not files:
+            raise RequestError(
+                f"adapter {name!r}: {path} holds no .safetensors or .bin file: not a LoRA adapter folder", "lora_path"
+            )
+    keys: list[str] = []
+    for file in files:
+        try:
+            if file.suffix == ".safetensors":
+                keys += header_tensors(file)
+            else:
+                open(file, "rb").close()
+        except OSError as exc:
+            raise RequestError(f"adapter {name!r}: {file} cannot be read: {exc.strerror}", "lora_path") from None
+        except (ValueError, KeyError, TypeError, AttributeError):  # a header that is not safetensors'
+            raise RequestError(
+                f"adapter {name!r}: {file} is not a LoRA adapter: not a safetensors file", "lora_path"
+            ) from None
+    # Every format diffusers converts names its factors so (lora_A/B, kohya's lora_down/up, XLabs' proj_lora).
+    if keys and not any("lora" in key.lower() for key in keys):
+        raise RequestError(
+            f"adapter {name!r}: {path} is not a LoRA adapter: none of its {len(keys)} tensors is a LoRA factor "
+            "(a model's weights?)",
+            "lora_path",
+        )
+
+
+@contextlib.contextmanager
+def _naming_module(name: str, path: str) -> Iterator[None]:
+    """A `--lora-modules` entry's refusal as the flag's error (ValueError), naming the entry."""
+    try:
+        yield
+    except RequestError as exc:
+        raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
+
+
+def check_lora_modules(modules: Mapping[str, str]) -> None:
+    """`--lora-modules`' checks that need no model, for the command line before anything starts (cli/serve.py)."""
+    for name, path in modules.items():
+        with _naming_module(name, path):
+            check_adapter_file(name, adapter_path(path))
 
 
 class LoraRegistry:
@@ -65,10 +123,8 @@ class LoraRegistry:
         self._lock = threading.Lock()
         self._weights: dict[str, tuple[int, ...]] | None = None
         for name, path in (modules or {}).items():
-            try:
+            with _naming_module(name, path):
                 self.load(name, path)
-            except RequestError as exc:
-                raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
 
     @property
     def supported(self) -> bool:
@@ -101,8 +157,7 @@ class LoraRegistry:
             raise RequestError(
                 f"{self.diffusers_class} has no diffusers LoRA loader: adapters cannot be served", "lora"
             )
-        if not Path(path).exists():
-            raise RequestError(f"adapter {name!r}: {path} does not exist", "lora_path")
+        check_adapter_file(name, path)
         try:
             state = self.pipeline_class.lora_state_dict(path)
         except Exception as exc:  # noqa: BLE001 - a file diffusers cannot read, whatever it raised

@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import json
 import math
-import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -207,7 +206,10 @@ def header_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 @functools.lru_cache(maxsize=256)  # the envelope's search plans many sizes of one checkpoint
 def _header_tensors(path: Path, mtime_ns: int, length_on_disk: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 <= length <= length_on_disk - 8:  # not safetensors: no read of a length that is not one
+            raise ValueError(f"{path} is not a safetensors file")
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
     return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()}

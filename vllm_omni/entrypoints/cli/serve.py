@@ -9,8 +9,10 @@ parser from here; this module stays free of torch and FastAPI so `--help` is fas
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,11 +73,30 @@ def engine_args_from_cli(args: argparse.Namespace) -> tuple[EngineArgs, DeployCo
     return engine, deploy
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse (ValueError, one line) an address uvicorn could not bind, before anything starts or says Serving.
+    The socket is bound as uvicorn binds it (its family, SO_REUSEADDR: a port whose old connections linger in
+    TIME_WAIT is free, one a listener holds is not) and closed again."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
+            if getattr(exc, "errno", None) == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is in use: choose another with --port") from None
+            # A name that does not resolve, an address not this machine's, a port below 1024 without root.
+            reason = (getattr(exc, "strerror", None) or str(exc)).rstrip(".")
+            raise ValueError(f"cannot listen on {host} port {port}: {reason}: check --host and --port") from None
+
+
 def check_before_start(engine: EngineArgs) -> None:
     """What would refuse the engine, checked before anything starts or says Serving: the model found (a hub model
-    downloaded here, with its progress bars), its pipeline served, the options it cannot take, a missing extra.
-    A ValueError (one line) says which; cli/main.py prints it with exit code 2. The engine checks all of it again.
-    Imports torch only for the options that need a device (quantization, attention backend)."""
+    downloaded here, with its progress bars), its pipeline served, the options it cannot take, a missing extra,
+    a `--lora-modules` file that is no adapter. A ValueError (one line) says which; cli/main.py prints it with exit
+    code 2. The engine checks all of it again. Imports torch only for the options that need a device (quantization,
+    attention backend) and to build a tiny model or a tiny adapter."""
+    from vllm_omni.diffusion.engine.adapters import check_lora_modules
     from vllm_omni.diffusion.model_source import (
         RAY_MISSING,
         check_pipeline_options,
@@ -94,6 +115,8 @@ def check_before_start(engine: EngineArgs) -> None:
             if exc.name is None or not exc.name.startswith("ray"):
                 raise
             raise ValueError(RAY_MISSING) from exc
+    # Also before the download; whether an adapter fits the model is the engine's check, once it is loaded.
+    check_lora_modules(config.lora_modules or {})
     path = resolve_model_path(config.model, config.download_dir, config.revision)
     check_ulysses_degree(path, parallel.ulysses_degree)
     check_pipeline_options(read_pipeline_spec(path), parallel.cfg_parallel_size, engine.cache)
@@ -273,6 +296,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ]
         if given:
             raise ValueError(f"{', '.join(given)} without --allowed-origins: give the origins CORS allows too")
+    check_port(args.host, args.port)  # first: before a download, and before the workers load
     check_before_start(engine)
     settings = ServerSettings(
         engine=engine,
