@@ -381,8 +381,9 @@ def test_wans_idle_expert_waits_on_the_cpu_where_both_do_not_fit_and_the_video_i
     benchmarks/wan22_e2e.py's ours-expert-swap)."""
     from vllm_omni.diffusion.engine.admission import plan_deploy
 
+    limits = dict(max_tokens_per_step=512)  # the warm-up's profile request at most this (it runs on the CPU here)
     needs = {
-        mode: plan_deploy(EngineArgs(WAN, device="cpu", dtype="float32", cpu_offload=mode), GiB).plan.need
+        mode: plan_deploy(EngineArgs(WAN, device="cpu", dtype="float32", cpu_offload=mode, **limits), GiB).plan.need
         for mode in ("encoders", "model")
     }
     assert needs["model"] < needs["encoders"]  # one expert on the GPU at a time, against both
@@ -392,7 +393,7 @@ def test_wans_idle_expert_waits_on_the_cpu_where_both_do_not_fit_and_the_video_i
         want = np.asarray(omni.generate("a paper boat", **kwargs)[0])
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(TEST_GPU_MEMORY_ENV, str(memory))
-        with Omni(WAN, device="cpu", dtype="float32") as omni:
+        with Omni(WAN, device="cpu", dtype="float32", **limits) as omni:
             got = np.asarray(omni.generate("a paper boat", **kwargs)[0])
     assert "Worker rank 0: model offload chosen (cpu_offload auto)" in capfd.readouterr().err
     np.testing.assert_array_equal(got, want)
