@@ -30,6 +30,10 @@ TINY_MODELS: dict[str, PipelineSpec] = {
 }
 
 
+# An untiled VAE decode's measured peak per output pixel, by VAE class (Family.decode_bytes_per_pixel).
+UNTILED_DECODE_BYTES_PER_PIXEL: dict[str, int] = {
+    vae: per_pixel for family in FAMILIES for vae, per_pixel in family.decode_bytes_per_pixel.items()
+}
 # Pipelines of a served family that are refused at start, and why (the engine's error names them).
 REFUSED: dict[str, str] = {name: why for family in FAMILIES for name, why in family.refused.items()}
 

@@ -179,3 +179,6 @@ class Family:
     tiny_adapters: dict[str, str] = field(default_factory=dict)  # "tiny/<name>-lora" -> the tiny model it adapts
     # Pipelines of the family's diffusers classes that are refused at start, and why (the engine's error names them).
     refused: dict[str, str] = field(default_factory=dict)
+    # An untiled decode's peak activations per output pixel in bfloat16, by VAE class (vae/config.json), where
+    # measured (benchmarks/vae_decode.py): the memory plan counts it, and a decode that cannot allocate it is tiled.
+    decode_bytes_per_pixel: dict[str, int] = field(default_factory=dict)

@@ -42,6 +42,7 @@ from typing import Any
 
 from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.config import PLACEMENTS, Admission, Envelope
+from vllm_omni.diffusion.models.registry import UNTILED_DECODE_BYTES_PER_PIXEL
 
 # Bytes of activations per token, per unit of model width and per byte of dtype, that one block of a
 # denoiser keeps alive at its peak: q, k, v and the attention output (and their all-to-all copies), the
@@ -58,16 +59,10 @@ SUSPENDED_BYTES_PER_TOKEN_WIDTH = 4
 RESIDENT_HEADROOM = 0.1
 # How finely the envelope's token counts are searched (a few percent of a 1024x1024 image's 4096 tokens).
 ENVELOPE_STEP_TOKENS = 256
-# An untiled VAE decode's peak activations per output pixel, in bfloat16, by the VAE's class (vae/config.json),
-# from benchmarks/results/vae_decode.json: Qwen-Image's at 1024x1024 and 1328x1328 (4.14 and 6.96 GiB),
-# HunyuanVideo 1.5's at 848x480x121 (83.0 GiB), Wan's at 848x480x81 and 1280x720x81 (4.65 and 10.5 GiB). Resident
-# blocks stay on the GPU through the decode, so under layerwise offload they leave room for it; and a decode
+# An untiled VAE decode's peak activations per output pixel, in bfloat16, by the VAE's class (vae/config.json), as
+# each family declares it (its spec.py: `Family.decode_bytes_per_pixel`, from benchmarks/results/vae_decode.json).
+# Resident blocks stay on the GPU through the decode, so under layerwise offload they leave room for it; and a decode
 # whose untiled peak the rank cannot allocate when it starts is tiled (`untiled_decode_bytes`, vae_parallel.py).
-UNTILED_DECODE_BYTES_PER_PIXEL = {
-    "AutoencoderKLQwenImage": 4240,
-    "AutoencoderKLHunyuanVideo15": 1810,
-    "AutoencoderKLWan": 152,
-}
 DEFAULT_TEXT_TOKENS = 512
 # The placements that keep the denoisers on the GPU, where served LoRA adapters are merged into them (worker/lora.py).
 LORA_PLACEMENTS = ("none", "encoders")

@@ -42,4 +42,6 @@ FAMILY = Family(
         "tiny/hunyuan-video-1.5": "HunyuanVideo15Pipeline",
         "tiny/hunyuan-video-1.5-i2v": "HunyuanVideo15ImageToVideoPipeline",
     },
+    # Measured at 848x480x121: 83.0 GiB untiled (benchmarks/results/vae_decode.json).
+    decode_bytes_per_pixel={"AutoencoderKLHunyuanVideo15": 1810},
 )

@@ -52,4 +52,6 @@ FAMILY = Family(
         "field, and diffusers 0.42.1's pipeline splits the layers of a batch of more than one image at the wrong "
         "offsets",
     },
+    # Measured at 1024x1024 and 1328x1328: 4.14 and 6.96 GiB untiled (benchmarks/results/vae_decode.json).
+    decode_bytes_per_pixel={"AutoencoderKLQwenImage": 4240},
 )

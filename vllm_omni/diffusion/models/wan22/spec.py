@@ -50,4 +50,6 @@ FAMILY = Family(
         "tiny/wan2.2-ti2v": "WanPipeline",
     },
     {"tiny/wan2.2-t2v-lora": "tiny/wan2.2-t2v"},
+    # Measured at 848x480x81 and 1280x720x81: 4.65 and 10.5 GiB untiled (benchmarks/results/vae_decode.json).
+    decode_bytes_per_pixel={"AutoencoderKLWan": 152},
 )
