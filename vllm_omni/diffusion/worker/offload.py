@@ -24,7 +24,7 @@ stay (the hooks run outside the compiled block's forward). Under SP every rank o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -142,12 +142,14 @@ class ModelOffload:
                     if tensor is None:
                         continue
                     if type(tensor.data) is torch.Tensor:
-                        home = tensor.data.pin_memory() if self.device.type == "cuda" else tensor.data
-                        tensor.data = home
+                        home = tensor.data = self._pinned(tensor.data)
                     else:  # a tensor subclass: its parts pinned, the Parameter (or buffer) itself the home
-                        home = table[name] = _as_held(tensor, _pinned(tensor.data, self.device))
+                        home = table[name] = _as_held(tensor, _rebuilt(tensor.data, self._pinned))
                     homes.append((module, name, home))
         self.homes[id(component)] = homes
+
+    def _pinned(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory() if self.device.type == "cuda" else tensor
 
     def onload(self, component: torch.nn.Module) -> None:
         """`component` onto the device, the one there before back to its CPU copy (a staying component stays)."""
@@ -191,7 +193,8 @@ class ModelOffload:
             if type(home.data) is torch.Tensor:
                 table[name].data = home.to(self.device, non_blocking=True) if onto_device else home
             else:
-                table[name] = _as_held(home, _subclass_to(home.data, self.device)) if onto_device else home
+                to_device = lambda part: part.to(self.device, non_blocking=True)  # noqa: E731
+                table[name] = _as_held(home, _rebuilt(home.data, to_device)) if onto_device else home
             moved += stored_bytes(home)
         if timed:
             end.record()
@@ -213,22 +216,13 @@ class ComponentOnload(ModelHook):
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
 
-def _pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor subclass rebuilt from its parts (`__tensor_flatten__`: FP8 data and scales) in pinned memory, so that
-    it moves in as asynchronously as a plain weight."""
+def _rebuilt(tensor: torch.Tensor, leaf: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`leaf` of a plain tensor; a tensor subclass (torchao's FP8: data and scales, `__tensor_flatten__`) rebuilt from
+    `leaf` of each of its parts, so that it pins and moves in as asynchronously as a plain weight."""
     if type(tensor) is torch.Tensor:
-        return tensor.pin_memory() if device.type == "cuda" else tensor
+        return leaf(tensor)
     names, context = tensor.__tensor_flatten__()
-    parts = {name: _pinned(getattr(tensor, name), device) for name in names}
-    return type(tensor).__tensor_unflatten__(parts, context, tensor.size(), tensor.stride())
-
-
-def _subclass_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`_pinned`'s tensor rebuilt on `device` from copies of its parts."""
-    if type(tensor) is torch.Tensor:
-        return tensor.to(device, non_blocking=True)
-    names, context = tensor.__tensor_flatten__()
-    parts = {name: _subclass_to(getattr(tensor, name), device) for name in names}
+    parts = {name: _rebuilt(getattr(tensor, name), leaf) for name in names}
     return type(tensor).__tensor_unflatten__(parts, context, tensor.size(), tensor.stride())
 
 
