@@ -10,7 +10,7 @@ suspended requests of that size keep too. What is on the GPU at once depends on 
 
 - none: every component, plus a step;
 - encoders: the denoisers, plus a step; the text encoders and the VAE one at a time beside them, in their phases;
-- model: one component at a time (the last one moves out first; Wan2.2 A14B's idle expert waits on the CPU);
+- model: one component at a time (the last one moves out first; of two experts, the idle one waits on the CPU);
 - layerwise: a denoiser's non-block weights and two of its blocks (the one running and the one
   prefetched; diffusers' group offloading), plus a step; another component, two of its layers. What
   the budget leaves beyond that (less a tenth, `RESIDENT_HEADROOM`) keeps as many of the denoisers'
@@ -419,7 +419,7 @@ def cheapest_placement(plan_at: Callable[..., MemoryPlan], lora: bool) -> str:
     """`cpu_offload="auto"`: the first of PLACEMENTS (cheapest first, each the same weights and arithmetic) in which
     the request the deploy must admit fits; "none" where none does (the refusal then names what would). From pinned
     memory a request moves each offloaded weight in once: the text encoders and the VAE cost little beside a
-    denoising loop (encoders), Wan2.2 A14B's idle expert once at its boundary step (model); layerwise streams every
+    denoising loop (encoders), of two experts the second once at its boundary step (model); layerwise streams every
     block at every step. Served LoRA adapters are merged into resident denoisers (LORA_PLACEMENTS)."""
     for mode in LORA_PLACEMENTS if lora else PLACEMENTS:
         if plan_at(offload=mode).fits:
