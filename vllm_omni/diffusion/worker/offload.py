@@ -6,7 +6,7 @@
   back. diffusers' own copies them back with `.to("cpu")` into new pageable memory: 1.2 GB/s on an H100 against
   55 GB/s pinned (benchmarks/offload_copies.py; docs/serving.md has what it cost a request). Weights of a tensor
   subclass (torchao's FP8) wait with their parts pinned and move in part by part, as asynchronously. With two
-  denoisers (two experts, each for its part of the schedule) the idle one waits: the other moves in once, at the boundary step. Each request
+  denoisers (two experts) the idle one waits: the other moves in once, at the boundary step. Each request
   reports the seconds its weights took to move in (`ModelOffload.moved`: the step log's `onload`).
 - encoders: the same, but the denoisers stay on the GPU: only the text encoders and the VAE wait, and calling a
   denoiser moves the one that ran before out. Nothing moves during the denoising loop, so CUDA graphs stay.
@@ -44,7 +44,8 @@ AUTO_PLACEMENT_REASONS = {
     ),
     "model": (
         "the denoisers resident",
-        "each component, each denoiser too (of two experts, the idle one waits), moves in from pinned memory for its phase",
+        "each component, each denoiser too (of two experts, the idle one waits), moves in from pinned memory for "
+        "its phase",
     ),
     "layerwise": (
         "one whole component at a time",
