@@ -328,10 +328,11 @@ def _serve_request(
         return
     records = runner.cache.summary() if runner.cache is not None else None
     cache = None if records is None else runner.cache.report()
+    one_pass = runner.cfg_one_pass_steps
     if rank == 0:
         batched = f" (batched with {', '.join(row.request_id for row in request.batch)})" if request.batch else ""
         logger.info(
-            "Request %s%s: %s%d step(s) in %.2f s (forwards: %s)%s",
+            "Request %s%s: %s%d step(s) in %.2f s (forwards: %s)%s%s",
             request.request_id,
             batched,
             "".join(
@@ -341,6 +342,7 @@ def _serve_request(
             time.perf_counter() - start,
             ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
             "" if cache is None else f"; {step_cache_line(cache)}",
+            f"; CFG in one pass at {one_pass} step(s)" if one_pass else "",
         )
     peak, allocated, reserved = memory_figures(runner.device)
     envelope = _measured_envelope(plan, runner, request) if request.profile else None
@@ -351,6 +353,7 @@ def _serve_request(
         graph_captures=runner.graph_captures,
         compiles=runner.compiles(),
         step_cache=records,
+        cfg_one_pass_steps=one_pass,
         peak_memory_bytes=peak,
         allocated_memory_bytes=allocated,
         reserved_memory_bytes=reserved,
