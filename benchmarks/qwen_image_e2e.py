@@ -306,8 +306,28 @@ VARIANTS += [
             {"lora": LORA_NAME, "num_inference_steps": 8, "true_cfg_scale": 1.0, "negative_prompt": None}),
 ]  # fmt: skip
 LORA_TARGETS = (("ours-lora-50", "ours-default", "<= 1.10"), ("ours-lora-8", "ours-lora-50", ""))
+# CFG in one pass (issue 46): the default runs a step's two branches as one forward; these run two.
+TWO_PASS = {"cfg_one_pass": False}
+VARIANTS += [
+    Variant("ours-two-pass", "cfg", 1, "Omni(folder, cfg_one_pass=False): two forwards a CFG step", TWO_PASS),
+    Variant("ours-fp8-two-pass", "cfg", 1, "Omni(folder, quantization='fp8', cfg_one_pass=False)", {**FP8, **TWO_PASS}),
+    Variant(
+        "ours-layerwise-24g-two-pass",
+        "cfg",
+        1,
+        "Omni(folder, cpu_offload='layerwise', cfg_one_pass=False), bf16, within 24 GiB",
+        {"cpu_offload": "layerwise", GPU_GIB: 24, **ONE_1328, **TWO_PASS},
+    ),
+]
+CFG_TARGETS = (
+    ("ours-default", "ours-two-pass", ""),
+    ("ours-fp8", "ours-fp8-two-pass", ""),
+    ("ours-layerwise-24g", "ours-layerwise-24g-two-pass", ""),
+    ("ours-default", "diffusers-eager", "<= 0.70"),  # issue 46's at 1328x1328
+    ("ours-fp8", "diffusers-eager", "<= 0.55"),
+)
 BY_NAME = {variant.name: variant for variant in VARIANTS}
-PHASES = ["build", "diffusers", "ours", "ours2", "levers", "offload", "lora", "docs"]
+PHASES = ["build", "diffusers", "ours", "ours2", "levers", "offload", "lora", "cfg", "docs"]
 # The first timed run's image of each variant run in this process: agreement with ours-default's.
 IMAGES: dict[str, np.ndarray] = {}  # docs: rewrite the docs section from the JSON
 
@@ -1100,7 +1120,7 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float | None, str]]:
         *((f"{name} / ours-default", ratio(e2e(name), e2e("ours-default")), "") for name in LEVERS),
         *(
             (f"{name} / {reference}", ratio(e2e(name), e2e(reference)), target)
-            for name, reference, target in (*OFFLOAD_TARGETS, *LORA_TARGETS)
+            for name, reference, target in (*OFFLOAD_TARGETS, *LORA_TARGETS, *CFG_TARGETS)
         ),
     ]
     cold = results.get("cold_start")
@@ -1330,7 +1350,7 @@ def main(argv: list[str] | None = None) -> None:
                 save()  # after each variant: a call cut short keeps what it measured
 
             run_diffusers(settings, names, keep)
-        elif phase in ("ours", "ours2", "levers", "offload", "lora"):
+        elif phase in ("ours", "ours2", "levers", "offload", "lora", "cfg"):
             cold_read_s = 0.0
             if phase == "ours" and not args.no_cold_start:
                 results["cold_start"] = measure_reads(folder)
