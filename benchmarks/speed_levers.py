@@ -48,10 +48,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import flux2_sp, qwen_image_sp  # noqa: E402
-from benchmarks.docs_table import replace_section  # noqa: E402
-from benchmarks.forward_timing import agreement, time_variants  # noqa: E402
-from benchmarks.qwen_image_e2e import copy_outputs  # noqa: E402
-from benchmarks.sp_forward import CompiledBlocks, ForwardBenchmark, switched_on, with_cuda_graphs  # noqa: E402
+from benchmarks.harness.e2e import copy_outputs  # noqa: E402
+from benchmarks.harness.reports import replace_section  # noqa: E402
+from benchmarks.harness.sp_forward import (  # noqa: E402
+    CompiledBlocks,
+    ForwardBenchmark,
+    agreement,
+    switched_on,
+    time_variants,
+    with_cuda_graphs,
+)
 from vllm_omni.diffusion.worker.quantization import (  # noqa: E402
     FP8_RULE,
     KEEP_BF16,
