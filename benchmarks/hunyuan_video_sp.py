@@ -46,6 +46,7 @@ from benchmarks.harness.sp_forward import (  # noqa: E402
     forward_tables,
     init_parallel,
     merge_rows,
+    runs_of,
     switched_on,
     time_sizes,
     with_padding_mode,
@@ -169,9 +170,8 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out or ROOT / "benchmarks/results/hunyuan_video_sp.json"
     if args.phase == "docs":  # a section per run (degree and setup) the file holds
-        rows = load_json(out)
-        for run in dict.fromkeys((row["degree"], row["setup"]) for row in rows):
-            write_docs([row for row in rows if (row["degree"], row["setup"]) == run], args.docs)
+        for run in runs_of(load_json(out), ("degree", "setup")):
+            write_docs(run, args.docs)
         return
     if not torch.cuda.is_available():
         sys.exit("hunyuan_video_sp.py needs a CUDA GPU")

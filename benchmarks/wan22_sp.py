@@ -61,6 +61,7 @@ from benchmarks.harness.sp_forward import (  # noqa: E402
     init_parallel,
     merge_rows,
     own_block_code,
+    runs_of,
     time_sizes,
 )
 from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel  # noqa: E402
@@ -188,9 +189,8 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks/results/wan22_sp.json"
     run_keys = ("degree", "setup", "layers")
     if args.phase == "docs":  # a section per run the file holds
-        rows = load_json(out)
-        for run in dict.fromkeys(tuple(row[key] for key in run_keys) for row in rows):
-            write_docs([row for row in rows if tuple(row[key] for key in run_keys) == run], args.docs)
+        for run in runs_of(load_json(out), run_keys):
+            write_docs(run, args.docs)
         return
     if not torch.cuda.is_available():
         sys.exit("wan22_sp.py needs a CUDA GPU")

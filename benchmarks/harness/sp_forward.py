@@ -446,6 +446,14 @@ def merge_rows(path: Path, rows: list[dict[str, Any]], keys: tuple[str, ...]) ->
     return kept + rows
 
 
+def runs_of(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[list[dict[str, Any]]]:
+    """The rows of each run (the same values of `keys`), runs in the order the rows first name them."""
+    runs: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        runs.setdefault(tuple(row[key] for key in keys), []).append(row)
+    return list(runs.values())
+
+
 def forward_cell(row: dict[str, Any] | None) -> str:
     """A table cell: median ms, then the agreement with ours U1 in brackets and a note."""
     if row is None:
