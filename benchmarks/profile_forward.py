@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.docs_table import replace_section  # noqa: E402
+from benchmarks.harness.reports import replace_section  # noqa: E402
 
 KEY = "profile_forward"
 RESULTS = ROOT / f"benchmarks/results/{KEY}.json"
