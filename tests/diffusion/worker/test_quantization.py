@@ -26,9 +26,9 @@ import torch
 
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # the benchmarks' real configs: one place for each family's dimensions
-sys.path.insert(0, str(ROOT / "tests/models"))  # sp_padding, the pad-content hook the model tests use
+sys.path.insert(0, str(ROOT / "tests/diffusion/models"))  # sp_padding, the pad-content hook the model tests use
 from sp_padding import random_sp_padding  # noqa: E402
 
 from benchmarks.flux2_sp import REAL_CONFIG as FLUX2_REAL  # noqa: E402
