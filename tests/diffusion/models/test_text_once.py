@@ -47,8 +47,8 @@ CASES = {  # (tiny model, case) -> request fields; "cfg" cases give a negative p
 
 
 def test_every_tiny_model_has_a_case():
-    # GLM-Image shares its prior tokens, not embeddings: tests/models/test_tiny_glm_image.py covers its encode-once;
-    # Z-Image's (cfg and a batch of prompts) is in tests/models/test_tiny_z_image.py.
+    # GLM-Image shares its prior tokens, not embeddings: tests/diffusion/models/test_tiny_glm_image.py covers its
+    # encode-once; Z-Image's (cfg and a batch of prompts) is in tests/diffusion/models/test_tiny_z_image.py.
     assert {name for name, _ in CASES} == set(TINY_MODELS) - {"tiny/glm-image", "tiny/z-image"}
 
 
