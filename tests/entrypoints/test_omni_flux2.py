@@ -16,6 +16,8 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/flux2"
 # 208x176 -> 13x11 = 143 image tokens (padded at Ulysses 2 and 3); the 512 text tokens pad at Ulysses 3.
 HEIGHT, WIDTH = 208, 176

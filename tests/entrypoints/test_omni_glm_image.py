@@ -27,6 +27,8 @@ from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_p
 from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestError  # noqa: E402
 from vllm_omni.entrypoints.openai.errors import request_error  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/glm-image"
 # The cond pass's glyph text is 'OPEN' (4 bytes and </s>: 5 tokens), the uncond pass's "" (1 token):
 # both pad at Ulysses 2 and 3. 64x64 is 4 x 4 image tokens (2 x 2 on the AR's 32-pixel grid): padded at 3.

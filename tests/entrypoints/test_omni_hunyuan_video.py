@@ -20,6 +20,8 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.request import RequestError  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/hunyuan-video-1.5"
 # 208x144, 9 frames -> 13x9 tokens x 3 latent frames = 351 video tokens (padded at Ulysses 2);
 # the prompt's 64-token bucket pads at Ulysses 3.

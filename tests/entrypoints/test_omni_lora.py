@@ -27,6 +27,8 @@ from vllm_omni.diffusion.model_source import resolve_model_path  # noqa: E402
 from vllm_omni.diffusion.models.registry import TINY_MODELS  # noqa: E402
 from vllm_omni.diffusion.request import GenerationParams, RequestError  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 ATOL = 2e-4  # merged against unmerged float32: ~1e-6; the adapters change pixels by 1e-2 and more
 QWEN = "tiny/qwen-image"
 HEIGHT, WIDTH = 208, 272  # 13 x 17 = 221 image tokens: padded at Ulysses 2 and 3

@@ -15,6 +15,8 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/z-image"
 # 64x48 -> 4 x 3 = 12 image tokens, which the model pads to 32 and Ulysses 3 to 33; the captions pad too.
 HEIGHT, WIDTH = 64, 48

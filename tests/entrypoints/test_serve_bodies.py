@@ -38,7 +38,10 @@ BOUNDARY = "vllmomnibodytest"
 POLL_S = 0.05
 QUEUED = r"Request video-\w+ queued"  # the scheduler's line for a job it queued
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+pytestmark = [
+    pytest.mark.slow,  # a real server process (started per module)
+    pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"),
+]
 
 
 @pytest.fixture(scope="module")

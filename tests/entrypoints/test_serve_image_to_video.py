@@ -18,7 +18,10 @@ from test_serve_videos import PROMPT, decode_mp4, finished, poll_until
 
 MODEL = "tiny/hunyuan-video-1.5-i2v"
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+pytestmark = [
+    pytest.mark.slow,  # a real server process (started per module)
+    pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"),
+]
 
 
 @pytest.fixture(scope="module")
