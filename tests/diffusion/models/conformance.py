@@ -13,6 +13,7 @@ usually `lambda mode, noisy: sp_pool.run(sp_forward, folder, case, mode, random_
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import torch
@@ -41,11 +42,21 @@ def load_pair(reference_class, our_class, folder) -> tuple[torch.nn.Module, torc
     return reference_class.from_pretrained(folder).eval(), our_class.from_pretrained(folder).eval()
 
 
-def assert_parameter_names_are_the_checkpoints(ref: torch.nn.Module, ours: torch.nn.Module, config: bool) -> None:
-    """The same state-dict names in the same order (the checkpoint's contract), and with `config` the same config."""
+def public_config(config) -> dict:
+    """A config without its private keys, through JSON (tuples read back as lists), as a saved config.json holds it."""
+    return json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
+
+
+def assert_parameter_names_are_the_checkpoints(ref: torch.nn.Module, ours: torch.nn.Module, config: str | None) -> None:
+    """The same state-dict names in the same order (the checkpoint's contract), and the same config: "all" of it,
+    its "public" keys as saved, or None (not compared)."""
     assert list(ref.state_dict()) == list(ours.state_dict())
-    if config:
+    if config == "all":
         assert dict(ref.config) == dict(ours.config)
+    elif config == "public":
+        assert public_config(ours.config) == public_config(ref.config)
+    else:
+        assert config is None, config
 
 
 def assert_sp_exact_modes_match(sp: SPForward, expected, compare: Callable = assert_close, silent: bool = True) -> None:

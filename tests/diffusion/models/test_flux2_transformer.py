@@ -87,7 +87,7 @@ def test_matches_diffusers_reference(models, case, batch):
 
 
 def test_parameter_names_and_config_are_the_checkpoints(models):
-    conformance.assert_parameter_names_are_the_checkpoints(*models, config=True)
+    conformance.assert_parameter_names_are_the_checkpoints(*models, config="all")
 
 
 def test_processors_set_later_take_effect(checkpoint):

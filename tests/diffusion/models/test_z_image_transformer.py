@@ -85,7 +85,7 @@ def test_matches_diffusers_reference(models, case, controlnet):
 
 
 def test_parameter_names_and_config_are_the_checkpoints(models):
-    conformance.assert_parameter_names_are_the_checkpoints(*models, config=True)
+    conformance.assert_parameter_names_are_the_checkpoints(*models, config="all")
 
 
 def omni_inputs() -> dict:
