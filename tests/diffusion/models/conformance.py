@@ -27,12 +27,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATO
     torch.testing.assert_close(actual, expected, rtol=0, atol=atol)
 
 
-def save_reference(reference: torch.nn.Module, folder) -> torch.nn.Module:
-    """Move every weight of `reference` off its initial value (modulations, norms, pad tokens: no path is trivially
-    zero) and save it to `folder`, the checkpoint both classes load."""
+def save_reference(reference: torch.nn.Module, folder, scale: float = 0.02) -> torch.nn.Module:
+    """Move every weight of `reference` off its initial value by noise of `scale` (modulations, norms, pad tokens: no
+    path is trivially zero) and save it to `folder`, the checkpoint both classes load. Returns `reference`."""
     with torch.no_grad():
         for p in reference.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+            p.add_(torch.randn_like(p) * scale)
     reference.save_pretrained(folder)
     return reference
 
