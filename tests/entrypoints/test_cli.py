@@ -129,11 +129,13 @@ def test_generate_writes_the_images_and_prints_the_step_breakdown(tmp_path):
         assert f"Wrote {path} (272x208, seed {seed})" in result.stdout
 
 
+@pytest.mark.slow  # `vllm-omni generate` in a subprocess, up to its checks
 def test_generate_with_bad_input_says_which_field(tmp_path):
     result = run(omni_command("generate", MODEL, "--prompt", "x", "--size", "abc", "--output", str(tmp_path / "x.png")))
     assert result.returncode == 2 and "size must be 'WIDTHxHEIGHT'" in result.stderr
 
 
+@pytest.mark.slow  # `vllm-omni generate` in a subprocess, up to its checks
 @pytest.mark.parametrize(
     "model,flags,message",
     [

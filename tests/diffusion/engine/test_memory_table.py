@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import memory_table  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the released checkpoints built on the meta device, in subprocesses
+
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "plan", *args]

@@ -83,6 +83,7 @@ def _output(pipe, spec, kwargs) -> np.ndarray:
     return np.asarray(result.frames if spec.modality == "video" else result.images)
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 @pytest.mark.parametrize(("name", "case"), sorted(CASES), ids=[f"{n[5:]}-{c}" for n, c in sorted(CASES)])
 def test_embeddings_from_the_full_pipeline_give_its_output(loaded, name, case):
     spec, full, textless = loaded(name)

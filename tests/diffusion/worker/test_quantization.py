@@ -523,6 +523,7 @@ def test_fp8_on_a_gpu_composes_with_compiled_blocks_and_cuda_graphs():
 # ---- the benchmark's plumbing (benchmarks/speed_levers.py --tiny) --------------------------------
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 def test_speed_levers_tiny_run_writes_every_variant_and_says_why_fp8_is_skipped(tmp_path):
     out, docs = tmp_path / "speed_levers.json", tmp_path / "benchmarks.md"
     command = [
