@@ -61,17 +61,8 @@ def make_inputs(case: str, batch: int, seed: int = 1) -> dict:
     )
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("flux2_transformer")
-    conformance.save_reference(ReferenceTransformer(**CONFIG).eval(), folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def models(checkpoint):
-    return conformance.load_pair(ReferenceTransformer, Flux2Transformer2DModel, checkpoint)
+checkpoint = conformance.checkpoint_fixture(ReferenceTransformer, CONFIG, "flux2_transformer")
+models = conformance.models_fixture(ReferenceTransformer, Flux2Transformer2DModel)
 
 
 @pytest.mark.parametrize("case", ["generate", "reference_image"])

@@ -78,17 +78,8 @@ def run(model, inputs: dict) -> torch.Tensor:
         return model(**inputs)[0]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("glm_image_dit")
-    conformance.save_reference(ReferenceTransformer(**CONFIG).eval(), folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def models(checkpoint):
-    return conformance.load_pair(ReferenceTransformer, GlmImageTransformer2DModel, checkpoint)
+checkpoint = conformance.checkpoint_fixture(ReferenceTransformer, CONFIG, "glm_image_dit")
+models = conformance.models_fixture(ReferenceTransformer, GlmImageTransformer2DModel)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -55,17 +55,8 @@ def make_inputs(case: str, seed: int = 1, controlnet: bool = False) -> dict:
     return inputs
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("z_image_transformer")
-    conformance.save_reference(ReferenceTransformer(**CONFIG).eval(), folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def models(checkpoint):
-    return conformance.load_pair(ReferenceTransformer, ZImageTransformer2DModel, checkpoint)
+checkpoint = conformance.checkpoint_fixture(ReferenceTransformer, CONFIG, "z_image_transformer")
+models = conformance.models_fixture(ReferenceTransformer, ZImageTransformer2DModel)
 
 
 def assert_samples_close(actual: list, expected: list, atol: float = 1e-5) -> None:

@@ -1,21 +1,28 @@
-"""The checks every family's transformer passes; each tests/diffusion/models/test_<family>_transformer.py calls them
-with its own inputs, cases and tolerances (as diffusers' ModelTesterMixin, without the class).
+"""The checks every family passes, in one place; each family's test files call them with their own inputs, cases and
+tolerances (as diffusers' ModelTesterMixin, without the class).
 
-- One process: a checkpoint saved by the diffusers class, loaded by ours, gives the reference's output and has its
-  parameter names (and config).
-- Under Ulysses on the gloo pools (tests/sp_pool.py, 2 and 3 ranks): at padded sizes the exact modes (mask, trim)
+Transformers (tests/diffusion/models/test_<family>_transformer.py):
+- one process: a checkpoint saved by the diffusers class, loaded by ours, gives the reference's output and has its
+  parameter names (and config);
+- under Ulysses on the gloo pools (tests/sp_pool.py, 2 and 3 ranks): at padded sizes the exact modes (mask, trim)
   equal one process and are silent; what the padding holds never reaches a real token; unmasked padding ("none")
   is close but not equal and warns once, naming the degree; where nothing pads, "none" is exact.
-
 A family hands the SP checks an `SPForward`: `(mode, random_padding) -> [(output, warnings logged), per rank]`,
 usually `lambda mode, noisy: sp_pool.run(sp_forward, folder, case, mode, random_padding=noisy)`.
+
+Whole engines (tests/entrypoints/test_omni_<family>.py): the engines a module shares, and unmasked padding through
+`Omni`, close to one process, the same at every call, and warned once by each worker.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Callable
 
+import numpy as np
+import pytest
 import torch
 
 SPForward = Callable[[str, bool], list[tuple[object, list[str]]]]
@@ -40,6 +47,30 @@ def save_reference(reference: torch.nn.Module, folder, scale: float = 0.02) -> t
 def load_pair(reference_class, our_class, folder) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The reference and ours from one checkpoint, in eval mode."""
     return reference_class.from_pretrained(folder).eval(), our_class.from_pretrained(folder).eval()
+
+
+def checkpoint_fixture(reference_class, config: dict, name: str):
+    """A module fixture `checkpoint`: the folder of a reference built from `config` (seed 0), saved by
+    `save_reference`."""
+
+    @pytest.fixture(scope="module")
+    def checkpoint(tmp_path_factory) -> str:
+        torch.manual_seed(0)
+        folder = tmp_path_factory.mktemp(name)
+        save_reference(reference_class(**config).eval(), folder)
+        return str(folder)
+
+    return checkpoint
+
+
+def models_fixture(reference_class, our_class):
+    """A module fixture `models`: (reference, ours) loaded from the module's `checkpoint`."""
+
+    @pytest.fixture(scope="module")
+    def models(checkpoint):
+        return load_pair(reference_class, our_class, checkpoint)
+
+    return models
 
 
 def public_config(config) -> dict:
@@ -112,3 +143,37 @@ def assert_sp_none_mode_exact_without_padding(
         compare(out, expected)
         if silent:
             assert warnings == []
+
+
+# ---- whole engines ------------------------------------------------------------------------------
+
+
+def engines_fixture(model: str):
+    """A module fixture `engines`: `engines(degree=1, mode="trim", cfg=1)` gives `model`'s `Omni` engine, started on
+    first use and shared by the module's tests (tests/entrypoints/conftest.py's `omni_engines`)."""
+
+    @pytest.fixture(scope="module")
+    def engines(omni_engines):
+        return functools.partial(omni_engines, model)
+
+    return engines
+
+
+def generator(prompt: str, **defaults) -> Callable[..., np.ndarray]:
+    """`generate(omni, **fields)`: `prompt`'s outputs from `omni`, stacked; the module's `defaults` unless given."""
+
+    def generate(omni, **fields) -> np.ndarray:
+        return np.stack(omni.generate(prompt, **(defaults | fields)))
+
+    return generate
+
+
+def assert_engine_unmasked_padding_warns_once_per_worker(outputs: list, expected: np.ndarray, err: str) -> None:
+    """`outputs` of one Ulysses-2 engine without trim, called in a row: all the same, close to one process but not
+    equal, and its stderr `err` holds one unmasked-padding warning from each of its two workers."""
+    for output in outputs[1:]:
+        np.testing.assert_array_equal(output, outputs[0])
+    diff = float(np.abs(outputs[0] - expected).max())
+    assert 0 < diff < 0.5, diff
+    warnings = [line for line in err.splitlines() if "unmasked SP padding" in line]
+    assert sorted(re.search(r"\[(omni-worker-\d)", w).group(1) for w in warnings) == ["omni-worker-0", "omni-worker-1"]
