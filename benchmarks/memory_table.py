@@ -4,7 +4,7 @@ defaults, with `--quantization fp8`, and with `--cpu-offload layerwise`, and wha
 Each cell is `vllm-omni plan CHECKPOINT --gpu-memory GIB [setting]` (engine/admission.py `plan_deploy`) of the
 checkpoint's configs in benchmarks/checkpoints/ (real dimensions, no weights: the modules are built on the meta
 device). No GPU. `python benchmarks/memory_table.py` rewrites the table in docs/memory.md; the test
-(tests/diffusion/test_memory_table.py) regenerates it and compares.
+(tests/diffusion/engine/test_memory_table.py) regenerates it and compares.
 """
 
 from __future__ import annotations

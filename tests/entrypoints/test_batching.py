@@ -21,6 +21,8 @@ from vllm_omni import Omni
 from vllm_omni.diffusion.engine.batching import batch_key
 from vllm_omni.diffusion.request import GenerationParams, LoraRequest
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 PROMPTS = ["a cat", "a red bicycle leaning against a blue wall in the rain, photographed at dusk", "two dogs"]
 NEGATIVES = ["blurry", "low quality, watermark, oversaturated colours", "blurry"]
 SEEDS = [3, 11, 5]

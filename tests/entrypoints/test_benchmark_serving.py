@@ -18,6 +18,8 @@ from server_process import REPO, omni_command, server_env, start_server
 sys.path.insert(0, str(REPO))
 from benchmarks import serving  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 # Two tiny sizes, so the per-entry table has two rows.
 WORKLOAD = json.dumps(
     [

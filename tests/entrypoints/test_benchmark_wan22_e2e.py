@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # the benchmark scripts end to end, in subprocesses
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks/wan22_e2e.py"

@@ -93,6 +93,7 @@ def test_argv_as_vllm_hands_it_over_is_accepted():
     assert result.stdout.startswith("usage: vllm serve")
 
 
+@pytest.mark.slow  # starts workers
 def test_generate_writes_the_images_and_prints_the_step_breakdown(tmp_path):
     output = tmp_path / "out" / "cat.png"
     result = run(
@@ -128,11 +129,13 @@ def test_generate_writes_the_images_and_prints_the_step_breakdown(tmp_path):
         assert f"Wrote {path} (272x208, seed {seed})" in result.stdout
 
 
+@pytest.mark.slow  # `vllm-omni generate` in a subprocess, up to its checks
 def test_generate_with_bad_input_says_which_field(tmp_path):
     result = run(omni_command("generate", MODEL, "--prompt", "x", "--size", "abc", "--output", str(tmp_path / "x.png")))
     assert result.returncode == 2 and "size must be 'WIDTHxHEIGHT'" in result.stderr
 
 
+@pytest.mark.slow  # `vllm-omni generate` in a subprocess, up to its checks
 @pytest.mark.parametrize(
     "model,flags,message",
     [
@@ -237,6 +240,7 @@ def test_the_port_check_takes_a_port_uvicorn_takes_whose_old_connections_wait_in
     uvicorn.Config(app=None, host="127.0.0.1", port=port).bind_socket().close()  # and uvicorn takes it
 
 
+@pytest.mark.slow  # starts workers
 def test_server_exits_nonzero_when_its_workers_cannot_be_brought_back(tmp_path):
     from vllm_omni.diffusion.model_source import resolve_model_path
 
@@ -252,6 +256,7 @@ def test_server_exits_nonzero_when_its_workers_cannot_be_brought_back(tmp_path):
         server.close()
 
 
+@pytest.mark.slow  # starts workers
 def test_sigterm_while_the_workers_load_exits_0_and_leaves_no_workers(tmp_path):
     server = ServerProcess(omni_command("serve", MODEL, "--ulysses-degree", "2"), tmp_path / "server.log")
     try:

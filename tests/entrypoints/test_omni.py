@@ -21,6 +21,8 @@ from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.model_source import ModelNotFoundError  # noqa: E402
 from vllm_omni.diffusion.request import DiffusionRequest, GenerationParams, RequestCancelled, RequestFailed  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 # 208x272 -> 13x17 = 221 image tokens: padded at Ulysses 2 (by 1) and 3 (by 1).
 HEIGHT, WIDTH = 208, 272
 PROMPT = "a cat holding a sign that says hello world"

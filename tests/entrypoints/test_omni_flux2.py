@@ -4,10 +4,9 @@ reference images, the fields it refuses, and the unmasked-padding warning. CPU w
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 
+import conformance
 import numpy as np
 import pytest
 from PIL import Image
@@ -16,21 +15,18 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/flux2"
 # 208x176 -> 13x11 = 143 image tokens (padded at Ulysses 2 and 3); the 512 text tokens pad at Ulysses 3.
 HEIGHT, WIDTH = 208, 176
 PROMPT = "a lighthouse on a cliff at dusk"
 
 
-@pytest.fixture(scope="module")
-def engines(omni_engines):
-    return functools.partial(omni_engines, MODEL)
+engines = conformance.engines_fixture(MODEL)
 
 
-def _generate(omni: Omni, **kwargs) -> np.ndarray:
-    args = dict(height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=3, output_type="np")
-    args.update(kwargs)
-    return np.stack(omni.generate(PROMPT, **args))
+_generate = conformance.generator(PROMPT, height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=3, output_type="np")
 
 
 def _reference_image() -> Image.Image:
@@ -74,12 +70,8 @@ def test_cfg_parallel_is_refused_for_a_distilled_model():
 def test_unmasked_padding_is_close_not_equal_and_warns_once_per_worker(engines, capfd):
     expected = _generate(engines())
     with Omni(MODEL, ulysses_degree=2, trim_sp_padding=False) as omni:
-        first, second = _generate(omni), _generate(omni)
-    np.testing.assert_array_equal(first, second)
-    diff = float(np.abs(first - expected).max())
-    assert 0 < diff < 0.5, diff
-    warnings = [line for line in capfd.readouterr().err.splitlines() if "unmasked SP padding" in line]
-    assert sorted(re.search(r"\[(omni-worker-\d)", w).group(1) for w in warnings) == ["omni-worker-0", "omni-worker-1"]
+        outputs = [_generate(omni), _generate(omni)]
+    conformance.assert_engine_unmasked_padding_warns_once_per_worker(outputs, expected, capfd.readouterr().err)
 
 
 def test_klein_kv_references_under_sp_equal_the_pipeline_in_process(omni_engines):

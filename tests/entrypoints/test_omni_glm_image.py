@@ -7,13 +7,13 @@ CPU workers over gloo.
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import os
 import re
 import threading
 
+import conformance
 import numpy as np
 import pytest
 from PIL import Image
@@ -27,6 +27,8 @@ from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_p
 from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestError  # noqa: E402
 from vllm_omni.entrypoints.openai.errors import request_error  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/glm-image"
 # The cond pass's glyph text is 'OPEN' (4 bytes and </s>: 5 tokens), the uncond pass's "" (1 token):
 # both pad at Ulysses 2 and 3. 64x64 is 4 x 4 image tokens (2 x 2 on the AR's 32-pixel grid): padded at 3.
@@ -34,15 +36,10 @@ PROMPT = "a poster with the title 'OPEN' on a white wall"
 SIZE = dict(height=64, width=64)
 
 
-@pytest.fixture(scope="module")
-def engines(omni_engines):
-    return functools.partial(omni_engines, MODEL)
+engines = conformance.engines_fixture(MODEL)
 
 
-def _generate(omni: Omni, **kwargs) -> np.ndarray:
-    args = dict(SIZE, num_inference_steps=2, seed=3, output_type="np")
-    args.update(kwargs)
-    return np.stack(omni.generate(PROMPT, **args))
+_generate = conformance.generator(PROMPT, **SIZE, num_inference_steps=2, seed=3, output_type="np")
 
 
 @pytest.mark.parametrize(("degree", "mode"), [(2, "trim"), (3, "trim"), (2, "mask")])
@@ -116,12 +113,8 @@ def test_a_source_sets_the_default_size_on_the_32_pixel_grid_and_elongated_ones_
 def test_unmasked_padding_is_close_not_equal_and_warns_once_per_worker(engines, capfd):
     expected = _generate(engines())
     with Omni(MODEL, ulysses_degree=2, trim_sp_padding=False) as omni:
-        first, second = _generate(omni), _generate(omni)
-    np.testing.assert_array_equal(first, second)
-    diff = float(np.abs(first - expected).max())
-    assert 0 < diff < 0.5, diff
-    warnings = [line for line in capfd.readouterr().err.splitlines() if "unmasked SP padding" in line]
-    assert sorted(re.search(r"\[(omni-worker-\d)", w).group(1) for w in warnings) == ["omni-worker-0", "omni-worker-1"]
+        outputs = [_generate(omni), _generate(omni)]
+    conformance.assert_engine_unmasked_padding_warns_once_per_worker(outputs, expected, capfd.readouterr().err)
 
 
 def test_the_ar_runs_once_on_rank_0_reports_every_token_and_a_cancel_in_it_stops_the_group(monkeypatch, capfd):

@@ -21,6 +21,8 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 HEIGHT, WIDTH = 208, 272  # 13x17 = 221 image tokens: padded at Ulysses 2
 SHORT, LONG = "a cat", "a cat holding a sign that says hello world, in a sunny garden"
 # (prompt, negative prompt): group 0 misses at requests 1 and 2, group 1 at requests 1 and 3.

@@ -4,14 +4,13 @@ process at padded shapes, video outputs, frame rules, bad input, and the CLI's M
 
 from __future__ import annotations
 
-import functools
 import io
 import os
-import re
 import subprocess
 import sys
 
 import av
+import conformance
 import numpy as np
 import pytest
 
@@ -20,6 +19,8 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.request import RequestError  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/hunyuan-video-1.5"
 # 208x144, 9 frames -> 13x9 tokens x 3 latent frames = 351 video tokens (padded at Ulysses 2);
 # the prompt's 64-token bucket pads at Ulysses 3.
@@ -27,15 +28,12 @@ HEIGHT, WIDTH, FRAMES = 144, 208, 9
 PROMPT = 'a paper boat on a pond, a sign that says "hello"'
 
 
-@pytest.fixture(scope="module")
-def engines(omni_engines):
-    return functools.partial(omni_engines, MODEL)
+engines = conformance.engines_fixture(MODEL)
 
 
-def _generate(omni: Omni, **kwargs) -> np.ndarray:
-    args = dict(height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=2, seed=5, output_type="np")
-    args.update(kwargs)
-    return np.stack(omni.generate(PROMPT, **args))
+_generate = conformance.generator(
+    PROMPT, height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=2, seed=5, output_type="np"
+)
 
 
 @pytest.mark.parametrize(("degree", "mode"), [(2, "trim"), (2, "mask"), (3, "trim")])
@@ -94,11 +92,8 @@ def test_a_video_no_gpu_steps_through_in_time_is_refused_before_any_worker_runs(
 def test_unmasked_padding_is_close_not_equal_and_warns_once_per_worker(engines, capfd):
     expected = _generate(engines())
     with Omni(MODEL, ulysses_degree=2, trim_sp_padding=False) as omni:
-        actual = _generate(omni)
-    diff = float(np.abs(actual - expected).max())
-    assert 0 < diff < 0.5, diff
-    warnings = [line for line in capfd.readouterr().err.splitlines() if "unmasked SP padding" in line]
-    assert sorted(re.search(r"\[(omni-worker-\d)", w).group(1) for w in warnings) == ["omni-worker-0", "omni-worker-1"]
+        outputs = [_generate(omni)]
+    conformance.assert_engine_unmasked_padding_warns_once_per_worker(outputs, expected, capfd.readouterr().err)
 
 
 def test_cli_generate_writes_a_playable_mp4(tmp_path):

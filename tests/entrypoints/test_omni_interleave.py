@@ -24,6 +24,8 @@ from vllm_omni.diffusion.engine.job import Job  # noqa: E402
 from vllm_omni.diffusion.engine.policy import QueuePolicy  # noqa: E402
 from vllm_omni.diffusion.request import GenerationParams  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/qwen-image"
 LONG_STEPS = 40
 HANG_PROMPT = "rank 1 hangs inside another request"

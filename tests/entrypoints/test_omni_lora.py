@@ -27,13 +27,15 @@ from vllm_omni.diffusion.model_source import resolve_model_path  # noqa: E402
 from vllm_omni.diffusion.models.registry import TINY_MODELS  # noqa: E402
 from vllm_omni.diffusion.request import GenerationParams, RequestError  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 ATOL = 2e-4  # merged against unmerged float32: ~1e-6; the adapters change pixels by 1e-2 and more
 QWEN = "tiny/qwen-image"
 HEIGHT, WIDTH = 208, 272  # 13 x 17 = 221 image tokens: padded at Ulysses 2 and 3
 SMALL = dict(height=64, width=64, num_inference_steps=2, seed=3, output_type="np")
 PADDED = dict(height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=5, output_type="np")
 # Families with a diffusers LoRA loader besides Qwen-Image, one request each (the Wan2.2 model has both experts).
-# Qwen-Image-Edit and Edit-Plus: an edit forward in tests/diffusion/test_lora_edit.py (a whole request: ~30 s).
+# Qwen-Image-Edit and Edit-Plus: an edit forward in tests/diffusion/worker/test_lora_edit.py (a whole request: ~30 s).
 FAMILIES = {
     "tiny/flux2": dict(height=64, width=64),
     "tiny/wan2.2-t2v": dict(height=64, width=64, num_frames=5),

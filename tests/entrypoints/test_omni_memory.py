@@ -22,6 +22,8 @@ from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.request import RequestOutOfMemory  # noqa: E402
 from vllm_omni.testing.faults import LEAK_BYTES  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/qwen-image"
 OOM_PROMPT = "this request runs out of memory"
 LEAK_PROMPT = "this request leaks"

@@ -19,6 +19,8 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/qwen-image-2.1"
 THRESHOLD = 1.2
 UNCACHED = 1e-6  # below every change: every step computes

@@ -21,6 +21,8 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestError, RequestFailed  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/qwen-image"
 THRESHOLD = 0.55
 STEPS = 8

@@ -12,7 +12,11 @@ import numpy as np
 
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
+import pytest
+
 from vllm_omni import Omni  # noqa: E402
+
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
 
 
 def test_only_sp_rank_0_of_each_cfg_group_loads_the_text_encoder_and_images_are_unchanged(capfd):

@@ -23,6 +23,8 @@ from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestFailed  # noqa: E402
 from vllm_omni.testing.memory import TEST_GPU_MEMORY_ENV  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 PROMPT = "a lighthouse on a cliff at dusk"
 ARGS = dict(height=208, width=272, num_inference_steps=2, seed=4, output_type="np", negative_prompt="blurry")
 PAUSE_PROMPT, RAISE_PROMPT = "rank 0 pauses in the decode", "rank 1 fails in the decode"

@@ -17,6 +17,8 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 PROMPT = "a paper boat drifting on a pond at dawn"
 # A14B: 80x112 is 5x7 tokens a frame (16 px each), 17 frames are 5 latent frames: 175 video
 # tokens, padded at Ulysses 2 and 3. TI2V-5B: 224x160 is 7x5 tokens (32 px each) x 1 latent frame

@@ -5,9 +5,9 @@ levers it refuses with their reasons. CPU workers over gloo.
 
 from __future__ import annotations
 
-import functools
 import os
 
+import conformance
 import numpy as np
 import pytest
 
@@ -15,21 +15,18 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
 from vllm_omni import Omni  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/z-image"
 # 64x48 -> 4 x 3 = 12 image tokens, which the model pads to 32 and Ulysses 3 to 33; the captions pad too.
 HEIGHT, WIDTH = 64, 48
 PROMPT = "a lighthouse on a cliff at dusk"
 
 
-@pytest.fixture(scope="module")
-def engines(omni_engines):
-    return functools.partial(omni_engines, MODEL)
+engines = conformance.engines_fixture(MODEL)
 
 
-def _generate(omni: Omni, **kwargs) -> np.ndarray:
-    args = dict(height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=3, output_type="np")
-    args.update(kwargs)
-    return np.stack(omni.generate(PROMPT, **args))
+_generate = conformance.generator(PROMPT, height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=3, output_type="np")
 
 
 def test_sp_with_cfg_equals_single_process_at_padded_size(engines):

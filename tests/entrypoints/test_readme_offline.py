@@ -8,8 +8,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 from server_process import REPO, server_env
+
+pytestmark = pytest.mark.slow  # the README snippet as a script: whole engines
 
 
 def readme_snippet() -> str:

@@ -38,7 +38,8 @@ BOUNDARY = "vllmomnibodytest"
 POLL_S = 0.05
 QUEUED = r"Request video-\w+ queued"  # the scheduler's line for a job it queued
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+# slow: a real server process, started per module
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,8 @@ from server_process import HTTP_TIMEOUT_S, ServerProcess, decode_image, omni_com
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 T2I, EDIT, GLM = "tiny/qwen-image", "tiny/qwen-image-edit", "tiny/glm-image"
 ZIMAGE, QWEN21 = "tiny/z-image", "tiny/qwen-image-2.1"
 PROMPT = "A cat holding a sign that says hello world."

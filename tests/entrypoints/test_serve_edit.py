@@ -20,6 +20,8 @@ from openai import OpenAI
 from PIL import Image
 from server_process import HTTP_TIMEOUT_S, decode_image, start_server
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 MODEL = "tiny/qwen-image-edit"
 PROMPT = "Add a cool hat to the cat."
 UPLOAD_LIMIT = 1_000_000

@@ -17,6 +17,8 @@ from openai import OpenAI
 from PIL import Image
 from server_process import HTTP_TIMEOUT_S, decode_image, start_server
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 MODELS = ["tiny/flux2", "tiny/flux2-klein-kv"]
 # Extra fields per model: FLUX.2-dev's embedded guidance; klein KV (step-distilled) takes none.
 GUIDANCE = {"tiny/flux2": {"guidance_scale": 3.5}, "tiny/flux2-klein-kv": {}}

@@ -27,6 +27,8 @@ from server_process import (
     server_env,
 )
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 MODEL = "tiny/qwen-image"
 PROMPT = "A cat holding a sign that says hello world."
 SIZE = "272x208"  # 17x13 = 221 tokens, padded to 222 at Ulysses 2

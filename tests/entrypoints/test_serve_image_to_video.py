@@ -18,7 +18,8 @@ from test_serve_videos import PROMPT, decode_mp4, finished, poll_until
 
 MODEL = "tiny/hunyuan-video-1.5-i2v"
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+# slow: a real server process, started per module
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 
 @pytest.fixture(scope="module")

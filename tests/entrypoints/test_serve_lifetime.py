@@ -24,6 +24,8 @@ import pytest
 from process_tree import children_of, still_alive_after
 from server_process import HTTP_TIMEOUT_S, START_TIMEOUT_S, ServerProcess, omni_command, server_env, start_server
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 MODEL = "tiny/qwen-image"
 RAISE_PROMPT = "rank 1 raises at step 1"
 HANG_PROMPT = "rank 1 hangs at step 1"

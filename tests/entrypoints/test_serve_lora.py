@@ -27,6 +27,8 @@ from vllm_omni.entrypoints.openai.errors import install_error_handlers
 from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, VideoCreateRequest
 from vllm_omni.entrypoints.openai.routes import models
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 MODEL = "tiny/qwen-image"
 KEY = "sk-lora"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -20,6 +20,8 @@ from vllm_omni.diffusion.engine.lifecycle import Health
 from vllm_omni.diffusion.protocol import HealthState, Stats
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 KEY = "metrics-test-key"
 
 

@@ -24,6 +24,8 @@ from server_process import HTTP_TIMEOUT_S, decode_image, open_request, start_ser
 from vllm_omni.diffusion.model_source import resolve_model_path
 from vllm_omni.testing.memory import TEST_GPU_MEMORY_ENV, TEST_MEASURED_STEP_ENV
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 MODEL = "tiny/qwen-image"
 SERVED = "Qwen/Qwen-Image"  # what clients of the real model send (CONTEXT.md's curl)
 KEY = "sk-test-omni"

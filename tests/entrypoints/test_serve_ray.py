@@ -36,6 +36,8 @@ from server_process import (
     start_server,
 )
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 pytest.importorskip("ray")
 
 MODEL = "tiny/qwen-image"

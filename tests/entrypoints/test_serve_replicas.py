@@ -21,6 +21,8 @@ import pytest
 from openai import InternalServerError, OpenAI
 from server_process import HTTP_TIMEOUT_S, decode_image, start_server
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 HOLD = "rank 0 holds this replica"
 ARGS = dict(size="64x48", extra_body={"num_inference_steps": 2, "seed": 9, "response_format": "b64_json"})
 

@@ -29,7 +29,8 @@ FAST = {"num_inference_steps": 2, "fps": 8}  # seconds="1" at 8 fps: 9 frames (k
 SLOW_STEPS = 400  # ~20 s on CPU: such a job only ends quickly by being cancelled
 POLL_S = 0.05
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+# slow: a real server process, started per module
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 
 @pytest.fixture(scope="module")

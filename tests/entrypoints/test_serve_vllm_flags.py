@@ -17,6 +17,8 @@ from server_process import HTTP_TIMEOUT_S, REPO, omni_command, server_env, start
 
 import vllm_omni
 
+pytestmark = pytest.mark.slow  # real server processes (started per module)
+
 MODEL = "tiny/qwen-image"
 KEY = "vllm-flags-key"
 ORIGIN = "https://app.example"

@@ -21,7 +21,8 @@ from test_serve_videos import decode_mp4, finished, poll_until
 PROMPT = "A paper boat drifts across a pond at dawn."
 STEPS = {"num_inference_steps": 2, "seed": 3}
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+# slow: a real server process, started per module
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 
 def _client(root, model: str, *flags: str):

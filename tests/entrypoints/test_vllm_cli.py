@@ -87,6 +87,7 @@ def vllm_executable() -> Path:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_hands_a_command_line_with_omni_to_our_parser(vllm_executable):
     env = server_env()
     env.pop("PYTHONPATH")
@@ -103,6 +104,7 @@ def test_vllm_hands_a_command_line_with_omni_to_our_parser(vllm_executable):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_serve_with_omni_starts_our_server(vllm_executable, tmp_path):
     env = server_env()
     env.pop("PYTHONPATH")  # the venv's own (editable) install of this clone, as a user would have it

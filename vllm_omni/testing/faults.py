@@ -41,7 +41,7 @@ class InjectedFault:
     with "text" (step 0), the start of the prompt encoding on the rank that encodes it once for its
     SP group (the runner's text-once path); with "lora" (step 0), as the rank merges the request's adapter.
     A JSON list sets several faults. The deadline and memory
-    tests (tests/diffusion/test_worker_deadlines.py, tests/entrypoints/test_serve_lifetime.py,
+    tests (tests/diffusion/executor/test_worker_deadlines.py, tests/entrypoints/test_serve_lifetime.py,
     tests/entrypoints/test_omni_memory.py) use it.
     """
 

@@ -1,7 +1,7 @@
 """The request fields, declared once: name, type, help, and how each surface spells it.
 
 Every surface is derived from `SAMPLING_FIELDS` or checked against it by a test
-(tests/diffusion/test_request_fields.py): the HTTP bodies (entrypoints/openai/protocol.py),
+(tests/diffusion/engine/test_request_fields.py): the HTTP bodies (entrypoints/openai/protocol.py),
 the CLI flags of `vllm-omni generate` (entrypoints/cli/generate.py), `Omni.generate`'s
 keyword arguments, the deploy YAML's `default_sampling_params` (entrypoints/deploy_config.py)
 and `GenerationParams` (request.py). Which pipelines take a field is in each `PipelineSpec.fields`

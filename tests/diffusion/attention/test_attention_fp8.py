@@ -180,6 +180,7 @@ def denoise_with_the_double(steps: int, full_steps: int, batch: int, image_len: 
     return outputs, fp8_steps
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 def test_every_rank_runs_fp8_on_the_same_steps_and_trim_equals_one_process(sp_pool):
     steps, full_steps, shape = 5, 1, (2, 13, 5)  # 13 image and 5 text tokens pad at U2 and U3
     single, single_steps = denoise_with_the_double(steps, full_steps, *shape, sp=False)

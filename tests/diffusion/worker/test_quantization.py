@@ -26,9 +26,9 @@ import torch
 
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # the benchmarks' real configs: one place for each family's dimensions
-sys.path.insert(0, str(ROOT / "tests/models"))  # sp_padding, the pad-content hook the model tests use
+sys.path.insert(0, str(ROOT / "tests/diffusion/models"))  # sp_padding, the pad-content hook the model tests use
 from sp_padding import random_sp_padding  # noqa: E402
 
 from benchmarks.flux2_sp import REAL_CONFIG as FLUX2_REAL  # noqa: E402
@@ -523,6 +523,7 @@ def test_fp8_on_a_gpu_composes_with_compiled_blocks_and_cuda_graphs():
 # ---- the benchmark's plumbing (benchmarks/speed_levers.py --tiny) --------------------------------
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 def test_speed_levers_tiny_run_writes_every_variant_and_says_why_fp8_is_skipped(tmp_path):
     out, docs = tmp_path / "speed_levers.json", tmp_path / "benchmarks.md"
     command = [

@@ -100,6 +100,7 @@ def test_lora_scale_goes_through_diffusers_scaling(family):
     torch.testing.assert_close(scaled, plain, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 def test_compiled_blocks_equal_eager(family):
     model, inputs = family
     with torch.no_grad():

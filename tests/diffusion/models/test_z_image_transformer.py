@@ -7,6 +7,7 @@ tokens -> 32), so 2 ranks never pad; 3 ranks pad both streams (64 -> 66, 32 -> 3
 
 from __future__ import annotations
 
+import conformance
 import pytest
 import torch
 from diffusers import ZImageTransformer2DModel as ReferenceTransformer
@@ -54,24 +55,8 @@ def make_inputs(case: str, seed: int = 1, controlnet: bool = False) -> dict:
     return inputs
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    ref = ReferenceTransformer(**CONFIG).eval()
-    # Move every weight off its initial value (modulations, pad tokens) so no path is trivially zero.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    folder = tmp_path_factory.mktemp("z_image_transformer")
-    ref.save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def models(checkpoint):
-    return ReferenceTransformer.from_pretrained(checkpoint).eval(), ZImageTransformer2DModel.from_pretrained(
-        checkpoint
-    ).eval()
+checkpoint = conformance.checkpoint_fixture(ReferenceTransformer, CONFIG, "z_image_transformer")
+models = conformance.models_fixture(ReferenceTransformer, ZImageTransformer2DModel)
 
 
 def assert_samples_close(actual: list, expected: list, atol: float = 1e-5) -> None:
@@ -91,9 +76,7 @@ def test_matches_diffusers_reference(models, case, controlnet):
 
 
 def test_parameter_names_and_config_are_the_checkpoints(models):
-    ref, ours = models
-    assert list(ref.state_dict()) == list(ours.state_dict())
-    assert dict(ref.config) == dict(ours.config)
+    conformance.assert_parameter_names_are_the_checkpoints(*models, config="all")
 
 
 def omni_inputs() -> dict:
@@ -187,23 +170,30 @@ def test_rows_of_different_caption_lengths_share_one_forward_and_equal_their_row
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def on_pool(sp_pool, checkpoint: str, case: str, controlnet: bool = False, sample: bool = False):
+    """`sp_forward` on the pool's ranks as conformance's checks call it; `sample`: each rank's first sample."""
+
+    def sp(mode: str, random_padding: bool) -> list:
+        results = sp_pool.run(sp_forward, checkpoint, case, mode, random_padding, controlnet)
+        return [(out[0], warnings) for out, warnings in results] if sample else results
+
+    return sp
+
+
 @pytest.mark.parametrize("case", ["one", "cfg", "ragged"])
 def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, case):
     _, ours = models
     with torch.no_grad():
         expected = ours(**make_inputs(case, controlnet=case == "cfg"))[0]
-    for mode in ("mask", "trim"):
-        for out, warnings in sp_pool.run(sp_forward, checkpoint, case, mode, controlnet=case == "cfg"):
-            assert_samples_close(out, expected)
-            assert warnings == []
+    sp = on_pool(sp_pool, checkpoint, case, controlnet=case == "cfg")
+    conformance.assert_sp_exact_modes_match(sp, expected, compare=assert_samples_close)
 
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])
 def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
-    clean = sp_pool.run(sp_forward, checkpoint, "cfg", mode)
-    noisy = sp_pool.run(sp_forward, checkpoint, "cfg", mode, random_padding=True)
-    for (a, _), (b, _) in zip(clean, noisy):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    conformance.assert_sp_padding_content_never_reaches_real_tokens(
+        on_pool(sp_pool, checkpoint, "cfg"), mode, equal=lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))
+    )
 
 
 def test_sp_unmasked_padding_is_close_but_not_equal_and_warns_once(sp_pool, models, checkpoint):
@@ -211,20 +201,9 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns_once(sp_pool, mode
     with torch.no_grad():
         expected = ours(**make_inputs("one"))[0][0]
     sp_pool.run(reset_warning_once)
-    results = sp_pool.run(sp_forward, checkpoint, "one", "none")
+    sp = on_pool(sp_pool, checkpoint, "one", sample=True)
     if sp_pool.world_size == 2:  # both streams are multiples of 32: nothing pads, none mode is exact
-        for out, warnings in results:
-            torch.testing.assert_close(out[0], expected, rtol=0, atol=1e-5)
-            assert warnings == []
+        conformance.assert_sp_none_mode_exact_without_padding(sp, expected, silent=True)
         return
-    for out, warnings in results:
-        diff = (out[0] - expected).abs().max().item()
-        assert 0 < diff < 0.5 * expected.abs().max().item()
-        assert len(warnings) == 1 and "unmasked SP padding" in warnings[0]
-        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
-    # Once per process: the next forward is silent.
-    assert all(warnings == [] for _, warnings in sp_pool.run(sp_forward, checkpoint, "one", "none"))
-    # The hook really writes the padding: in none mode random padding changes real tokens.
-    noisy = sp_pool.run(sp_forward, checkpoint, "one", "none", random_padding=True)
-    for (a, _), (b, _) in zip(results, noisy):
-        assert not torch.equal(a[0], b[0])
+    results = conformance.assert_sp_unmasked_padding_is_close_but_not_equal(sp, expected, sp_pool.world_size, once=True)
+    conformance.assert_sp_padding_hook_changes_unmasked_output(sp, clean=results)

@@ -21,6 +21,8 @@ from vllm_omni.diffusion.engine.core import DiffusionEngine  # noqa: E402
 from vllm_omni.diffusion.executor.base import WorkerStartError  # noqa: E402
 from vllm_omni.diffusion.request import GenerationParams, RequestCancelled, RequestFailed
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes
+
 MODEL = "tiny/qwen-image"
 HANG_PROMPT = "rank 1 hangs at step 1"
 STALL_S = 4.0

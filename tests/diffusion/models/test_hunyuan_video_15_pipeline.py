@@ -68,6 +68,7 @@ def test_prompt_template_crop_keeps_exactly_the_user_turn(folders):
     assert mask.shape == (1, 1000) and int(mask.sum()) == len(user_turn)
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 def test_text_to_video_matches_reference_pipeline(folders):
     reference, ours = _pipelines(folders["tiny/hunyuan-video-1.5"], HunyuanVideo15Pipeline)
     kwargs = dict(prompt=PROMPT, negative_prompt="blurry", height=HEIGHT, width=WIDTH, output_type="latent")
@@ -76,6 +77,7 @@ def test_text_to_video_matches_reference_pipeline(folders):
     torch.testing.assert_close(_call(ours, **kwargs), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 def test_image_to_video_matches_reference_pipeline(folders):
     reference, ours = _pipelines(folders["tiny/hunyuan-video-1.5-i2v"], HunyuanVideo15ImageToVideoPipeline)
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (120, 150, 3), dtype=np.uint8))

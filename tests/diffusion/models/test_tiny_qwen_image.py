@@ -81,6 +81,7 @@ def test_generate_runs(tiny_folders):
     _check_output(out_cfg.images)
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 def test_edit_runs(tiny_folders):
     pipe = _load("tiny/qwen-image-edit", tiny_folders["tiny/qwen-image-edit"])
     out = pipe(
@@ -95,6 +96,7 @@ def test_edit_runs(tiny_folders):
     _check_output(out.images)
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 def test_edit_plus_runs_with_two_images(tiny_folders):
     pipe = _load("tiny/qwen-image-edit-plus", tiny_folders["tiny/qwen-image-edit-plus"])
     assert pipe.transformer.config.zero_cond_t

@@ -188,7 +188,7 @@ def test_engine_args_import_neither_torch_nor_the_server_and_are_exported():
     # The families' specs too (each package's spec.py, through the registry), as the engine reads a model.
     script += "import vllm_omni.diffusion.model_source, vllm_omni.diffusion.models.registry\n"
     script += "print(sorted(m for m in ('torch', 'fastapi', 'diffusers') if m in sys.modules))\n"
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=repo)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -6,6 +6,7 @@ Token counts are chosen so that 2 and 3 ranks pad both streams.
 
 from __future__ import annotations
 
+import conformance
 import pytest
 import torch
 from diffusers import Flux2Transformer2DModel as ReferenceTransformer
@@ -60,24 +61,8 @@ def make_inputs(case: str, batch: int, seed: int = 1) -> dict:
     )
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    ref = ReferenceTransformer(**CONFIG).eval()
-    # Move every weight off its initial value (modulations, norms) so no path is trivially zero.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    folder = tmp_path_factory.mktemp("flux2_transformer")
-    ref.save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def models(checkpoint):
-    return ReferenceTransformer.from_pretrained(checkpoint).eval(), Flux2Transformer2DModel.from_pretrained(
-        checkpoint
-    ).eval()
+checkpoint = conformance.checkpoint_fixture(ReferenceTransformer, CONFIG, "flux2_transformer")
+models = conformance.models_fixture(ReferenceTransformer, Flux2Transformer2DModel)
 
 
 @pytest.mark.parametrize("case", ["generate", "reference_image"])
@@ -93,9 +78,7 @@ def test_matches_diffusers_reference(models, case, batch):
 
 
 def test_parameter_names_and_config_are_the_checkpoints(models):
-    ref, ours = models
-    assert list(ref.state_dict()) == list(ours.state_dict())
-    assert dict(ref.config) == dict(ours.config)
+    conformance.assert_parameter_names_are_the_checkpoints(*models, config="all")
 
 
 def test_processors_set_later_take_effect(checkpoint):
@@ -262,32 +245,29 @@ def sp_forward(folder: str, case: str, mode: str, batch: int, random_padding: bo
     return output, warnings
 
 
+def on_pool(sp_pool, checkpoint: str, case: str, batch: int):
+    """`sp_forward` on the pool's ranks as conformance's checks call it."""
+    return lambda mode, random_padding: sp_pool.run(sp_forward, checkpoint, case, mode, batch, random_padding)
+
+
 @pytest.mark.parametrize("case", ["generate", "reference_image"])
 def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, case):
     _, ours = models
     for batch in (1, 2):
         with torch.no_grad():
             expected = ours(**make_inputs(case, batch))[0]
-        for mode in ("mask", "trim"):
-            for out, warnings in sp_pool.run(sp_forward, checkpoint, case, mode, batch):
-                torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
-                assert warnings == []
+        conformance.assert_sp_exact_modes_match(on_pool(sp_pool, checkpoint, case, batch), expected)
 
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])
 def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
-    clean = sp_pool.run(sp_forward, checkpoint, "reference_image", mode, 2)
-    noisy = sp_pool.run(sp_forward, checkpoint, "reference_image", mode, 2, random_padding=True)
-    for (a, _), (b, _) in zip(clean, noisy):
-        assert torch.equal(a, b)
+    conformance.assert_sp_padding_content_never_reaches_real_tokens(
+        on_pool(sp_pool, checkpoint, "reference_image", 2), mode
+    )
 
 
 def test_sp_padding_hook_changes_unmasked_output(sp_pool, checkpoint):
-    """The hook really writes the padding: in none mode random padding changes real tokens."""
-    clean = sp_pool.run(sp_forward, checkpoint, "generate", "none", 1)
-    noisy = sp_pool.run(sp_forward, checkpoint, "generate", "none", 1, random_padding=True)
-    for (a, _), (b, _) in zip(clean, noisy):
-        assert not torch.equal(a, b)
+    conformance.assert_sp_padding_hook_changes_unmasked_output(on_pool(sp_pool, checkpoint, "generate", 1))
 
 
 def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, checkpoint):
@@ -295,19 +275,13 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, c
     with torch.no_grad():
         expected = ours(**make_inputs("generate", 1))[0]
     sp_pool.run(reset_warning_once)
-    results = sp_pool.run(sp_forward, checkpoint, "generate", "none", 1)
-    for out, warnings in results:
-        diff = (out - expected).abs().max().item()
-        assert 0 < diff < 0.5 * expected.abs().max().item()
-        assert len(warnings) == 1 and "unmasked SP padding" in warnings[0]
-        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
-    # Once per process: the next forward is silent.
-    assert all(warnings == [] for _, warnings in sp_pool.run(sp_forward, checkpoint, "generate", "none", 1))
-    # Without padding, none mode is exact.
+    sp = on_pool(sp_pool, checkpoint, "generate", 1)
+    conformance.assert_sp_unmasked_padding_is_close_but_not_equal(sp, expected, sp_pool.world_size, once=True)
     with torch.no_grad():
         expected = ours(**make_inputs("divisible", 1))[0]
-    for out, _ in sp_pool.run(sp_forward, checkpoint, "divisible", "none", 1):
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    conformance.assert_sp_none_mode_exact_without_padding(
+        on_pool(sp_pool, checkpoint, "divisible", 1), expected, silent=False
+    )
 
 
 def sp_kv_forward(folder: str, mode: str, batch: int, random_padding: bool = False):
@@ -318,25 +292,39 @@ def sp_kv_forward(folder: str, mode: str, batch: int, random_padding: bool = Fal
     return first, later, warnings
 
 
+def kv_on_pool(sp_pool, checkpoint: str, batch: int):
+    """`sp_kv_forward` on the pool's ranks as conformance's checks call it: ((first, later), warnings) per rank."""
+    return lambda mode, random_padding: [
+        ((first, later), warnings)
+        for first, later, warnings in sp_pool.run(sp_kv_forward, checkpoint, mode, batch, random_padding)
+    ]
+
+
+def both_steps_close(actual: tuple, expected: tuple) -> None:
+    for a, e in zip(actual, expected, strict=True):
+        conformance.assert_close(a, e)
+
+
+def both_steps_equal(a: tuple, b: tuple) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def test_sp_klein_kv_exact_modes_match_single_process(sp_pool, models, checkpoint):
     """Image, text and reference tokens all pad at 2 and 3 ranks; each rank keeps its heads' reference K/V."""
     _, ours = models
-    expected = {batch: kv_steps(ours, *klein_kv_inputs(batch))[:2] for batch in (1, 2)}
     for batch in (1, 2):
-        for mode in ("mask", "trim"):
-            for first, later, warnings in sp_pool.run(sp_kv_forward, checkpoint, mode, batch):
-                torch.testing.assert_close(first, expected[batch][0], rtol=0, atol=1e-5)
-                torch.testing.assert_close(later, expected[batch][1], rtol=0, atol=1e-5)
-                assert warnings == []
+        expected = kv_steps(ours, *klein_kv_inputs(batch))[:2]
+        conformance.assert_sp_exact_modes_match(
+            kv_on_pool(sp_pool, checkpoint, batch), expected, compare=both_steps_close
+        )
 
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])
 def test_sp_klein_kv_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
     """Random padding at the first step, kept in the reference K/V (mask mode), changes no real token at either step."""
-    clean = sp_pool.run(sp_kv_forward, checkpoint, mode, 2)
-    noisy = sp_pool.run(sp_kv_forward, checkpoint, mode, 2, random_padding=True)
-    for (first, later, _), (noisy_first, noisy_later, _) in zip(clean, noisy):
-        assert torch.equal(first, noisy_first) and torch.equal(later, noisy_later)
+    conformance.assert_sp_padding_content_never_reaches_real_tokens(
+        kv_on_pool(sp_pool, checkpoint, 2), mode, equal=both_steps_equal
+    )
 
 
 def test_sp_klein_kv_cache_from_another_layout_is_refused(sp_pool, checkpoint):

@@ -26,6 +26,8 @@ from vllm_omni.diffusion.worker.runner import PipelineRunner, present_components
 from vllm_omni.entrypoints.omni import Omni
 from vllm_omni.testing.memory import TEST_GPU_MEMORY_ENV, TEST_MEASURED_STEP_ENV
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 MODEL = "tiny/qwen-image"
 WAN = "tiny/wan2.2-t2v"  # two experts, as Wan2.2 A14B
 LAYERS = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)

@@ -43,7 +43,7 @@ CASES = {
     "flux2": ("tiny/flux2", "AutoencoderKLFlux2", None, None),
 }
 _vaes: dict = {}
-MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "vae_decode.json"
+MEASURED = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "vae_decode.json"
 
 
 def _vae(case: str):

@@ -1,6 +1,6 @@
 """LoRA adapters on one CUDA GPU with compiled blocks and real CUDA graphs: switching merges into the weights the
 captured graphs read, so every image is right with no recompile and no recapture after the first request.
-Skipped on machines without GPUs: `python -m pytest tests/diffusion/test_lora_cuda.py`.
+Skipped on machines without GPUs: `python -m pytest tests/diffusion/worker/test_lora_cuda.py`.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ image's 20 tokens pad at U3, the 7 text tokens at U2 and U3 (the cases with cond
 
 from __future__ import annotations
 
+import conformance
 import pytest
 import torch
 from diffusers import QwenImage21Transformer2DModel as ReferenceTransformer
@@ -38,10 +39,8 @@ CASES = {
 def make_models(causal_condition: bool, folder) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
     ref = ReferenceTransformer(**CONFIG, causal_condition=causal_condition).eval()
-    with torch.no_grad():  # the zero-centred norms start at zero: random weights everywhere
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    ref.save_pretrained(folder)
+    # The zero-centred norms start at zero: larger random weights everywhere.
+    conformance.save_reference(ref, folder, scale=0.1)
     return ref, QwenImage21Transformer2DModel.from_pretrained(folder).eval()
 
 
@@ -89,8 +88,7 @@ def test_matches_diffusers_reference(models, causal_condition, case, batch):
 
 
 def test_parameter_names_are_the_checkpoints(models):
-    ref, ours = models[True]
-    assert list(ref.state_dict()) == list(ours.state_dict())
+    conformance.assert_parameter_names_are_the_checkpoints(*models[True], config=None)
 
 
 @pytest.mark.parametrize("case", ["generate", "condition"])
@@ -140,6 +138,11 @@ def checkpoint(tmp_path_factory, models):
     return str(folder)
 
 
+def on_pool(sp_pool, checkpoint: str, case: str, batch: int, masked: bool = False):
+    """`sp_forward` on the pool's ranks as conformance's checks call it."""
+    return lambda mode, random_padding: sp_pool.run(sp_forward, checkpoint, case, mode, batch, masked, random_padding)
+
+
 @pytest.mark.parametrize("case", ["generate", "two_conditions"])
 def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, case):
     _, ours = models[True]
@@ -149,18 +152,12 @@ def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, case):
             inputs["encoder_hidden_states_mask"] = short_last_prompt(inputs)
         with torch.no_grad():
             expected = ours(**inputs)[0]
-        for mode in ("mask", "trim"):
-            for out, warnings in sp_pool.run(sp_forward, checkpoint, case, mode, batch, masked):
-                torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
-                assert warnings == []
+        conformance.assert_sp_exact_modes_match(on_pool(sp_pool, checkpoint, case, batch, masked), expected)
 
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])
 def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
-    clean = sp_pool.run(sp_forward, checkpoint, "condition", mode, 1)
-    noisy = sp_pool.run(sp_forward, checkpoint, "condition", mode, 1, random_padding=True)
-    for (a, _), (b, _) in zip(clean, noisy):
-        assert torch.equal(a, b)
+    conformance.assert_sp_padding_content_never_reaches_real_tokens(on_pool(sp_pool, checkpoint, "condition", 1), mode)
 
 
 def test_sp_unmasked_padding_is_close_but_not_equal_and_warns_once(sp_pool, models, checkpoint):
@@ -168,18 +165,19 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns_once(sp_pool, mode
     with torch.no_grad():
         expected = ours(**make_inputs("generate", 1))[0]
     sp_pool.run(reset_warning_once)
-    for out, warnings in sp_pool.run(sp_forward, checkpoint, "generate", "none", 1):
-        target = slice(-20, None)  # the target's rows: they see the padding (the text's never do)
-        diff = (out[:, target] - expected[:, target]).abs().max().item()
-        assert 0 < diff < 0.5 * expected.abs().max().item()
-        assert len(warnings) == 1 and "unmasked SP padding" in warnings[0]
-        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
-    assert all(warnings == [] for _, warnings in sp_pool.run(sp_forward, checkpoint, "generate", "none", 1))
+    conformance.assert_sp_unmasked_padding_is_close_but_not_equal(
+        on_pool(sp_pool, checkpoint, "generate", 1),
+        expected,
+        sp_pool.world_size,
+        once=True,
+        part=lambda t: t[:, -20:],  # the target's rows: they see the padding (the text's never do)
+    )
     # Without padding, none mode is exact.
     with torch.no_grad():
         expected = ours(**make_inputs("divisible", 1))[0]
-    for out, _ in sp_pool.run(sp_forward, checkpoint, "divisible", "none", 1):
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    conformance.assert_sp_none_mode_exact_without_padding(
+        on_pool(sp_pool, checkpoint, "divisible", 1), expected, silent=False
+    )
 
 
 def test_sp_refuses_the_prefix_kv_cache(sp_pool, checkpoint):

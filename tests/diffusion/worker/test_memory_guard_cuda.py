@@ -1,7 +1,7 @@
 """A real CUDA out-of-memory error in a rank (worker.run_rank in a thread, tiny Qwen-Image, its allocator
 capped with `set_per_process_memory_fraction`): the request fails with `Failed(out_of_memory=...)`,
 the rank frees what it held (its allocated bytes come back to what they were), and it serves the next
-request. Skipped on machines without GPUs: `python -m pytest tests/diffusion/test_memory_guard_cuda.py`.
+request. Skipped on machines without GPUs: `python -m pytest tests/diffusion/worker/test_memory_guard_cuda.py`.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.executor.ray import forwarded_env, rank_order  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Ray clusters and whole engines on them
+
 MODEL = "tiny/qwen-image"
 HEIGHT, WIDTH = 208, 272  # 13x17 = 221 image tokens: padded by one at Ulysses 2
 PROMPT = "a cat holding a sign that says hello world"

@@ -19,6 +19,8 @@ from vllm_omni.diffusion.models.registry import TINY_MODELS
 from vllm_omni.diffusion.request import LoraRequest
 from vllm_omni.diffusion.worker.lora import LoraAdapters
 
+pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
+
 GRIDS = {  # the target's grid, then the sources' (token counts 35 + 24 (+ 9))
     "tiny/qwen-image-edit": [(1, 5, 7), (1, 4, 6)],
     "tiny/qwen-image-edit-plus": [(1, 5, 7), (1, 4, 6), (1, 3, 3)],

@@ -9,8 +9,8 @@ so at Ulysses 2 and 3 they pad differently.
 from __future__ import annotations
 
 import dataclasses
-import json
 
+import conformance
 import pytest
 import torch
 from diffusers import GlmImageTransformer2DModel as ReferenceTransformer
@@ -78,23 +78,8 @@ def run(model, inputs: dict) -> torch.Tensor:
         return model(**inputs)[0]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    ref = ReferenceTransformer(**CONFIG).eval()
-    with torch.no_grad():  # non-trivial modulation and output weights everywhere
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    folder = tmp_path_factory.mktemp("glm_image_dit")
-    ref.save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def models(checkpoint):
-    return ReferenceTransformer.from_pretrained(checkpoint).eval(), GlmImageTransformer2DModel.from_pretrained(
-        checkpoint
-    ).eval()
+checkpoint = conformance.checkpoint_fixture(ReferenceTransformer, CONFIG, "glm_image_dit")
+models = conformance.models_fixture(ReferenceTransformer, GlmImageTransformer2DModel)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -128,10 +113,7 @@ def test_dropped_prior_tokens_change_the_output(models):
 
 
 def test_parameter_names_and_config_are_the_checkpoints(models):
-    ref, ours = models
-    assert list(ref.state_dict()) == list(ours.state_dict())
-    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))  # noqa: E731
-    assert public(ours.config) == public(ref.config)
+    conformance.assert_parameter_names_are_the_checkpoints(*models, config="public")
 
 
 def test_a_text_mask_is_refused(models):
@@ -229,34 +211,30 @@ SP_CASES = {
 }
 
 
+def on_pool(sp_pool, checkpoint: str, case: Case):
+    """`sp_forward` on the pool's ranks as conformance's checks call it."""
+    return lambda mode, random_padding: sp_pool.run(sp_forward, checkpoint, case, mode, random_padding)
+
+
 @pytest.mark.parametrize("name", list(SP_CASES))
 def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, name):
     case = SP_CASES[name]
-    expected = run(models[1], make_inputs(case))
-    for mode in ("mask", "trim"):
-        for out, warnings in sp_pool.run(sp_forward, checkpoint, case, mode):
-            torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
-            assert warnings == []
+    conformance.assert_sp_exact_modes_match(on_pool(sp_pool, checkpoint, case), run(models[1], make_inputs(case)))
 
 
 @pytest.mark.parametrize("mode", ["mask", "trim"])
 def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
     for case in (COND, UNCOND, PER_SAMPLE_PRIOR):
-        clean = sp_pool.run(sp_forward, checkpoint, case, mode)
-        noisy = sp_pool.run(sp_forward, checkpoint, case, mode, random_padding=True)
-        for (a, _), (b, _) in zip(clean, noisy):
-            assert torch.equal(a, b)
+        conformance.assert_sp_padding_content_never_reaches_real_tokens(on_pool(sp_pool, checkpoint, case), mode)
 
 
 def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, checkpoint):
     expected = run(models[1], make_inputs(COND))
-    for out, warnings in sp_pool.run(sp_forward, checkpoint, COND, "none"):
-        diff = (out - expected).abs().max().item()
-        assert 0 < diff < 0.5 * expected.abs().max().item()
-        assert len(warnings) == 1 and "unmasked SP padding" in warnings[0]
-        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
+    conformance.assert_sp_unmasked_padding_is_close_but_not_equal(
+        on_pool(sp_pool, checkpoint, COND), expected, sp_pool.world_size
+    )
     # Divisible streams have no padding: none mode is exact and silent.
     expected = run(models[1], make_inputs(DIVISIBLE))
-    for out, warnings in sp_pool.run(sp_forward, checkpoint, DIVISIBLE, "none"):
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
-        assert warnings == []
+    conformance.assert_sp_none_mode_exact_without_padding(
+        on_pool(sp_pool, checkpoint, DIVISIBLE), expected, silent=True
+    )

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import memory_table  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the released checkpoints built on the meta device, in subprocesses
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 
+import conformance
 import pytest
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel as ReferenceTransformer
@@ -83,11 +83,7 @@ def make_inputs(case: Case, seed: int = 1, pad_noise: float = 0.0) -> dict:
 
 def make_models(folder) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
-    ref = ReferenceTransformer(**CONFIG).eval()
-    with torch.no_grad():  # non-trivial modulation and output weights everywhere
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    ref.save_pretrained(folder)
+    ref = conformance.save_reference(ReferenceTransformer(**CONFIG).eval(), folder)
     return ref, HunyuanVideo15Transformer3DModel.from_pretrained(folder).eval()
 
 
@@ -134,10 +130,7 @@ def test_matches_diffusers_reference(models, name):
 
 
 def test_parameter_names_and_config_are_the_checkpoints(models):
-    ref, ours = models
-    assert list(ref.state_dict()) == list(ours.state_dict())
-    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))  # noqa: E731
-    assert public(ours.config) == public(ref.config)
+    conformance.assert_parameter_names_are_the_checkpoints(*models, config="public")
 
 
 def test_attention_processors_are_settable(models):
@@ -221,15 +214,17 @@ def sp_forward(
         return run(model, inputs, bucket_multiple), warnings
 
 
+def on_pool(sp_pool, checkpoint: str, case: Case, bucket_multiple: int | None = None):
+    """`sp_forward` on the pool's ranks as conformance's checks call it."""
+    return lambda mode, random_padding: sp_pool.run(sp_forward, checkpoint, case, mode, bucket_multiple, random_padding)
+
+
 @pytest.mark.parametrize("case", list(SP_CASES))
 def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoint, case):
     _, ours = models
     expected = run(ours, make_inputs(SP_CASES[case]))
-    for mode in ("mask", "trim"):
-        for bucket_multiple in (1, 64):
-            for out, warnings in sp_pool.run(sp_forward, checkpoint, SP_CASES[case], mode, bucket_multiple):
-                torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
-                assert warnings == []
+    for bucket_multiple in (1, 64):
+        conformance.assert_sp_exact_modes_match(on_pool(sp_pool, checkpoint, SP_CASES[case], bucket_multiple), expected)
 
 
 def batched_and_alone(model: torch.nn.Module, case: Case, mode: str | None = None) -> tuple:
@@ -267,25 +262,20 @@ def test_rows_of_different_prompt_lengths_share_one_forward_and_equal_their_rows
 def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoint, mode):
     """Random values in the SP padding and in the masked text tokens (hence the bucket filler)."""
     for case in ("t2v_glyph", "i2v_rows"):
-        clean = sp_pool.run(sp_forward, checkpoint, SP_CASES[case], mode)
-        noisy = sp_pool.run(sp_forward, checkpoint, SP_CASES[case], mode, random_padding=True)
-        for (a, _), (b, _) in zip(clean, noisy):
-            assert torch.equal(a, b)
+        conformance.assert_sp_padding_content_never_reaches_real_tokens(
+            on_pool(sp_pool, checkpoint, SP_CASES[case]), mode
+        )
 
 
 def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, checkpoint):
     _, ours = models
     case = SP_CASES["t2v_glyph"]
     expected = run(ours, make_inputs(case))
-    for out, warnings in sp_pool.run(sp_forward, checkpoint, case, "none"):
-        diff = (out - expected).abs().max().item()
-        assert 0 < diff < 0.5 * expected.abs().max().item()
-        assert len(warnings) == 1 and "unmasked SP padding" in warnings[0]
-        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
+    conformance.assert_sp_unmasked_padding_is_close_but_not_equal(
+        on_pool(sp_pool, checkpoint, case), expected, sp_pool.world_size
+    )
     # Divisible video grid: the only padding is the text bucket's filler, which is not SP padding
     # and is cut in every mode, so none mode is exact and silent.
     case = Case(grid=GRIDS["divisible"], prompt_valid=(7,), glyph_valid=(5,))
     expected = run(ours, make_inputs(case))
-    for out, warnings in sp_pool.run(sp_forward, checkpoint, case, "none"):
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
-        assert warnings == []
+    conformance.assert_sp_none_mode_exact_without_padding(on_pool(sp_pool, checkpoint, case), expected, silent=True)

@@ -69,6 +69,7 @@ def test_the_geometry_is_the_real_models(reference):
     assert ar.text_config.vision_vocab_size <= ar.image_start_token_id < ar.image_end_token_id
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 @pytest.mark.parametrize("guidance_scale", [1.5, 1.0], ids=["cfg", "no-cfg"])
 def test_prior_tokens_from_encode_text_give_the_full_pipelines_image(folder, reference, guidance_scale):
     spec = REGISTRY["GlmImagePipeline"]

@@ -21,7 +21,7 @@ from vllm_omni.diffusion.worker.forward_chain import chain_of, install_denoiser_
 from vllm_omni.diffusion.worker.step_cache import CacheRecord
 from vllm_omni.testing.graphs import SimulatedGraphs
 
-PACKAGE = Path(__file__).resolve().parents[2] / "vllm_omni"
+PACKAGE = Path(__file__).resolve().parents[3] / "vllm_omni"
 METHOD_ASSIGNED = re.compile(r"\.(forward|forward_sharded|step|decode|__call__)\s*=[^=]|setattr\(")
 COMPILE_IDIOM = re.compile(r"^\s*module\.forward = torch\.compile\(module\.forward, ")
 

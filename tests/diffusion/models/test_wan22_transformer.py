@@ -9,8 +9,8 @@ first-frame mask, the condition latents) and TI2V-5B (48 channels, one timestep 
 from __future__ import annotations
 
 import dataclasses
-import json
 
+import conformance
 import pytest
 import torch
 from diffusers import WanTransformer3DModel as ReferenceTransformer
@@ -74,11 +74,7 @@ def make_inputs(case: Case, seed: int = 1) -> dict:
 
 def make_models(config: str, folder) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
-    ref = ReferenceTransformer(**CONFIGS[config]).eval()
-    with torch.no_grad():  # non-trivial modulation and output weights everywhere
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    ref.save_pretrained(folder)
+    ref = conformance.save_reference(ReferenceTransformer(**CONFIGS[config]).eval(), folder)
     return ref, WanTransformer3DModel.from_pretrained(folder).eval()
 
 
@@ -115,10 +111,7 @@ def test_matches_diffusers_reference(models, name):
 
 
 def test_parameter_names_and_config_are_the_checkpoints(models):
-    ref, ours = models["a14b"]
-    assert list(ref.state_dict()) == list(ours.state_dict())
-    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))  # noqa: E731
-    assert public(ours.config) == public(ref.config)
+    conformance.assert_parameter_names_are_the_checkpoints(*models["a14b"], config="public")
 
 
 def test_attention_kinds_are_declared(models):
@@ -173,14 +166,16 @@ def sp_forward(
         return run(model, make_inputs(case)), warnings
 
 
+def on_pool(sp_pool, checkpoints: dict[str, str], case: Case):
+    """`sp_forward` on the pool's ranks, with the checkpoint of `case`'s config, as conformance's checks call it."""
+    return lambda mode, random_padding: sp_pool.run(sp_forward, checkpoints[case.config], case, mode, random_padding)
+
+
 @pytest.mark.parametrize("case", list(SP_CASES))
 def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoints, case):
     config = SP_CASES[case].config
     expected = run(models[config][1], make_inputs(SP_CASES[case]))
-    for mode in ("mask", "trim"):
-        for out, warnings in sp_pool.run(sp_forward, checkpoints[config], SP_CASES[case], mode):
-            torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
-            assert warnings == []
+    conformance.assert_sp_exact_modes_match(on_pool(sp_pool, checkpoints, SP_CASES[case]), expected)
 
 
 def test_sp_fused_projections_match_single_process(sp_pool, models, checkpoints):
@@ -194,24 +189,18 @@ def test_sp_fused_projections_match_single_process(sp_pool, models, checkpoints)
 def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoints, mode):
     """Random values in the padded video rows, rotary rows and (5B) per-token timesteps."""
     for case in ("a14b", "5b"):
-        folder = checkpoints[SP_CASES[case].config]
-        clean = sp_pool.run(sp_forward, folder, SP_CASES[case], mode)
-        noisy = sp_pool.run(sp_forward, folder, SP_CASES[case], mode, random_padding=True)
-        for (a, _), (b, _) in zip(clean, noisy):
-            assert torch.equal(a, b)
+        conformance.assert_sp_padding_content_never_reaches_real_tokens(
+            on_pool(sp_pool, checkpoints, SP_CASES[case]), mode
+        )
 
 
 def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, checkpoints):
     case = SP_CASES["a14b"]
     expected = run(models["a14b"][1], make_inputs(case))
-    for out, warnings in sp_pool.run(sp_forward, checkpoints["a14b"], case, "none"):
-        diff = (out - expected).abs().max().item()
-        assert 0 < diff < 0.5 * expected.abs().max().item()
-        assert len(warnings) == 1 and "unmasked SP padding" in warnings[0]
-        assert f"ulysses_degree={sp_pool.world_size}" in warnings[0]
+    conformance.assert_sp_unmasked_padding_is_close_but_not_equal(
+        on_pool(sp_pool, checkpoints, case), expected, sp_pool.world_size
+    )
     # A divisible grid has no padding: none mode is exact and silent.
     case = Case(grid=GRIDS["divisible"])
     expected = run(models["a14b"][1], make_inputs(case))
-    for out, warnings in sp_pool.run(sp_forward, checkpoints["a14b"], case, "none"):
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
-        assert warnings == []
+    conformance.assert_sp_none_mode_exact_without_padding(on_pool(sp_pool, checkpoints, case), expected, silent=True)

@@ -1,7 +1,7 @@
 """The runner on one CUDA GPU, for a pipeline with two denoisers (Wan2.2 A14B's experts): both are
 compiled and graphed, each captures its own graph, and the result is what eager computes; and the
 step cache with real CUDA graphs (tiny Qwen-Image) decides and computes what it does eagerly.
-Skipped on machines without GPUs: `python -m pytest tests/diffusion/test_runner_cuda.py`.
+Skipped on machines without GPUs: `python -m pytest tests/diffusion/worker/test_runner_cuda.py`.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ CASES = {  # (tiny model, case) -> request fields; "cfg" cases give a negative p
 
 
 def test_every_tiny_model_has_a_case():
-    # GLM-Image shares its prior tokens, not embeddings: tests/models/test_tiny_glm_image.py covers its encode-once;
-    # Z-Image's (cfg and a batch of prompts) is in tests/models/test_tiny_z_image.py.
+    # GLM-Image shares its prior tokens, not embeddings: tests/diffusion/models/test_tiny_glm_image.py covers its
+    # encode-once; Z-Image's (cfg and a batch of prompts) is in tests/diffusion/models/test_tiny_z_image.py.
     assert {name for name, _ in CASES} == set(TINY_MODELS) - {"tiny/glm-image", "tiny/z-image"}
 
 
@@ -83,6 +83,7 @@ def _output(pipe, spec, kwargs) -> np.ndarray:
     return np.asarray(result.frames if spec.modality == "video" else result.images)
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 @pytest.mark.parametrize(("name", "case"), sorted(CASES), ids=[f"{n[5:]}-{c}" for n, c in sorted(CASES)])
 def test_embeddings_from_the_full_pipeline_give_its_output(loaded, name, case):
     spec, full, textless = loaded(name)

@@ -55,6 +55,7 @@ def test_without_compiled_blocks_one_request_at_the_deploy_size():
     assert request.num_inference_steps == 2
 
 
+@pytest.mark.slow  # a whole pipeline or a compile: tens of seconds on a shared CPU
 def test_two_shapes_make_the_compiled_blocks_dynamic():
     """Why the second request: after two shapes, no further size or text length compiles a graph."""
     import torch._dynamo.utils as dynamo_utils

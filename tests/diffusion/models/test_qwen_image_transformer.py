@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
+import conformance
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel as ReferenceTransformer
@@ -38,10 +39,7 @@ def make_models(zero_cond_t: bool, folder) -> tuple[torch.nn.Module, torch.nn.Mo
     torch.manual_seed(0)
     ref = ReferenceTransformer(**CONFIG, zero_cond_t=zero_cond_t).eval()
     # Random modulation/output weights: diffusers zero-initialises nothing here, but be explicit.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    ref.save_pretrained(folder)
+    conformance.save_reference(ref, folder)
     ours = QwenImageTransformer2DModel.from_pretrained(folder).eval()
     return ref, ours
 
@@ -76,8 +74,7 @@ def test_matches_diffusers_reference(models, case, batch):
 
 
 def test_parameter_names_are_the_checkpoints(models):
-    ref, ours = models[False]
-    assert list(ref.state_dict()) == list(ours.state_dict())
+    conformance.assert_parameter_names_are_the_checkpoints(*models[False], config=None)
 
 
 @pytest.mark.parametrize("zero_cond_t", [False, True])
@@ -117,6 +114,13 @@ def checkpoints(models, tmp_path_factory):
     return folders
 
 
+def on_pool(sp_pool, folder: str, case: str, batch: int, text_len: int):
+    """`sp_forward` on the pool's ranks as conformance's checks call it (it records no warnings: None)."""
+    return lambda mode, random_padding: [
+        (out, None) for out in sp_pool.run(sp_forward, folder, case, mode, batch, text_len, None, random_padding)
+    ]
+
+
 @pytest.mark.parametrize("case", ["generate", "edit", "edit_plus"])
 def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoints, case):
     zero = CASES[case][1]
@@ -125,9 +129,8 @@ def test_sp_exact_modes_match_single_process(sp_pool, models, checkpoints, case)
         inputs = make_inputs(CASES[case][0], batch, text_len)
         with torch.no_grad():
             expected = ours(**inputs)[0]
-        for mode in ("mask", "trim"):
-            for out in sp_pool.run(sp_forward, checkpoints[zero], case, mode, batch, text_len):
-                torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+        sp = on_pool(sp_pool, checkpoints[zero], case, batch, text_len)
+        conformance.assert_sp_exact_modes_match(sp, expected, silent=False)
 
 
 def test_sp_with_text_mask_matches_reference(sp_pool, models, checkpoints):
@@ -181,11 +184,8 @@ def test_rows_of_different_prompt_lengths_share_one_forward_and_equal_their_rows
 @pytest.mark.parametrize("mode", ["mask", "trim"])
 def test_sp_padding_content_never_reaches_real_tokens(sp_pool, checkpoints, mode):
     for case in ("edit", "edit_plus"):
-        folder = checkpoints[CASES[case][1]]
-        clean = sp_pool.run(sp_forward, folder, case, mode, 1, 7)
-        noisy = sp_pool.run(sp_forward, folder, case, mode, 1, 7, random_padding=True)
-        for a, b in zip(clean, noisy):
-            assert torch.equal(a, b)
+        sp = on_pool(sp_pool, checkpoints[CASES[case][1]], case, 1, 7)
+        conformance.assert_sp_padding_content_never_reaches_real_tokens(sp, mode)
 
 
 def test_sp_unmasked_padding_is_close_but_not_equal(sp_pool, models, checkpoints):
@@ -194,15 +194,14 @@ def test_sp_unmasked_padding_is_close_but_not_equal(sp_pool, models, checkpoints
     with torch.no_grad():
         expected = ours(**inputs)[0]
     sp_pool.run(reset_warning_once)
-    for out in sp_pool.run(sp_forward, checkpoints[False], "generate", "none", 1, 11):
-        diff = (out - expected).abs().max().item()
-        assert 0 < diff < 0.5 * expected.abs().max().item()
+    sp = on_pool(sp_pool, checkpoints[False], "generate", 1, 11)
+    conformance.assert_sp_unmasked_padding_is_close_but_not_equal(sp, expected, world_size=None)
     # The divisible grid has no padding: none mode is then exact.
     inputs = make_inputs(CASES["divisible"][0], 1, 12)
     with torch.no_grad():
         expected = ours(**inputs)[0]
-    for out in sp_pool.run(sp_forward, checkpoints[False], "divisible", "none", 1, 12):
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    sp = on_pool(sp_pool, checkpoints[False], "divisible", 1, 12)
+    conformance.assert_sp_none_mode_exact_without_padding(sp, expected, silent=False)
 
 
 # ---- text longer than diffusers' rotary table ------------------------------------------------------
