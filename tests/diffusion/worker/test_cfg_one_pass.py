@@ -5,7 +5,8 @@ gives up), the row helpers (models/branch_rows.py), the engine's decision (admis
 requests of every tiny CFG model through the runner, one pass against two forwards (fp32, CPU: within what
 batching rows changes), and Qwen-Image at a padded size under Ulysses 2 and 3 with simulated CUDA graphs
 against one process's two forwards. The step cache and CFG parallel turn it off: tests/entrypoints/
-test_omni_step_cache.py asserts that their requests ran no step in one pass.
+test_omni_step_cache.py asserts that their requests ran no step in one pass; with real CUDA graphs:
+test_runner_cuda.py.
 """
 
 from __future__ import annotations
@@ -216,6 +217,7 @@ def _run(runner, name: str, one_pass: bool) -> np.ndarray:
     return runner.run(request, lambda step: None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES), ids=[name[5:].replace(" ", "-") for name in sorted(CASES)])
 def test_one_pass_gives_the_two_forwards_image(name):
     from vllm_omni.diffusion.worker.runner import PipelineRunner
@@ -251,6 +253,7 @@ def _sp_run(one_pass: bool) -> dict:
     return {"image": image, "one_pass_steps": runner.cfg_one_pass_steps, "captures": runner.graph_captures}
 
 
+@pytest.mark.slow
 def test_under_ulysses_with_graphs_one_pass_gives_one_processs_two_forwards_image(sp_pool):
     from vllm_omni.diffusion.worker.runner import PipelineRunner
 
