@@ -371,10 +371,11 @@ class EngineArgs:
         ENGINE,
         action="store_true",
     )
-    cfg_one_pass: bool = option(
+    cfg_one_pass: bool | None = option(
         "engine",
-        "run a CFG step's prompt and negative-prompt rows as one forward where both fit the envelope (default: on; "
-        "--no-cfg-one-pass runs two forwards a step)",
+        "run a CFG step's prompt and negative-prompt rows as one forward where both fit the envelope; "
+        "--no-cfg-one-pass: two forwards a step (default: only under layerwise offload, where the weights then cross "
+        "to the GPU once a step; with them resident one row already fills the GPU at the default sizes)",
         ENGINE,
     )
     load_timeout_s: float | None = option(

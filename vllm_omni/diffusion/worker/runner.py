@@ -96,6 +96,7 @@ class PipelineRunner:
         cpu_offload: str = "none",
         resident_blocks: Mapping[str, int] | None = None,
         loras: tuple[int, int] | None = None,
+        cfg_one_pass: bool = True,
     ) -> None:
         self.spec = spec
         self.device = device
@@ -160,7 +161,7 @@ class PipelineRunner:
             self.cfg = CFGParallel(state.cfg_group)
             self.cfg_rank = state.cfg_rank
         # Without CFG parallel, a step's two branches may run as one forward (the request says: cfg_one_pass).
-        self.cfg_batch = CFGBatch(self.family.cfg_rows) if self.cfg is None else None
+        self.cfg_batch = CFGBatch(self.family.cfg_rows) if self.cfg is None and cfg_one_pass else None
         self.cfg_one_pass_steps = 0
         self.forwards: Counter = Counter()  # per denoiser, in the current request
         self.cache = CacheRecord(cache) if cache is not None else None  # shared by the denoisers (Wan2.2's two)

@@ -191,6 +191,8 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
         cache=config.cache,
         cpu_offload=offload,
         resident_blocks=plan.resident_blocks() if plan is not None else None,
+        # Left to the engine: only where the weights cross to the GPU every forward (then once a step, not twice).
+        cfg_one_pass=config.cfg_one_pass if config.cfg_one_pass is not None else offload == "layerwise",
         loras=(config.max_loras, config.max_cpu_loras or config.max_loras)
         if config.lora_modules or config.allow_runtime_lora
         else None,
