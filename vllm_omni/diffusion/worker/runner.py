@@ -155,7 +155,8 @@ class PipelineRunner:
         graphed = cpu_offload in ("none", "encoders")
         if (device.type == "cuda" or backend is not None) and not enforce_eager and graphed:
             # One backend for every denoiser: the experts' graphs share its memory pool.
-            graphs = dict(on_failure=self.graph_capture_failures.append, backend=backend or CUDAGraphs())
+            backend = backend if backend is not None else CUDAGraphs()
+            graphs = dict(on_failure=self.graph_capture_failures.append, backend=backend)
         self.cfg: CFGParallel | None = None
         self.cfg_rank = 0
         if state is not None and state.config.cfg_parallel_size > 1:
