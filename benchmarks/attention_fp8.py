@@ -13,7 +13,6 @@ or per-block scales are Blackwell's MXFP8), so there is no per-head variant to c
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.docs_table import replace_section  # noqa: E402
+from benchmarks.harness.reports import add_docs_phase, load_json, replace_section, save_json  # noqa: E402
 from vllm_omni.diffusion.attention import cudnn_fp8  # noqa: E402
 from vllm_omni.diffusion.attention.backends import BACKENDS  # noqa: E402
 
@@ -147,8 +146,12 @@ def main() -> None:
     parser.add_argument("--s-scales", default="448,1792,7168", help="the probabilities' scales to sweep (U8 cases)")
     parser.add_argument("--cases", default="", help="comma-separated substrings of case names (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/attention_fp8.json")
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs/benchmarks.md")
+    add_docs_phase(parser)
     args = parser.parse_args()
+    if args.phase == "docs":
+        rows = load_json(args.out)
+        write_docs(rows, rows[0]["device"], args.docs)
+        return
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         sys.exit("attention_fp8.py needs a CUDA GPU of compute capability 9.0 (Hopper) or newer")
     wanted = [w for w in args.cases.split(",") if w]
@@ -166,8 +169,7 @@ def main() -> None:
         )
         rows.append(dict(row, device=device))
         torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    save_json(args.out, rows)
     write_docs(rows, device, args.docs)
 
 

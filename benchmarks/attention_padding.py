@@ -12,7 +12,6 @@ stream, dense kernel, F.pad the output back) that the library avoids.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.docs_table import replace_section  # noqa: E402
+from benchmarks.harness.reports import add_docs_phase, load_json, replace_section, save_json  # noqa: E402
 from vllm_omni.diffusion.attention.backends import resolve_attention_backend  # noqa: E402
 from vllm_omni.diffusion.attention.layer import attend_joint  # noqa: E402
 from vllm_omni.diffusion.distributed.sequence_parallel import IMAGE, TEXT, SequenceParallelContext  # noqa: E402
@@ -178,8 +177,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/attention_padding.json")
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs/benchmarks.md")
+    add_docs_phase(parser)
     args = parser.parse_args()
+    if args.phase == "docs":
+        write_docs(load_json(args.out), args.docs)
+        return
     if not torch.cuda.is_available():
         sys.exit("attention_padding.py needs a CUDA GPU")
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -200,8 +202,7 @@ def main() -> None:
             {"case": case.name, "mode": mode, "timing": timing, "ms": round(ms, 5), "device": name}
             for (timing, mode), ms in times.items()
         ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    save_json(args.out, rows)
     write_docs(rows, args.docs)
 
 

@@ -15,7 +15,6 @@ loaded, request = the median of `--requests` requests after a warm-up one, stop 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.docs_table import replace_section  # noqa: E402
+from benchmarks.harness.reports import add_docs_phase, load_json, replace_section, save_json  # noqa: E402
 from vllm_omni import Omni  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +97,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--no-docs", action="store_true", help="print the table, do not write docs/multinode.md")
+    add_docs_phase(parser, docs=ROOT / "docs" / "multinode.md")
     args = parser.parse_args()
+    out = ROOT / "benchmarks" / "results" / "executor_overhead.json"
+    if args.phase == "docs":
+        replace_section(args.docs, "executor_overhead", table(load_json(out)))
+        return
     import ray
 
     samples: dict[str, list[dict[str, float]]] = {config: [] for config in CONFIGS}
@@ -118,11 +122,10 @@ def main() -> None:
         },
         "samples": samples,
     }
-    out = ROOT / "benchmarks" / "results" / "executor_overhead.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    save_json(out, result, indent=2)
     print(table(result))
     if not args.no_docs:
-        replace_section(ROOT / "docs" / "multinode.md", "executor_overhead", table(result))
+        replace_section(args.docs, "executor_overhead", table(result))
 
 
 if __name__ == "__main__":

@@ -32,9 +32,7 @@ cost, and its outputs are not the model's (agreement with ours U1 is reported fo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -42,9 +40,20 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.docs_table import replace_section  # noqa: E402
-from benchmarks.forward_timing import agreement, init_parallel, time_variants, with_padding_mode  # noqa: E402
-from benchmarks.sp_forward import CompiledBlocks, build_shared_models, switched_on, with_cuda_graphs  # noqa: E402
+from benchmarks.harness.reports import add_docs_phase, load_json, replace_section, save_json  # noqa: E402
+from benchmarks.harness.sp_forward import (  # noqa: E402
+    DEFAULT,
+    MODES,
+    CompiledBlocks,
+    build_shared_models,
+    forward_tables,
+    init_parallel,
+    own_block_code,
+    switched_on,
+    time_sizes,
+    with_cuda_graphs,
+    with_padding_mode,
+)
 from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel  # noqa: E402
 from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks  # noqa: E402
 
@@ -66,8 +75,6 @@ CONFIGS = {
 }
 TEXT_LEN = 512  # Flux2KleinPipeline pads every prompt to max_sequence_length=512
 SIZES = {"1024x1024": 64, "1328x1328": 83}  # latent grid side (16 pixels a token)
-MODES = {"trim": {}, "none": {"trim_sp_padding": False}, "mask": {"mask_sp_padding": True}}
-DEFAULT = " default"  # compiled blocks and CUDA graphs, as the engine runs it
 
 
 def _position_ids(t: int, h: int, w: int, length: int, device: torch.device) -> torch.Tensor:
@@ -91,21 +98,6 @@ def make_inputs(config: dict, side: int, device: torch.device) -> dict:
     )
 
 
-def own_block_code(model: torch.nn.Module) -> None:
-    """Give diffusers' blocks their own copy of their class's forward code (same bytecode): dynamo keeps compiled
-    code per code object, and ours (the same block classes) compiled first would otherwise be reused by them."""
-    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
-        block_cls = type(blocks[0])
-        forward = block_cls.forward
-        copy = types.FunctionType(
-            forward.__code__.replace(), forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__
-        )
-        copy.__kwdefaults__, copy.__qualname__ = forward.__kwdefaults__, forward.__qualname__
-        own_cls = type(block_cls.__name__, (block_cls,), {"forward": copy, "__module__": block_cls.__module__})
-        for block in blocks:
-            block.__class__ = own_cls
-
-
 def build_models(config: dict, device: torch.device, compiled: bool) -> dict:
     """Ours (eager) and diffusers; `compiled` adds ours default (a copy sharing the weights) and diffusers compiled."""
     from diffusers import Flux2Transformer2DModel as Reference
@@ -118,7 +110,7 @@ def build_models(config: dict, device: torch.device, compiled: bool) -> dict:
         default.load_state_dict(models["ours"].state_dict(), assign=True)
         compile_repeated_blocks(default.eval())  # compiles its blocks' forward for good: hence the copy
         models["ours_default"] = with_cuda_graphs(default)
-        own_block_code(models["diffusers"])
+        own_block_code(models["diffusers"].transformer_blocks, models["diffusers"].single_transformer_blocks)
         models["diffusers_compiled"] = switched_on(CompiledBlocks(models["diffusers"], ours=False), models["diffusers"])
     return models
 
@@ -139,6 +131,7 @@ def variants(models: dict, state, degree: int, simulated: bool) -> dict:
 
 
 def ratios(degree: int) -> list[tuple[str, str, str]]:
+    """(numerator, denominator, target) of the ratio table."""
     u = f"ours U{degree}"
     return [
         (f"ours U1{DEFAULT}", "diffusers U1 compiled", "at most 0.95"),
@@ -149,55 +142,31 @@ def ratios(degree: int) -> list[tuple[str, str, str]]:
     ]
 
 
-def write_docs(rows: list[dict], path: Path, model: str, degree: int, simulated: bool) -> None:
-    table: dict[str, dict[str, dict]] = {}
-    for row in rows:
-        table.setdefault(row["variant"], {})[row["size"]] = row
-    sizes = [size for size in SIZES if any(row["size"] == size for row in rows)]
-
-    def cell(row: dict | None) -> str:
-        if row is None:
-            return "n/a"
-        if row["ms"] is None:
-            return f"error: {row['error']}"
-        text = f"{row['ms']:.1f}"
-        if row.get("psnr_db") is not None and row["variant"] != "ours U1":
-            psnr = "exact" if row["psnr_db"] == float("inf") else f"{row['psnr_db']:.1f} dB"
-            text += f" ({psnr}, max {row['max_abs_diff']:.3g})"
-        return text
-
-    def ratio(a: str, b: str, size: str) -> str:
-        x, y = table.get(a, {}).get(size, {}).get("ms"), table.get(b, {}).get(size, {}).get("ms")
-        return f"{x / y:.3f}" if x and y else "n/a"
-
-    header = [f"{size} ({SIZES[size] ** 2} tokens, pad {-(SIZES[size] ** 2) % degree})" for size in sizes]
-    lines = [
-        f"## FLUX.2 klein {model.upper()} transformer, one forward (ours U1 / U{degree} vs diffusers)",
-        "",
-        f"Real dimensions ({rows[0]['layers']} blocks), random bf16 weights shared by every variant, text "
-        f"{TEXT_LEN} tokens, batch 1, {rows[0]['device']}; {rows[0]['setup']}. `default`: compiled blocks and "
-        "CUDA graphs, as the engine runs it; `compiled`: diffusers' `compile_repeated_blocks(fullgraph=True)`. "
-        "Median ms, variants interleaved; in brackets, bf16 agreement with ours U1 (PSNR, max abs diff).",
-        "",
-        "| variant | " + " | ".join(header) + " |",
-        "|---|" + "---|" * len(header),
-    ]
-    lines += [f"| {v} | " + " | ".join(cell(by.get(s)) for s in sizes) + " |" for v, by in table.items()]
-    lines += ["", "| ratio | " + " | ".join(sizes) + " | target |", "|---|" + "---|" * (len(sizes) + 1)]
-    for a, b, target in ratios(degree):
-        cells = [ratio(a, b, size) for size in sizes]
-        if any(c != "n/a" for c in cells):
-            lines.append(f"| {a} / {b} | " + " | ".join(cells) + f" | {target} |")
-    key = f"flux2_klein_sp_{model}_{'simulated' if simulated else 'nccl'}_u{degree}"
-    replace_section(path, key, "\n".join(lines), script="flux2_klein_sp")
-
-
 def parse_layers(text: str | None, config: dict) -> dict:
     """'D,S': D double-stream and S single-stream blocks (a smoke run); None: the model's own."""
     if text is None:
         return config
     double, _, single = text.partition(",")
     return dict(config, num_layers=int(double), num_single_layers=int(single or double))
+
+
+def write_docs(rows: list[dict], path: Path) -> None:
+    first = rows[0]
+    model, degree, simulated = first["model"], first["degree"], "simulated" in first["setup"]
+    sizes = [size for size in SIZES if any(row["size"] == size for row in rows)]
+    header = [f"{size} ({SIZES[size] ** 2} tokens, pad {-(SIZES[size] ** 2) % degree})" for size in sizes]
+    lines = [
+        f"## FLUX.2 klein {model.upper()} transformer, one forward (ours U1 / U{degree} vs diffusers)",
+        "",
+        f"Real dimensions ({first['layers']} blocks), random bf16 weights shared by every variant, text "
+        f"{TEXT_LEN} tokens, batch 1, {first['device']}; {first['setup']}. `default`: compiled blocks and "
+        "CUDA graphs, as the engine runs it; `compiled`: diffusers' `compile_repeated_blocks(fullgraph=True)`. "
+        "Median ms, variants interleaved; in brackets, bf16 agreement with ours U1 (PSNR, max abs diff).",
+        "",
+        *forward_tables(rows, sizes, header, ratios(degree)),
+    ]
+    key = f"flux2_klein_sp_{model}_{'simulated' if simulated else 'nccl'}_u{degree}"
+    replace_section(path, key, "\n".join(lines), script="flux2_klein_sp")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,54 +180,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--eager-only", action="store_true", help="skip ours default and diffusers compiled")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs/benchmarks.md")
+    add_docs_phase(parser)
     args = parser.parse_args(argv)
+    out = args.out or ROOT / f"benchmarks/results/flux2_klein_sp_{args.model}.json"
+    if args.phase == "docs":
+        write_docs(load_json(out), args.docs)
+        return
     if not torch.cuda.is_available():
         sys.exit("flux2_klein_sp.py needs a CUDA GPU")
 
     config = parse_layers(args.layers, CONFIGS[args.model])
     parallel = init_parallel(args.simulate, args.degree)
-    rank, device, degree = parallel.rank, parallel.device, parallel.state.config.ulysses_degree
+    device, degree = parallel.device, parallel.state.config.ulysses_degree
     if config["num_attention_heads"] % degree:
         sys.exit(f"Ulysses {degree} does not divide the {config['num_attention_heads']} heads")
     models = build_models(config, device, compiled=not args.eager_only)
-    rows = []
-    for size in args.sizes:
-        result, outputs = time_variants(
-            variants(models, parallel.state, degree, parallel.simulated),
-            make_inputs(config, SIZES[size], device),
-            args.iters,
-            args.warmup,
-            rank,
-            keep_outputs=True,
-        )
-        for variant, value in result.items():
-            ms = value if isinstance(value, float) else None
-            row = {
-                "model": args.model,
-                "size": size,
-                "variant": variant,
-                "ms": None if ms is None else round(ms, 3),
-                "error": None if ms is not None else value,
-                "setup": parallel.description,
-                "device": torch.cuda.get_device_name(device),
-                "layers": f"{config['num_layers']}+{config['num_single_layers']}",
-                "degree": degree,
-            }
-            # A simulated rank's U<N> outputs are not the model's: compared only on real ranks.
-            real = not parallel.simulated or not variant.startswith(f"ours U{degree} ")
-            if real and ms is not None and variant in outputs and "ours U1" in outputs:
-                row.update(agreement(outputs[variant], outputs["ours U1"]))
-            rows.append(row)
-            if rank == 0:
-                extra = f"  PSNR {row['psnr_db']:.1f} dB" if "psnr_db" in row else ""
-                print(f"{size} {variant:28s} {value if ms is None else f'{ms:.2f} ms'}{extra}", flush=True)
-        outputs.clear()
-    if rank == 0:
-        out = args.out or ROOT / f"benchmarks/results/flux2_klein_sp_{args.model}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(rows, indent=1) + "\n")
-        write_docs(rows, args.docs, args.model, degree, parallel.simulated)
+    rows = time_sizes(
+        parallel,
+        args.sizes,
+        lambda size: variants(models, parallel.state, degree, parallel.simulated),
+        lambda size: make_inputs(config, SIZES[size], device),
+        lambda size: dict(model=args.model, size=size),
+        f"{config['num_layers']}+{config['num_single_layers']}",
+        args.iters,
+        args.warmup,
+    )
+    if parallel.rank == 0:
+        save_json(out, rows)
+        write_docs(rows, args.docs)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

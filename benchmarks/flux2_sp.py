@@ -9,7 +9,7 @@ shared by every variant. The text stream is the pipeline's fixed 512 tokens. At 
 (4096 image tokens) and 1328x1328 (6889, padded at U2) it times, interleaved: ours U1, ours U2
 in trim / none / mask, diffusers U1, diffusers Ulysses U2 and diffusers Ulysses-anything U2,
 and our forwards replayed as CUDA graphs (what the engine runs on GPUs), and reports how
-closely each output agrees with ours at U1. The driver is sp_forward.py.
+closely each output agrees with ours at U1. The driver is harness/sp_forward.py.
 
     torchrun --nproc_per_node 2 benchmarks/flux2_sp.py          # two GPUs, real NCCL all-to-alls
     python benchmarks/flux2_sp.py --simulate                    # one GPU: rank 0 of a simulated U2
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.sp_forward import ForwardBenchmark, build_shared_models, main  # noqa: E402
+from benchmarks.harness.sp_forward import ForwardBenchmark, build_shared_models, main  # noqa: E402
 from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel  # noqa: E402
 
 # black-forest-labs/FLUX.2-dev transformer/config.json (equal to the diffusers 0.42.1 defaults).

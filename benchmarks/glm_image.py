@@ -45,26 +45,31 @@ count and size, so the parts can run one call each; the docs section shows them 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import sys
-import time
-import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.docs_table import replace_section  # noqa: E402
-from benchmarks.forward_timing import ParallelSetup, agreement, init_parallel, time_variants  # noqa: E402
-from benchmarks.sp_forward import build_shared_models  # noqa: E402
-from benchmarks.wan22_sp import DEFAULT, compiled_forwards, own_block_code, ratios, variants  # noqa: E402
-from vllm_omni.diffusion.config import DiffusionParallelConfig  # noqa: E402
-from vllm_omni.diffusion.distributed.parallel_state import initialize_simulated_parallel_state  # noqa: E402
+from benchmarks.harness.reports import add_docs_phase, load_json, replace_section  # noqa: E402
+from benchmarks.harness.sp_forward import (  # noqa: E402
+    ParallelSetup,
+    build_shared_models,
+    compiled_forwards,
+    compiled_ratios,
+    compiled_variants,
+    device_name,
+    forward_tables,
+    host_timing,
+    image_size_label,
+    merge_rows,
+    own_block_code,
+    parallel_setup,
+    time_sizes,
+    time_variants,
+)
 from vllm_omni.diffusion.models.glm_image.pipeline import FAMILY, generate_prior_tokens  # noqa: E402
 from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel  # noqa: E402
 
@@ -114,17 +119,6 @@ PROMPT = (
 TINY = "tiny/glm-image"
 
 
-def size_label(text: str) -> str:
-    """'WxH' with both sides multiples of 32 (the AR's grid; the pipeline's rule)."""
-    try:
-        width, height = (int(part) for part in text.split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size {text!r} is not WIDTHxHEIGHT") from None
-    if width <= 0 or height <= 0 or width % 32 or height % 32:
-        raise argparse.ArgumentTypeError(f"size {text!r}: width and height must be multiples of 32")
-    return text
-
-
 def sides(size: str) -> tuple[int, int]:
     width, height = (int(part) for part in size.split("x"))
     return width, height
@@ -133,39 +127,6 @@ def sides(size: str) -> tuple[int, int]:
 def image_tokens(size: str) -> int:
     width, height = sides(size)
     return (width // 16) * (height // 16)  # 8x VAE, 2x2 patches
-
-
-@contextlib.contextmanager
-def host_timing(device: torch.device) -> Iterator[None]:
-    """On a CPU (the --tiny smoke run), forward_timing's CUDA events measure host time instead."""
-    if device.type == "cuda":
-        yield
-        return
-
-    class HostEvent:
-        def __init__(self, enable_timing: bool = False) -> None:
-            self.at = 0.0
-
-        def record(self) -> None:
-            self.at = time.perf_counter()
-
-        def elapsed_time(self, end: HostEvent) -> float:
-            return (end.at - self.at) * 1e3
-
-    with mock.patch.object(torch.cuda, "Event", HostEvent), mock.patch.object(torch.cuda, "synchronize", lambda: None):
-        yield
-
-
-def parallel_setup(degree: int) -> ParallelSetup:
-    """Rank 0 of a simulated U`degree` group: on the GPU (forward_timing.init_parallel), else on the CPU."""
-    if torch.cuda.is_available():
-        return init_parallel(True, degree)
-    state = initialize_simulated_parallel_state(DiffusionParallelConfig(ulysses_degree=degree))
-    return ParallelSetup(0, torch.device("cpu"), state, True, f"CPU smoke run, simulated U{degree} rank")
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
 # ---- the DiT --------------------------------------------------------------------------------------
@@ -186,7 +147,7 @@ def build_dit(config: dict[str, Any], device: torch.device) -> dict:
     from diffusers import GlmImageTransformer2DModel as Reference
 
     models = build_shared_models(Reference, GlmImageTransformer2DModel, config, device, simulate=True)
-    own_block_code(types.SimpleNamespace(blocks=models["diffusers"].transformer_blocks))  # see wan22_sp.py
+    own_block_code(models["diffusers"].transformer_blocks)  # see harness/sp_forward.py
     return models
 
 
@@ -222,51 +183,27 @@ def run_dit(args, parallel: ParallelSetup) -> list[dict]:
         sys.exit(f"Ulysses {degree} does not divide the DiT's {config['num_attention_heads']} heads")
     models = build_dit(config, device)
     compiled = compiled_forwards(models) if args.compile else None
-    rows = []
-    for size in args.sizes:
-        tokens = image_tokens(size)
-        with host_timing(device):
-            result, outputs = time_variants(
-                variants(models, compiled, parallel.state, degree, parallel.simulated, tokens),
-                dit_inputs(size, config, device),
-                args.iters,
-                args.warmup,
-                parallel.rank,
-                keep_outputs=True,
-            )
-        graphs_failed = compiled is not None and compiled["graphs"].disabled
-        for variant, value in result.items():
-            ms = value if isinstance(value, float) else None
-            if ms is not None and variant.endswith(DEFAULT) and graphs_failed:
-                ms, value = None, "CUDA graph capture failed: it ran eagerly (see the log), not as the engine does"
-            row = {
-                "part": "dit",
-                "size": size,
-                "image_tokens": tokens,
-                "text_tokens": TEXT_LEN,
-                "pad": -tokens % degree,
-                "text_pad": -TEXT_LEN % degree,
-                "variant": variant,
-                "ms": None if ms is None else round(ms, 3),
-                "error": None if ms is not None else value,
-                "setup": parallel.description,
-                "device": device_name(device),
-                "layers": config["num_layers"],
-                "degree": degree,
-            }
-            # A simulated rank's U<N> outputs are not the model's: only the U1 variants are compared.
-            if not variant.startswith(f"ours U{degree} ") and ms is not None and variant in outputs:
-                row.update(agreement(outputs[variant], outputs["ours U1"]))
-            eager = variant.removesuffix(DEFAULT).removesuffix(" compiled")
-            if eager != variant and eager in outputs and variant in outputs:
-                if torch.equal(outputs[variant], outputs[eager]):
-                    row["note"] = "bitwise equal to eager: did its blocks compile?"
-            rows.append(row)
-            extra = f"  PSNR {row['psnr_db']:.1f} dB, max {row['max_abs_diff']:.3g}" if "psnr_db" in row else ""
-            extra += f"  [{row['note']}]" if "note" in row else ""
-            print(f"DiT {size} {variant:24s} {value if ms is None else f'{ms:.1f} ms'}{extra}", flush=True)
-        outputs.clear()
-    return rows
+    return time_sizes(
+        parallel,
+        args.sizes,
+        lambda size: compiled_variants(
+            models, compiled, parallel.state, degree, parallel.simulated, image_tokens(size)
+        ),
+        lambda size: dit_inputs(size, config, device),
+        lambda size: dict(
+            part="dit",
+            size=size,
+            image_tokens=image_tokens(size),
+            text_tokens=TEXT_LEN,
+            pad=-image_tokens(size) % degree,
+            text_pad=-TEXT_LEN % degree,
+        ),
+        config["num_layers"],
+        args.iters,
+        args.warmup,
+        compiled,
+        label="DiT ",
+    )
 
 
 # ---- the AR stage ---------------------------------------------------------------------------------
@@ -402,50 +339,18 @@ def run_ar(args, device: torch.device) -> list[dict]:
 
 
 def dit_section(rows: list[dict]) -> list[str]:
-    degree = rows[0]["degree"]
-    table: dict[str, dict[str, dict]] = {}
-    for row in rows:
-        table.setdefault(row["variant"], {})[row["size"]] = row
-
-    def cell(row: dict | None) -> str:
-        if row is None:
-            return "n/a"
-        if row["ms"] is None:
-            return f"error: {row['error']}"
-        text = f"{row['ms']:.1f}"
-        if row.get("psnr_db") is not None and row["variant"] != "ours U1":
-            psnr = "exact" if row["psnr_db"] == float("inf") else f"{row['psnr_db']:.1f} dB"
-            text += f" ({psnr}, max {row['max_abs_diff']:.3g})"
-        if row.get("note"):
-            text += f" [{row['note']}]"
-        return text
-
+    degree, first = rows[0]["degree"], rows[0]
     sizes = sorted({row["size"] for row in rows}, key=image_tokens)
-    first = rows[0]
     header = [f"{size} ({image_tokens(size)} tokens, pad {-image_tokens(size) % degree})" for size in sizes]
-    lines = [
+    return [
         f"DiT, one forward: {first['layers']} layers (real: 30), random bf16 weights shared by every variant, the "
         f"cond pass's inputs ({first['text_tokens']} glyph text tokens, {first['text_pad']} pad at U{degree}), "
         f"batch 1, {first['device']}; {first['setup']}. `default`: compiled blocks and CUDA graphs, as the engine "
         "runs it; `compiled`: diffusers' `compile_repeated_blocks(fullgraph=True)`. Median ms, variants "
         "interleaved; in brackets, bf16 agreement of the U1 variants with ours U1.",
         "",
-        "| variant | " + " | ".join(header) + " |",
-        "|---|" + "---|" * len(header),
+        *forward_tables(rows, sizes, header, compiled_ratios(degree)),
     ]
-    for variant, by_size in table.items():
-        lines.append(f"| {variant} | " + " | ".join(cell(by_size.get(size)) for size in sizes) + " |")
-
-    def ratio(a: str, b: str, size: str) -> str:
-        x, y = table.get(a, {}).get(size, {}).get("ms"), table.get(b, {}).get(size, {}).get("ms")
-        return f"{x / y:.3f}" if x and y else "n/a"
-
-    lines += ["", "| ratio | " + " | ".join(sizes) + " | target |", "|---|" + "---|" * (len(sizes) + 1)]
-    for a, b, target in ratios(degree):
-        cells = [ratio(a, b, size) for size in sizes]
-        if any(cell != "n/a" for cell in cells):  # a run without those variants leaves the row out
-            lines.append(f"| {a} / {b} | " + " | ".join(cells) + f" | {target} |")
-    return lines
 
 
 def ar_section(rows: list[dict]) -> list[str]:
@@ -492,7 +397,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=["dit", "ar"], default=["dit", "ar"])
     parser.add_argument("--degree", type=int, default=None, help="the simulated rank's Ulysses degree (8; --tiny: 3)")
     parser.add_argument("--compile", action="store_true", help="add ours default and diffusers compiled")
-    parser.add_argument("--sizes", nargs="+", type=size_label, default=None, help=f"DiT sizes (default {SIZES})")
+    parser.add_argument("--sizes", nargs="+", type=image_size_label, default=None, help=f"DiT sizes (default {SIZES})")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ar-iters", type=int, default=2)
@@ -502,13 +407,16 @@ def main() -> None:
     parser.add_argument("--ar-layers", type=int, default=None, help="fewer AR decoder layers (default: the model's)")
     parser.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8)")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--docs", type=Path, default=None)
+    add_docs_phase(parser, docs=None)
     args = parser.parse_args()
+    out = args.out or (Path("/tmp/glm_image_tiny.json") if args.tiny else ROOT / "benchmarks/results/glm_image.json")
+    docs = args.docs or (Path("/tmp/glm_image_tiny.md") if args.tiny else ROOT / "docs/benchmarks.md")
+    if args.phase == "docs":
+        write_docs(load_json(out), docs)
+        return
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("glm_image.py needs a CUDA GPU at real dimensions (--tiny runs anywhere)")
     args.sizes = args.sizes or (TINY_SIZES if args.tiny else SIZES)
-    out = args.out or (Path("/tmp/glm_image_tiny.json") if args.tiny else ROOT / "benchmarks/results/glm_image.json")
-    docs = args.docs or (Path("/tmp/glm_image_tiny.md") if args.tiny else ROOT / "docs/benchmarks.md")
 
     parallel = parallel_setup(args.degree or (TINY_DEGREE if args.tiny else 8))
     rows = []
@@ -517,12 +425,7 @@ def main() -> None:
     if "ar" in args.parts:
         rows += run_ar(args, parallel.device)
     # One file for every run: rows of other parts, setups, layer counts and sizes are kept, this run's replaced.
-    kept = json.loads(out.read_text()) if out.exists() else []
-    ran = {(row["part"], row["setup"], row["layers"], row["size"]) for row in rows}
-    kept = [row for row in kept if (row["part"], row["setup"], row["layers"], row["size"]) not in ran]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(kept + rows, indent=1) + "\n")
-    write_docs(kept + rows, docs)
+    write_docs(merge_rows(out, rows, ("part", "setup", "layers", "size")), docs)
     print(f"results: {out}; docs: {docs}")
 
 

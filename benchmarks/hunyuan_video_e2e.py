@@ -89,9 +89,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.hunyuan_video_sp import REAL_CONFIG as REAL_TRANSFORMER  # noqa: E402
-from benchmarks.qwen_image_e2e import REAL_TEXT  # noqa: E402
-from benchmarks.video_e2e import (  # noqa: E402
+from benchmarks.harness.e2e import QWEN25_VL_7B_TEXT as REAL_TEXT  # noqa: E402
+from benchmarks.harness.video_e2e import (  # noqa: E402
     DECODE_TEXT,
     Scale,
     VideoFamily,
@@ -100,7 +99,8 @@ from benchmarks.video_e2e import (  # noqa: E402
     published_ratio,
     time_mp4,  # noqa: F401 - part of this script's surface (its test times an encode through it)
 )
-from benchmarks.video_e2e import docs_section as video_docs_section  # noqa: E402
+from benchmarks.harness.video_e2e import docs_section as video_docs_section  # noqa: E402
+from benchmarks.hunyuan_video_sp import REAL_CONFIG as REAL_TRANSFORMER  # noqa: E402
 
 TINY_MODEL = "tiny/hunyuan-video-1.5"
 # Published for this request (848x480, 121 frames, 50 steps, one H200): what the target compares with.

@@ -30,7 +30,6 @@ simulated rank computes with its own values only, so it reports timings alone.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -39,9 +38,19 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.docs_table import replace_section  # noqa: E402
-from benchmarks.forward_timing import agreement, init_parallel, time_variants, with_padding_mode  # noqa: E402
-from benchmarks.sp_forward import CompiledBlocks, switched_on  # noqa: E402
+from benchmarks.harness.reports import add_docs_phase, load_json, replace_section  # noqa: E402
+from benchmarks.harness.sp_forward import (  # noqa: E402
+    MODES,
+    CompiledBlocks,
+    build_shared_models,
+    forward_tables,
+    init_parallel,
+    merge_rows,
+    runs_of,
+    switched_on,
+    time_sizes,
+    with_padding_mode,
+)
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel  # noqa: E402
 
 REAL_CONFIG = dict(
@@ -64,7 +73,6 @@ REAL_CONFIG = dict(
 PROMPT_LEN, PROMPT_VALID, GLYPH_LEN, IMAGE_LEN = 1000, 30, 256, 729
 FRAMES = 121
 SIZES = {"848x480": (480, 848), "848x464": (464, 848)}  # name -> (height, width)
-MODES = {"trim": {}, "none": {"trim_sp_padding": False}, "mask": {"mask_sp_padding": True}}
 
 
 def latent_grid(height: int, width: int) -> tuple[int, int, int]:
@@ -81,18 +89,7 @@ def build_models(device: torch.device, layers: int) -> dict:
     from diffusers import HunyuanVideo15Transformer3DModel as Reference
 
     config = dict(REAL_CONFIG, num_layers=layers)
-    torch.manual_seed(0)  # identical weights on every rank
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with device:
-            reference = Reference(**config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.device("meta"):
-        ours = HunyuanVideo15Transformer3DModel(**config)
-    ours.load_state_dict(reference.state_dict(), assign=True)  # the same weight tensors (no buffers to rebuild)
-    return {"ours": ours.eval(), "diffusers": reference}
+    return build_shared_models(Reference, HunyuanVideo15Transformer3DModel, config, device, simulate=True)
 
 
 def make_inputs(height: int, width: int, device: torch.device) -> dict:
@@ -130,56 +127,31 @@ def variants(models: dict, state, degree: int, compiled: bool = False) -> dict:
     return out
 
 
-def write_docs(rows: list[dict], path: Path, setup: str, degree: int, simulated: bool) -> None:
-    device, layers = rows[0]["device"], rows[0]["layers"]
-    table: dict[str, dict[str, dict]] = {}
-    for row in rows:
-        table.setdefault(row["variant"], {})[row["size"]] = row
-
-    def cell(row: dict | None) -> str:
-        if row is None:
-            return "n/a"
-        if row["ms"] is None:
-            return f"error: {row['error']}"
-        text = f"{row['ms']:.1f}"
-        if row.get("psnr_db") is not None and row["variant"] != "ours U1":
-            psnr = "exact" if row["psnr_db"] == float("inf") else f"{row['psnr_db']:.1f} dB"
-            text += f" ({psnr}, max {row['max_abs_diff']:.3g})"
-        return text
-
+def write_docs(rows: list[dict], path: Path) -> None:
+    """The docs section of the rows' run (their degree and setup)."""
+    first = rows[0]
+    degree, setup, simulated = first["degree"], first["setup"], "simulated" in first["setup"]
     sizes = [size for size in SIZES if any(row["size"] == size for row in rows)]
     header = [f"{size}x{FRAMES} ({video_tokens(size)} tokens, pad {-video_tokens(size) % degree})" for size in sizes]
     lines = [
         f"## HunyuanVideo 1.5 transformer, one forward (ours U1 / U{degree} vs diffusers)",
         "",
-        f"Real dimensions ({layers} layers, 16 heads x 128; 8.33B parameters at 54 layers), random bf16 weights "
-        f"shared by every variant, text as the t2v pipeline passes it ({PROMPT_LEN} prompt tokens, {PROMPT_VALID} "
-        f"valid; {GLYPH_LEN} glyph and {IMAGE_LEN} image tokens, all masked), batch 1, {device}; {setup}. "
-        "Median ms over the run, variants interleaved"
+        f"Real dimensions ({first['layers']} layers, 16 heads x 128; 8.33B parameters at 54 layers), random bf16 "
+        f"weights shared by every variant, text as the t2v pipeline passes it ({PROMPT_LEN} prompt tokens, "
+        f"{PROMPT_VALID} valid; {GLYPH_LEN} glyph and {IMAGE_LEN} image tokens, all masked), batch 1, "
+        f"{first['device']}; {setup}. Median ms over the run, variants interleaved"
         + ("." if simulated else "; in brackets, bf16 agreement with ours U1 (PSNR, max abs diff)."),
         "",
-        "| variant | " + " | ".join(header) + " |",
-        "|---|" + "---|" * len(header),
     ]
-    for variant, by_size in table.items():
-        lines.append(f"| {variant} | " + " | ".join(cell(by_size.get(size)) for size in sizes) + " |")
-
-    def ratio(a: str, b: str, size: str) -> str:
-        x, y = table.get(a, {}).get(size, {}).get("ms"), table.get(b, {}).get(size, {}).get("ms")
-        return f"{x / y:.3f}" if x and y else "n/a"
-
-    lines += ["", "| ratio | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
-    for a, b in [
+    ratios = [
         (f"ours U{degree} trim", "ours U1"),
         (f"ours U{degree} trim", f"ours U{degree} none"),
         (f"ours U{degree} mask", f"ours U{degree} none"),
         ("ours U1", "diffusers U1"),
         ("ours U1 compiled", "ours U1"),
         ("ours U1 compiled", "diffusers U1 compiled"),
-    ]:
-        cells = [ratio(a, b, size) for size in sizes]
-        if any(cell != "n/a" for cell in cells):  # a run without those variants leaves the row out
-            lines.append(f"| {a} / {b} | " + " | ".join(cells) + " |")
+    ]
+    lines += forward_tables(rows, sizes, header, ratios)
     key = f"hunyuan_video_sp_{'simulated' if simulated else 'nccl'}_u{degree}"
     replace_section(path, key, "\n".join(lines), script="hunyuan_video_sp")
 
@@ -194,55 +166,34 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--compile", action="store_true", help="add compiled-block variants (ours, diffusers' own)")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs/benchmarks.md")
+    add_docs_phase(parser)
     args = parser.parse_args()
+    out = args.out or ROOT / "benchmarks/results/hunyuan_video_sp.json"
+    if args.phase == "docs":  # a section per run (degree and setup) the file holds
+        for run in runs_of(load_json(out), ("degree", "setup")):
+            write_docs(run, args.docs)
+        return
     if not torch.cuda.is_available():
         sys.exit("hunyuan_video_sp.py needs a CUDA GPU")
 
     parallel = init_parallel(args.simulate, args.degree)
-    rank, device, degree = parallel.rank, parallel.device, parallel.state.config.ulysses_degree
+    device, degree = parallel.device, parallel.state.config.ulysses_degree
     models = build_models(device, args.layers)
-    rows = []
-    for size in args.sizes:
-        height, width = SIZES[size]
-        result, outputs = time_variants(
-            variants(models, parallel.state, degree, args.compile),
-            make_inputs(height, width, device),
-            args.iters,
-            args.warmup,
-            rank,
-            keep_outputs=not parallel.simulated,
-        )
-        for variant, value in result.items():
-            ms = value if isinstance(value, float) else None
-            row = {
-                "size": size,
-                "frames": FRAMES,
-                "video_tokens": video_tokens(size),
-                "pad": -video_tokens(size) % degree,
-                "variant": variant,
-                "ms": None if ms is None else round(ms, 3),
-                "error": None if ms is not None else value,
-                "setup": parallel.description,
-                "device": torch.cuda.get_device_name(device),
-                "layers": args.layers,
-                "degree": degree,
-            }
-            if variant in outputs and "ours U1" in outputs:
-                row.update(agreement(outputs[variant], outputs["ours U1"]))
-            rows.append(row)
-            if rank == 0:
-                extra = f"  PSNR {row['psnr_db']:.1f} dB, max {row['max_abs_diff']:.3g}" if "psnr_db" in row else ""
-                print(f"{size} {variant:20s} {value if ms is None else f'{ms:.1f} ms'}{extra}", flush=True)
-        outputs.clear()
-    if rank == 0:
-        out = args.out or ROOT / "benchmarks/results/hunyuan_video_sp.json"
+    rows = time_sizes(
+        parallel,
+        args.sizes,
+        lambda size: variants(models, parallel.state, degree, args.compile),
+        lambda size: make_inputs(*SIZES[size], device),
+        lambda size: dict(size=size, frames=FRAMES, video_tokens=video_tokens(size), pad=-video_tokens(size) % degree),
+        args.layers,
+        args.iters,
+        args.warmup,
+        keep_outputs=not parallel.simulated,
+    )
+    if parallel.rank == 0:
         # One file for every run: rows of other degrees and setups are kept, this run's replaced.
-        kept = json.loads(out.read_text()) if out.exists() else []
-        kept = [r for r in kept if (r["degree"], r["setup"]) != (degree, parallel.description)]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(kept + rows, indent=1) + "\n")
-        write_docs(rows, args.docs, parallel.description, degree, parallel.simulated)
+        merge_rows(out, rows, ("degree", "setup"))
+        write_docs(rows, args.docs)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

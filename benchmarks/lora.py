@@ -39,20 +39,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.docs_table import replace_section  # noqa: E402
+from benchmarks.harness.e2e import RANK, write_adapter  # noqa: E402
+from benchmarks.harness.reports import replace_section  # noqa: E402
 from vllm_omni.diffusion.request import LoraRequest  # noqa: E402
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward  # noqa: E402
 from vllm_omni.diffusion.worker.lora import LoraAdapters  # noqa: E402
 
-RANK = 64
-TARGETS = (  # attention and MLP linears of a block, by the end of their module path
-    ".attn.to_q", ".attn.to_k", ".attn.to_v", ".attn.to_out.0", ".attn.add_q_proj", ".attn.add_k_proj",
-    ".attn.add_v_proj", ".attn.to_add_out", ".attn1.to_q", ".attn1.to_k", ".attn1.to_v", ".attn1.to_out.0",
-    ".attn2.to_q", ".attn2.to_k", ".attn2.to_v", ".attn2.to_out.0", ".ff.net.0.proj", ".ff.net.2",
-    ".img_mlp.net.0.proj", ".img_mlp.net.2", ".txt_mlp.net.0.proj", ".txt_mlp.net.2", ".ff.linear_in",
-    ".ff.linear_out", ".ff_context.linear_in", ".ff_context.linear_out", ".attn.to_qkv_mlp_proj", ".attn.to_out",
-    ".ffn.net.0.proj", ".ffn.net.2",
-)  # fmt: skip
 TARGETS_RATIO = [("lora", "base", "<= 1.10"), ("base-after", "base", "<= 1.01")]
 
 
@@ -77,24 +69,6 @@ def _model(name: str, device: torch.device, flux2_layers: str) -> tuple[torch.nn
 
     models = family.build_models(device, family.REAL_CONFIG["num_layers"], diffusers_ulysses=False)
     return models["ours"], family.make_inputs("848x480x81", device), "WanPipeline", "848x480x81"
-
-
-def write_adapter(model: torch.nn.Module, folder: Path, seed: int) -> int:
-    """A random rank-RANK adapter on every targeted linear, in diffusers' format; returns the linears adapted."""
-    from safetensors.torch import save_file
-
-    generator = torch.Generator("cpu").manual_seed(seed)
-    state = {}
-    for path, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and path.endswith(TARGETS) and "blocks." in path:
-            out_features, in_features = module.weight.shape
-            a = torch.randn(RANK, in_features, generator=generator) / in_features**0.5
-            b = torch.randn(out_features, RANK, generator=generator) * 0.01
-            state[f"transformer.{path}.lora_A.weight"] = a.to(torch.bfloat16)
-            state[f"transformer.{path}.lora_B.weight"] = b.to(torch.bfloat16)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(folder / "pytorch_lora_weights.safetensors"))
-    return len(state) // 2
 
 
 def pipeline_around(pipeline_class: str, model: torch.nn.Module) -> Any:

@@ -29,9 +29,7 @@ most 1.01 (mask / none reported).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +37,20 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.docs_table import replace_section  # noqa: E402
-from benchmarks.forward_timing import ParallelSetup, agreement, time_variants  # noqa: E402
-from benchmarks.glm_image import device_name, host_timing, parallel_setup, size_label  # noqa: E402
-from benchmarks.sp_forward import build_shared_models  # noqa: E402
-from benchmarks.wan22_sp import DEFAULT, compiled_forwards, own_block_code, ratios, variants  # noqa: E402
+from benchmarks.harness.reports import add_docs_phase, load_json, replace_section  # noqa: E402
+from benchmarks.harness.sp_forward import (  # noqa: E402
+    ParallelSetup,
+    build_shared_models,
+    compiled_forwards,
+    compiled_ratios,
+    compiled_variants,
+    forward_tables,
+    image_size_label,
+    merge_rows,
+    own_block_code,
+    parallel_setup,
+    time_sizes,
+)
 from vllm_omni.diffusion.models.qwen_image21.transformer import QwenImage21Transformer2DModel  # noqa: E402
 
 # diffusers 0.42.1 QwenImage21Transformer2DModel.__init__ defaults (its docstring: "The single-stream
@@ -97,7 +104,7 @@ def build_models(config: dict[str, Any], device: torch.device) -> dict:
             setattr(model.get_submodule(module), leaf, buffer)
 
     models = build_shared_models(Reference, QwenImage21Transformer2DModel, config, device, True, non_parameters)
-    own_block_code(types.SimpleNamespace(blocks=models["diffusers"].transformer_blocks))  # see wan22_sp.py
+    own_block_code(models["diffusers"].transformer_blocks)  # see harness/sp_forward.py
     return models
 
 
@@ -126,50 +133,25 @@ def run(args, parallel: ParallelSetup) -> list[dict]:
         sys.exit(f"Ulysses {degree} does not divide the {config['num_attention_heads']} heads")
     models = build_models(config, device)
     compiled = compiled_forwards(models) if args.compile else None
-    rows = []
-    for size in args.sizes:
-        tokens = image_tokens(size)
-        with host_timing(device):
-            result, outputs = time_variants(
-                variants(models, compiled, parallel.state, degree, parallel.simulated, tokens),
-                make_inputs(size, config, device),
-                args.iters,
-                args.warmup,
-                parallel.rank,
-                keep_outputs=True,
-            )
-        graphs_failed = compiled is not None and compiled["graphs"].disabled
-        for variant, value in result.items():
-            ms = value if isinstance(value, float) else None
-            if ms is not None and variant.endswith(DEFAULT) and graphs_failed:
-                ms, value = None, "CUDA graph capture failed: it ran eagerly (see the log), not as the engine does"
-            row = {
-                "size": size,
-                "image_tokens": tokens,
-                "text_tokens": TEXT_LEN,
-                "pad": -tokens % degree,
-                "text_pad": -TEXT_LEN % degree,
-                "variant": variant,
-                "ms": None if ms is None else round(ms, 3),
-                "error": None if ms is not None else value,
-                "setup": parallel.description,
-                "device": device_name(device),
-                "layers": config["num_layers"],
-                "degree": degree,
-            }
-            # A simulated rank's U<N> outputs are not the model's: only the U1 variants are compared.
-            if not variant.startswith(f"ours U{degree} ") and ms is not None and variant in outputs:
-                row.update(agreement(outputs[variant], outputs["ours U1"]))
-            eager = variant.removesuffix(DEFAULT).removesuffix(" compiled")
-            if eager != variant and eager in outputs and variant in outputs:
-                if torch.equal(outputs[variant], outputs[eager]):
-                    row["note"] = "bitwise equal to eager: did its blocks compile?"
-            rows.append(row)
-            extra = f"  PSNR {row['psnr_db']:.1f} dB, max {row['max_abs_diff']:.3g}" if "psnr_db" in row else ""
-            extra += f"  [{row['note']}]" if "note" in row else ""
-            print(f"{size} {variant:24s} {value if ms is None else f'{ms:.1f} ms'}{extra}", flush=True)
-        outputs.clear()
-    return rows
+    return time_sizes(
+        parallel,
+        args.sizes,
+        lambda size: compiled_variants(
+            models, compiled, parallel.state, degree, parallel.simulated, image_tokens(size)
+        ),
+        lambda size: make_inputs(size, config, device),
+        lambda size: dict(
+            size=size,
+            image_tokens=image_tokens(size),
+            text_tokens=TEXT_LEN,
+            pad=-image_tokens(size) % degree,
+            text_pad=-TEXT_LEN % degree,
+        ),
+        config["num_layers"],
+        args.iters,
+        args.warmup,
+        compiled,
+    )
 
 
 def write_docs(rows: list[dict], path: Path) -> None:
@@ -177,23 +159,6 @@ def write_docs(rows: list[dict], path: Path) -> None:
     latest = (rows[-1]["setup"], rows[-1]["layers"])
     rows = [row for row in rows if (row["setup"], row["layers"]) == latest]
     degree, first = rows[0]["degree"], rows[0]
-    table: dict[str, dict[str, dict]] = {}
-    for row in rows:
-        table.setdefault(row["variant"], {})[row["size"]] = row
-
-    def cell(row: dict | None) -> str:
-        if row is None:
-            return "n/a"
-        if row["ms"] is None:
-            return f"error: {row['error']}"
-        text = f"{row['ms']:.1f}"
-        if row.get("psnr_db") is not None and row["variant"] != "ours U1":
-            psnr = "exact" if row["psnr_db"] == float("inf") else f"{row['psnr_db']:.1f} dB"
-            text += f" ({psnr}, max {row['max_abs_diff']:.3g})"
-        if row.get("note"):
-            text += f" [{row['note']}]"
-        return text
-
     sizes = sorted({row["size"] for row in rows}, key=image_tokens)
     header = [f"{size} ({image_tokens(size)} tokens, pad {-image_tokens(size) % degree})" for size in sizes]
     lines = [
@@ -205,21 +170,8 @@ def write_docs(rows: list[dict], path: Path) -> None:
         "as the engine runs it; `compiled`: diffusers' `compile_repeated_blocks(fullgraph=True)`. Median ms, "
         "variants interleaved; in brackets, bf16 agreement of the U1 variants with ours U1.",
         "",
-        "| variant | " + " | ".join(header) + " |",
-        "|---|" + "---|" * len(header),
+        *forward_tables(rows, sizes, header, compiled_ratios(degree)),
     ]
-    for variant, by_size in table.items():
-        lines.append(f"| {variant} | " + " | ".join(cell(by_size.get(size)) for size in sizes) + " |")
-
-    def ratio(a: str, b: str, size: str) -> str:
-        x, y = table.get(a, {}).get(size, {}).get("ms"), table.get(b, {}).get(size, {}).get("ms")
-        return f"{x / y:.3f}" if x and y else "n/a"
-
-    lines += ["", "| ratio | " + " | ".join(sizes) + " | target |", "|---|" + "---|" * (len(sizes) + 1)]
-    for a, b, target in ratios(degree):
-        cells = [ratio(a, b, size) for size in sizes]
-        if any(cell != "n/a" for cell in cells):  # a run without those variants leaves the row out
-            lines.append(f"| {a} / {b} | " + " | ".join(cells) + f" | {target} |")
     replace_section(path, "qwen_image21_sp", "\n".join(lines), script="qwen_image21_sp")
 
 
@@ -228,29 +180,26 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help=f"{TINY}'s dimensions (a smoke run; CPU or GPU)")
     parser.add_argument("--degree", type=int, default=None, help="the simulated rank's Ulysses degree (8; --tiny: 3)")
     parser.add_argument("--compile", action="store_true", help="add ours default and diffusers compiled")
-    parser.add_argument("--sizes", nargs="+", type=size_label, default=None, help=f"sizes (default {SIZES})")
+    parser.add_argument("--sizes", nargs="+", type=image_size_label, default=None, help=f"sizes (default {SIZES})")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (default: the model's)")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--docs", type=Path, default=None)
+    add_docs_phase(parser, docs=None)
     args = parser.parse_args()
-    if not args.tiny and not torch.cuda.is_available():
-        sys.exit("qwen_image21_sp.py needs a CUDA GPU at real dimensions (--tiny runs anywhere)")
-    args.sizes = args.sizes or (TINY_SIZES if args.tiny else SIZES)
     out = args.out or (
         Path("/tmp/qwen_image21_sp_tiny.json") if args.tiny else ROOT / "benchmarks/results/qwen_image21_sp.json"
     )
     docs = args.docs or (Path("/tmp/qwen_image21_sp_tiny.md") if args.tiny else ROOT / "docs/benchmarks.md")
-
+    if args.phase == "docs":
+        write_docs(load_json(out), docs)
+        return
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("qwen_image21_sp.py needs a CUDA GPU at real dimensions (--tiny runs anywhere)")
+    args.sizes = args.sizes or (TINY_SIZES if args.tiny else SIZES)
     rows = run(args, parallel_setup(args.degree or (TINY_DEGREE if args.tiny else 8)))
     # One file for every run: rows of other setups, layer counts and sizes are kept, this run's replaced.
-    kept = json.loads(out.read_text()) if out.exists() else []
-    ran = {(row["setup"], row["layers"], row["size"]) for row in rows}
-    kept = [row for row in kept if (row["setup"], row["layers"], row["size"]) not in ran]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(kept + rows, indent=1) + "\n")
-    write_docs(kept + rows, docs)
+    write_docs(merge_rows(out, rows, ("setup", "layers", "size")), docs)
     print(f"results: {out}; docs: {docs}")
 
 

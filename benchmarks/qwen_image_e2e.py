@@ -60,23 +60,16 @@ request to <probe dir>/rank<r>.jsonl. The same `PhaseProbe` times diffusers in t
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
 import gc
-import inspect
-import json
-import mmap
 import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +78,34 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.docs_table import replace_section  # noqa: E402
+from benchmarks.harness.e2e import (  # noqa: E402
+    BUILD_MARKER,
+    GPU_GIB,
+    QWEN25_VL_7B_TEXT,
+    DeviceMemorySampler,
+    PhaseProbe,
+    add_agreement,
+    already_built,
+    as_card_of,
+    build_record,
+    cell,
+    checkpoint_files,
+    commit_checkpoint,
+    copy_outputs,
+    default_dtype,
+    evict_from_page_cache,
+    failed_row,
+    inductor_cache_files,
+    install_worker_probe,
+    load_results,
+    measure_reads,
+    page_cache_fraction,
+    prepare_partial,
+    probe_records,
+    save_results,
+    save_synced,
+    write_adapter,
+)
 from benchmarks.qwen_image_sp import REAL_CONFIG as REAL_TRANSFORMER  # noqa: E402
 from vllm_omni.diffusion.models.qwen_image.tiny import SCHEDULER_CONFIG  # noqa: E402
 
@@ -93,8 +113,8 @@ KEY = "qwen_image_e2e"
 DEFAULT_OUT = ROOT / f"benchmarks/results/{KEY}.json"
 DEFAULT_DOCS = ROOT / "docs/benchmarks.md"
 PROBE_ENV = "QWEN_IMAGE_E2E_PROBE_DIR"
-BUILD_MARKER = "e2e_build.json"
-GIB = 2**30
+
+REAL_TEXT = QWEN25_VL_7B_TEXT
 
 PROMPTS = [
     "A photograph of a small red fox sitting in fresh snow at sunrise, soft golden light.",
@@ -116,24 +136,6 @@ def run_seed(index: int) -> int:
     return 1000 + index
 
 
-# Qwen2.5-VL-7B-Instruct (Qwen-Image's text_encoder/config.json); token ids come from the tokenizer.
-REAL_TEXT = dict(
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    hidden_act="silu",
-    max_position_embeddings=128000,
-    max_window_layers=28,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-    sliding_window=32768,
-    use_sliding_window=False,
-    attention_dropout=0.0,
-    initializer_range=0.02,
-)
 REAL_VISION = dict(
     depth=32,
     hidden_size=1280,
@@ -240,7 +242,6 @@ VARIANTS = [
 # Offload (issue 31) on a smaller card: the cap is the card's size (GPU_GIB -> gpu_memory_utilization, which the
 # engine also applies with torch.cuda.set_per_process_memory_fraction), and the limits admit one 1328x1328 image
 # (6889 tokens) a step, the largest request such a deploy is planned for. Compare with ours-fp8 / ours-default.
-GPU_GIB = "gpu_memory_gib"
 ONE_1328 = {"max_tokens_per_step": 6889, "max_n": 1}
 VARIANTS += [
     # FP8 leaves the transformer at 25.4 GiB (the FP8 rule keeps its AdaLN modulation, 12.7 GiB, in bf16), so with
@@ -306,8 +307,28 @@ VARIANTS += [
             {"lora": LORA_NAME, "num_inference_steps": 8, "true_cfg_scale": 1.0, "negative_prompt": None}),
 ]  # fmt: skip
 LORA_TARGETS = (("ours-lora-50", "ours-default", "<= 1.10"), ("ours-lora-8", "ours-lora-50", ""))
+# CFG in one pass (issue 46): the default runs a step's two branches as one forward; these run two.
+TWO_PASS = {"cfg_one_pass": False}
+VARIANTS += [
+    Variant("ours-two-pass", "cfg", 1, "Omni(folder, cfg_one_pass=False): two forwards a CFG step", TWO_PASS),
+    Variant("ours-fp8-two-pass", "cfg", 1, "Omni(folder, quantization='fp8', cfg_one_pass=False)", {**FP8, **TWO_PASS}),
+    Variant(
+        "ours-layerwise-24g-two-pass",
+        "cfg",
+        1,
+        "Omni(folder, cpu_offload='layerwise', cfg_one_pass=False), bf16, within 24 GiB",
+        {"cpu_offload": "layerwise", GPU_GIB: 24, **ONE_1328, **TWO_PASS},
+    ),
+]
+CFG_TARGETS = (
+    ("ours-default", "ours-two-pass", ""),
+    ("ours-fp8", "ours-fp8-two-pass", ""),
+    ("ours-layerwise-24g", "ours-layerwise-24g-two-pass", ""),
+    ("ours-default", "diffusers-eager", "<= 0.70"),  # issue 46's at 1328x1328
+    ("ours-fp8", "diffusers-eager", "<= 0.55"),
+)
 BY_NAME = {variant.name: variant for variant in VARIANTS}
-PHASES = ["build", "diffusers", "ours", "ours2", "levers", "offload", "lora", "docs"]
+PHASES = ["build", "diffusers", "ours", "ours2", "levers", "offload", "lora", "cfg", "docs"]
 # The first timed run's image of each variant run in this process: agreement with ours-default's.
 IMAGES: dict[str, np.ndarray] = {}  # docs: rewrite the docs section from the JSON
 
@@ -315,306 +336,7 @@ IMAGES: dict[str, np.ndarray] = {}  # docs: rewrite the docs section from the JS
 # ---- timing a pipeline call's phases ---------------------------------------------------------------
 
 
-def compile_seconds() -> float:
-    """Seconds this process has spent compiling with torch.compile (dynamo frames, inductor included)."""
-    spent = getattr(torch._dynamo.utils, "calculate_time_spent", None)
-    return float(spent().get("entire_frame_compile", 0.0)) if spent else 0.0
-
-
-_CAPTURES = {"count": 0, "seconds": 0.0}  # CUDA graph captures of this process (ours' workers only)
-
-
-class PhaseProbe:
-    """Times one pipeline call's phases through wrappers on its bound methods (QwenImagePipeline
-    here; benchmarks/hunyuan_video_e2e.py times HunyuanVideo15Pipeline with it too).
-
-    Text encoding: the `encode_prompt` calls (prompt and negative prompt). VAE decode:
-    `vae.decode`. Denoising: from the end of the last `encode_prompt` to the start of the decode
-    (latent preparation, timesteps, the loop). On CUDA every boundary synchronises the device,
-    and the peak memory is the allocator's over the call.
-
-    `loop_start`: the name of a pipeline method the call runs once, right before its denoising
-    loop. With it, denoising is also split in two: `prep_s` (from the end of text encoding to
-    that method's end: timesteps, latents) and `loop_s` (from there to the start of the decode).
-    """
-
-    def __init__(self, pipe: Any, device: torch.device, loop_start: str | None = None) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple[str, float, float]] = []
-        self.loop_start = loop_start
-        pipe.encode_prompt = self._timed("text", pipe.encode_prompt)
-        pipe.vae.decode = self._timed("decode", pipe.vae.decode)
-        if loop_start is not None:
-            setattr(pipe, loop_start, self._timed("prep", getattr(pipe, loop_start)))
-
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            start = self._now()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.marks.append((phase, start, self._now()))
-
-        return call
-
-    def begin(self) -> None:
-        self.marks = []
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self.compile0, self.captures0 = compile_seconds(), dict(_CAPTURES)
-        self.start = self._now()
-
-    def end(self) -> dict[str, Any]:
-        total = self._now() - self.start
-        text = [(s, e) for phase, s, e in self.marks if phase == "text"]
-        decode = [(s, e) for phase, s, e in self.marks if phase == "decode"]
-        record = {
-            "call_s": total,
-            "text_s": sum(e - s for s, e in text) if text else None,
-            "denoise_s": decode[0][0] - text[-1][1] if text and decode else None,
-            "decode_s": sum(e - s for s, e in decode) if decode else None,
-            "compile_s": compile_seconds() - self.compile0,
-            "captures": _CAPTURES["count"] - self.captures0["count"],
-            "capture_s": _CAPTURES["seconds"] - self.captures0["seconds"],
-            "peak_alloc_gib": torch.cuda.max_memory_allocated(self.device) / GIB if self.cuda else None,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / GIB if self.cuda else None,
-            "device_name": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
-        }
-        if self.loop_start is not None:
-            prep = [e for phase, _, e in self.marks if phase == "prep"]
-            record["prep_s"] = prep[-1] - text[-1][1] if text and prep else None
-            record["loop_s"] = decode[0][0] - prep[-1] if prep and decode else None
-        return record
-
-
-def install_worker_probe(directory: Path, **probe_options: Any) -> None:
-    """In an engine worker: time every request's phases with a PhaseProbe and count graph captures.
-
-    `probe_options`: PhaseProbe's keyword arguments (`loop_start`)."""
-    from vllm_omni.diffusion.worker import cuda_graphs, runner
-
-    cls = runner.PipelineRunner
-    init, run, capture = cls.__init__, cls.run, cuda_graphs.CUDAGraphForward._capture
-    signature = inspect.signature(init)
-
-    def probed_init(self, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs).arguments
-        self.e2e_probe = PhaseProbe(self.pipe, torch.device(bound["device"]), **probe_options)
-        self.e2e_rank = bound["rank"]
-
-    def probed_run(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        self.e2e_probe.begin()
-        images = run(self, request, *args, **kwargs)
-        record = dict(self.e2e_probe.end(), request_id=request.request_id, rank=self.e2e_rank)
-        offload = getattr(self, "model_offload", None)
-        if offload is not None and offload.last_moves:  # --cpu-offload encoders or model: the weights moved in
-            record["onload_s"] = sum(seconds for _, seconds in offload.last_moves.values())
-            # The denoisers move in inside the loop (their first forward): a fixed cost, not one per step.
-            record["onload_loop_s"] = sum(s for name, (_, s) in offload.last_moves.items() if name in self.denoisers)
-            record["onload_gib"] = sum(count for count, _ in offload.last_moves.values()) / GIB
-        with open(directory / f"rank{self.e2e_rank}.jsonl", "a") as log:
-            log.write(json.dumps(record) + "\n")
-        return images
-
-    def counted_capture(self, kwargs: dict[str, Any]) -> Any:
-        start = time.perf_counter()
-        graph = capture(self, kwargs)  # a failed capture raises: not counted
-        _CAPTURES["count"] += 1
-        _CAPTURES["seconds"] += time.perf_counter() - start  # the first forward of a new shape compiles here
-        return graph
-
-    cls.__init__, cls.run = probed_init, probed_run
-    cuda_graphs.CUDAGraphForward._capture = counted_capture
-
-
-def probe_records(directory: Path, request_id: str) -> dict[int, dict[str, Any]]:
-    """rank -> the worker's record of `request_id` (written before the worker answers the engine)."""
-    records = {}
-    for path in directory.glob("rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if record["request_id"] == request_id:
-                records[record["rank"]] = record
-    return records
-
-
 # ---- the checkpoint folder and the page cache ------------------------------------------------------
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    return sorted(path for path in folder.rglob("*") if path.is_file())
-
-
-def evict_from_page_cache(files: list[Path]) -> None:
-    """Drop the files' pages from the page cache (fsync first: dirty pages stay), no root needed."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def page_cache_fraction(files: list[Path]) -> float | None:
-    """Fraction of the files' pages in the page cache (mincore on a mapping); None where it cannot tell."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    except (OSError, AttributeError):
-        return None
-    resident = total = 0
-    for path in files:
-        size = path.stat().st_size
-        if not size:
-            continue
-        pages = -(-size // mmap.PAGESIZE)
-        vector = (ctypes.c_ubyte * pages)()
-        with open(path, "rb") as file:
-            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, file.fileno(), 0)
-            if address in (None, ctypes.c_void_p(-1).value):
-                return None
-            try:
-                if libc.mincore(address, size, vector) != 0:
-                    return None
-            finally:
-                libc.munmap(address, size)
-        resident += int((np.frombuffer(vector, dtype=np.uint8) & 1).sum())  # bit 0: page resident
-        total += pages
-    return resident / total if total else None
-
-
-def inductor_cache_files(ours: bool) -> int | None:
-    """Files in the inductor cache the compiling process uses (warm caches compile much faster)."""
-    if ours:  # the engine's workers default it to this folder (cuda_graphs.compile_repeated_blocks)
-        path = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path("~/.cache/vllm_omni/inductor").expanduser())
-    else:
-        try:
-            from torch._inductor.runtime.cache_dir_utils import cache_dir
-        except ImportError:
-            return None
-        path = Path(cache_dir())
-    return sum(1 for item in path.rglob("*") if item.is_file()) if path.is_dir() else 0
-
-
-def read_files(files: list[Path]) -> tuple[int, float]:
-    """(bytes, seconds) to read every file start to end, 64 MiB at a time, as `cat` would."""
-    buffer = bytearray(64 * 2**20)
-    total = 0
-    start = time.perf_counter()
-    for path in files:
-        with open(path, "rb", buffering=0) as file:
-            while n := file.readinto(buffer):
-                total += n
-    return total, max(time.perf_counter() - start, 1e-9)
-
-
-def filesystem_of(path: Path) -> str:
-    """The type of the file system holding `path` (from /proc/mounts), e.g. ext4, overlay, tmpfs."""
-    resolved, best, kind = str(path.resolve()), "", "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/mounts").read_text().splitlines():
-            fields = line.split()
-            if len(fields) < 3:
-                continue
-            mount = fields[1]
-            inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
-            if inside and len(mount) >= len(best):
-                best, kind = mount, fields[2]
-    return kind
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def already_built(folder: Path, scale_name: str, rebuild: bool) -> bool:
-    """True when `folder` already holds this scale's checkpoint (and --rebuild is off); exits on a foreign folder."""
-    marker = folder / BUILD_MARKER
-    if marker.is_file() and not rebuild:
-        if json.loads(marker.read_text()).get("scale") == scale_name:
-            print(f"build: {folder} already holds the {scale_name} checkpoint", flush=True)
-            return True
-        raise SystemExit(f"{folder} holds another checkpoint scale; pass --rebuild or another --folder")
-    if folder.exists() and not marker.is_file():
-        raise SystemExit(f"{folder} exists and is not a checkpoint this script built; pick another --folder")
-    return False
-
-
-def prepare_partial(
-    components: dict[str, torch.nn.Module], device: torch.device, dtype: torch.dtype, start: float, folder: Path
-) -> tuple[float, dict[str, int], Path]:
-    """The made components in `dtype` and eval mode, and an empty `<folder>.partial` with room for them.
-
-    Returns the seconds since `start`, the parameters per component and the partial folder.
-    """
-    for model in components.values():
-        if any(p.dtype != dtype for p in model.parameters()):  # made in `dtype` already, as a rule
-            model.to(dtype)
-        model.eval()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    init_s = time.perf_counter() - start
-    params = {name: sum(p.numel() for p in model.parameters()) for name, model in components.items()}
-    weight_bytes = sum(p.numel() * p.element_size() for m in components.values() for p in m.parameters())
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(partial.parent).free
-    if free < weight_bytes * 1.05 + GIB:
-        raise SystemExit(
-            f"{partial.parent} has {free / GIB:.1f} GiB free; the checkpoint needs {weight_bytes / GIB:.1f}"
-        )
-    print(f"build: {params} parameters made in {init_s:.1f} s on {device}; writing {partial}", flush=True)
-    return init_s, params, partial
-
-
-def save_synced(pipe: Any, partial: Path) -> tuple[list[Path], float, int]:
-    """`pipe.save_pretrained(partial)` (safetensors), synced to disk: (its files, seconds, bytes written)."""
-    start = time.perf_counter()
-    pipe.save_pretrained(partial, safe_serialization=True)
-    files = checkpoint_files(partial)
-    for path in files:  # on disk, not only in the page cache
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    write_s = time.perf_counter() - start
-    written = sum(path.stat().st_size for path in files)
-    return files, write_s, written
-
-
-def commit_checkpoint(partial: Path, folder: Path, record: dict[str, Any], written: int, write_s: float) -> None:
-    """Mark `partial` complete and rename it to `folder`."""
-    (partial / BUILD_MARKER).write_text(json.dumps(record, indent=1) + "\n")
-    shutil.rmtree(folder, ignore_errors=True)  # an earlier scale's folder (checked above: ours)
-    os.replace(partial, folder)
-    print(f"build: {written / 1e9:.2f} GB written in {write_s:.1f} s ({record['write_gb_per_s']} GB/s)", flush=True)
-
-
-def copy_outputs(copy_to: Path | None, out: Path, docs: Path) -> None:
-    """--copy-to: the JSON and the docs page, copied there after each save."""
-    if copy_to:
-        copy_to.mkdir(parents=True, exist_ok=True)
-        for path in (out, docs):
-            shutil.copy(path, copy_to / path.name)
 
 
 def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any] | None:
@@ -671,62 +393,7 @@ def build_checkpoint(scale: Scale, folder: Path, rebuild: bool) -> dict[str, Any
     return record
 
 
-def build_record(
-    scale: str, params: int, files: list[Path], written: int, init_s: float, write_s: float, partial: Path, **facts: Any
-) -> dict[str, Any]:
-    """What a build wrote, and how fast (the JSON's "build"); `facts`: the model's own (its scheduler's shift...)."""
-    return {
-        "scale": scale,
-        "parameters": params,
-        "bytes": written,
-        "safetensors_files": sum(path.suffix == ".safetensors" for path in files),
-        **facts,
-        "init_s": round(init_s, 2),
-        "write_s": round(write_s, 2),
-        "write_gb_per_s": round(written / write_s / 1e9, 3),
-        "filesystem": filesystem_of(partial),
-        "host": socket.gethostname(),
-    }
-
-
 # ---- memory seen by nvidia-smi ---------------------------------------------------------------------
-
-
-class DeviceMemorySampler:
-    """Peak memory in use per GPU as nvidia-smi reports it every 200 ms: the whole device (CUDA
-    contexts, NCCL buffers, every process), over the whole variant, loading included."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and shutil.which("nvidia-smi") is not None
-        self.peaks_mib: dict[int, float] = {}
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> DeviceMemorySampler:
-        if self.enabled:
-            query = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits", "-lms", "200"]
-            self.process = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            self.reader = threading.Thread(target=self._read, daemon=True)
-            self.reader.start()
-        return self
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            with contextlib.suppress(ValueError):
-                index, used = (field.strip() for field in line.split(","))
-                self.peaks_mib[int(index)] = max(self.peaks_mib.get(int(index), 0.0), float(used))
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-            self.reader.join(timeout=10)
-
-    def peaks_gib(self, gpus: int) -> list[float] | None:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        indices = [int(i) for i in visible.split(",")] if visible.replace(",", "").isdigit() else list(range(gpus))
-        if not self.peaks_mib:
-            return None
-        return [round(self.peaks_mib[i] / 1024, 2) if i in self.peaks_mib else None for i in indices[:gpus]]
 
 
 # ---- variants --------------------------------------------------------------------------------------
@@ -856,16 +523,6 @@ def run_diffusers(settings: Settings, names: list[str], keep: Callable[[dict[str
         torch.cuda.empty_cache()
 
 
-def failed_row(variant: Variant, settings: Settings, exc: BaseException) -> dict[str, Any]:
-    import traceback
-
-    traceback.print_exc()
-    text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-    print(f"{variant.name} failed: {text}", flush=True)
-    return {"variant": variant.name, "phase": variant.phase, "gpus": variant.gpus, "what": variant.what,
-            "scale": settings.scale.name, "host": socket.gethostname(), "error": text}  # fmt: skip
-
-
 def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold: bool) -> list[dict[str, Any]]:
     """Start Omni(folder) (after evicting the folder from the page cache when `cold`), then run each variant's
     requests on it (variants that share an engine have the same `omni` arguments); one row per variant."""
@@ -956,23 +613,10 @@ def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold
     return [summarize(variant, settings, runs, peaks, {**engine, **extra}) for variant, runs, peaks, extra in rows]
 
 
-def as_card_of(options: dict[str, Any], device: str) -> dict[str, Any]:
-    """Omni options with GPU_GIB (a smaller card's size) given as gpu_memory_utilization, its share of this
-    device (which the engine also applies with torch.cuda.set_per_process_memory_fraction)."""
-    if GPU_GIB not in options:
-        return options
-    options = dict(options)
-    total = torch.cuda.mem_get_info()[1] if device == "cuda" else 2**40
-    options["gpu_memory_utilization"] = min(1.0, options.pop(GPU_GIB) * 2**30 / total)
-    return options
-
-
 def write_lora(folder: Path) -> Path:
-    """The LoRA variants' adapter, written once into the checkpoint folder (benchmarks/lora.py's random rank-64
+    """The LoRA variants' adapter, written once into the checkpoint folder (harness/e2e.py's random rank-64
     adapter, from the transformer's config on the meta device)."""
     import diffusers
-
-    from benchmarks.lora import write_adapter
 
     adapter = folder / LORA_FOLDER
     if not (adapter / "pytorch_lora_weights.safetensors").is_file():
@@ -994,74 +638,7 @@ def engine_groups(variants: list[Variant]) -> list[list[Variant]]:
     return groups
 
 
-def add_agreement(rows: dict[str, dict[str, Any]], images: dict[str, np.ndarray] | None = None) -> None:
-    """Each row's PSNR (dB, uint8 images or video frames) of its first timed output against ours-default's, for
-    the variants run in this process with it ("identical" for equal outputs). `images`: by variant (IMAGES)."""
-    images = IMAGES if images is None else images
-    if "ours-default" not in images:
-        return
-    reference = images["ours-default"].astype(np.float64)
-    for name, image in images.items():
-        if name != "ours-default" and name in rows and not rows[name].get("error"):
-            mse = float(np.mean((image.astype(np.float64) - reference) ** 2))
-            rows[name]["psnr_vs_ours_default_db"] = round(10 * np.log10(255.0**2 / mse), 2) if mse else "identical"
-
-
-def measure_reads(folder: Path) -> dict[str, Any]:
-    """Time to read the folder's bytes: after evicting it from the page cache, then again (cached)."""
-    files = checkpoint_files(folder)
-    evict_from_page_cache(files)
-    reads = []
-    for label in ("evicted", "cached"):
-        cached = page_cache_fraction(files)
-        size, seconds = read_files(files)
-        reads.append({"label": label, "page_cache_before": None if cached is None else round(cached, 3),
-                      "s": round(seconds, 2), "gb_per_s": round(size / seconds / 1e9, 2)})  # fmt: skip
-        print(f"read {size / 1e9:.2f} GB ({label}, {cached} in page cache before): {seconds:.1f} s", flush=True)
-    return {"bytes": size, "files": len(files), "filesystem": filesystem_of(folder), "reads": reads,
-            "eviction": "fsync + posix_fadvise(POSIX_FADV_DONTNEED) per file; residency read with mincore",
-            "host": socket.gethostname()}  # fmt: skip
-
-
 # ---- results and docs ------------------------------------------------------------------------------
-
-
-def load_results(path: Path) -> dict[str, Any]:
-    if path.is_file():
-        results = json.loads(path.read_text())
-        if isinstance(results, dict) and "variants" in results:
-            return results
-    return {"variants": {}}
-
-
-def save_results(
-    results: dict[str, Any],
-    path: Path,
-    docs: Path,
-    key: str = KEY,
-    section: Callable[[dict[str, Any]], str] | None = None,
-    script: str | None = None,
-) -> None:
-    """The JSON first; a docs failure never loses a measurement (`--phase docs` rewrites them later).
-
-    `key` and `section` (results -> the section's text): another script's docs section
-    (default: this one's, `docs_section`); `script`: the script named as its writer (default: `key`)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    try:
-        replace_section(docs, key, (section or docs_section)(results), script)
-    except Exception:  # noqa: BLE001
-        import traceback
-
-        traceback.print_exc()
-
-
-def _cell(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, list):
-        return " / ".join(_cell(v, digits) for v in value)
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def ratios(results: dict[str, Any]) -> list[tuple[str, float | None, str]]:
@@ -1100,7 +677,7 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float | None, str]]:
         *((f"{name} / ours-default", ratio(e2e(name), e2e("ours-default")), "") for name in LEVERS),
         *(
             (f"{name} / {reference}", ratio(e2e(name), e2e(reference)), target)
-            for name, reference, target in (*OFFLOAD_TARGETS, *LORA_TARGETS)
+            for name, reference, target in (*OFFLOAD_TARGETS, *LORA_TARGETS, *CFG_TARGETS)
         ),
     ]
     cold = results.get("cold_start")
@@ -1149,7 +726,7 @@ def docs_section(results: dict[str, Any]) -> str:
         if row.get("error"):
             lines.append(f"| {row['variant']} | {row['gpus']} | error: {row['error']} | | | | | |")
             continue
-        cells = [_cell(row.get(k)) for k in ("e2e_s", "text_s", "denoise_s", "decode_s", "other_s")]
+        cells = [cell(row.get(k)) for k in ("e2e_s", "text_s", "denoise_s", "decode_s", "other_s")]
         lines.append(f"| {row['variant']} | {row['gpus']} | " + " | ".join(cells) + f" | {len(row['runs']) - 1} |")
     lines += [
         "",
@@ -1159,24 +736,24 @@ def docs_section(results: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for row in done:
-        warm = f"{_cell(row['warmup_run_s'], 1)} ({_cell(row['warmup_captures'])}, {_cell(row['warmup_compile_s'], 1)})"
-        start = f"load {_cell(row.get('load_s'), 1)} (in this process)"
+        warm = f"{cell(row['warmup_run_s'], 1)} ({cell(row['warmup_captures'])}, {cell(row['warmup_compile_s'], 1)})"
+        start = f"load {cell(row.get('load_s'), 1)} (in this process)"
         if "start_to_ready_s" in row:
             start = f"{row['start_to_ready_s']:.1f} = {row['load_s']:.1f} + {row['engine_warmup_s']:.1f}"
             if row.get("engine_warmup_captures"):
                 start += (
-                    f" ({row['engine_warmup_captures']} captures, {_cell(row['engine_warmup_compile_s'], 1)} s compile)"
+                    f" ({row['engine_warmup_captures']} captures, {cell(row['engine_warmup_compile_s'], 1)} s compile)"
                 )
         lines.append(
-            f"| {row['variant']} | {_cell(row['peak_alloc_gib'], 1)} | {_cell(row.get('nvsmi_peak_gib'), 1)} | "
-            f"{_cell(row['captures'])} | {_cell(row['compile_s'], 1)} | {warm} | {start} |"
+            f"| {row['variant']} | {cell(row['peak_alloc_gib'], 1)} | {cell(row.get('nvsmi_peak_gib'), 1)} | "
+            f"{cell(row['captures'])} | {cell(row['compile_s'], 1)} | {warm} | {start} |"
         )
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
     for what, value, target in ratios(results):
         verdict = ""
         if value is not None and target:
             verdict = " (met)" if value <= float(target.split()[-1]) else " (not met)"
-        lines.append(f"| {what} | {_cell(value, 3)} | {target}{verdict} |")
+        lines.append(f"| {what} | {cell(value, 3)} | {target}{verdict} |")
     levers = [rows_by[name] for name in ("ours-default", *LEVERS) if name in rows_by]
     if len(levers) > 1:
         lines += [
@@ -1202,10 +779,10 @@ def docs_section(results: dict[str, Any]) -> str:
             cache = row.get("step_cache") or {}
             skipped = [run.get("forwards_skipped") for run in row["runs"][1:]]
             lines.append(
-                f"| {row['variant']} | {_cell(row['e2e_s'])} | "
-                f"{_cell(row['e2e_s'] / base if base else None, 3)} | "
-                f"{', '.join(map(str, skipped)) if cache else 'n/a'} | {_cell(cache.get('threshold'), 4)} | "
-                f"{_cell(cache.get('median_change'), 4)} | {_cell(row.get('psnr_vs_ours_default_db'))} |"
+                f"| {row['variant']} | {cell(row['e2e_s'])} | "
+                f"{cell(row['e2e_s'] / base if base else None, 3)} | "
+                f"{', '.join(map(str, skipped)) if cache else 'n/a'} | {cell(cache.get('threshold'), 4)} | "
+                f"{cell(cache.get('median_change'), 4)} | {cell(row.get('psnr_vs_ours_default_db'))} |"
             )
     cold = results.get("cold_start")
     if cold:
@@ -1222,16 +799,16 @@ def docs_section(results: dict[str, Any]) -> str:
         for read in cold["reads"]:
             lines.append(
                 f"| read every byte ({read['label']}) | {read['s']:.1f} | {read['gb_per_s']:.2f} | "
-                f"{_cell(read['page_cache_before'], 3)} |"
+                f"{cell(read['page_cache_before'], 3)} |"
             )
         for name, row in cold.get("engines", {}).items():
             if row:
                 lines.append(
                     f"| {name}: `Omni(folder)` to ready, load + warm-up = {row['load_s']:.1f} + "
                     f"{row['engine_warmup_s']:.1f} | {row['start_to_ready_s']:.1f} | "
-                    f"{cold['bytes'] / row['load_s'] / 1e9:.2f} (load) | {_cell(row['page_cache_before_start'], 3)} |"
+                    f"{cold['bytes'] / row['load_s'] / 1e9:.2f} (load) | {cell(row['page_cache_before_start'], 3)} |"
                 )
-    caches = ", ".join(f"{row['variant']} {_cell(row.get('inductor_cache_files_before'))}" for row in done)
+    caches = ", ".join(f"{row['variant']} {cell(row.get('inductor_cache_files_before'))}" for row in done)
     hosts = sorted(({row.get("host") for row in rows} | {(cold or {}).get("host")}) - {None})
     lines += [
         "",
@@ -1300,7 +877,7 @@ def main(argv: list[str] | None = None) -> None:
     results = load_results(out)
 
     def save() -> None:
-        add_agreement(results["variants"])
+        add_agreement(results["variants"], IMAGES)
         card = next((row.get("device") for row in results["variants"].values() if row.get("device")), "one GPU")
 
         def section(results: dict[str, Any]) -> str:  # another card's rows: a heading of their own
@@ -1330,7 +907,7 @@ def main(argv: list[str] | None = None) -> None:
                 save()  # after each variant: a call cut short keeps what it measured
 
             run_diffusers(settings, names, keep)
-        elif phase in ("ours", "ours2", "levers", "offload", "lora"):
+        elif phase in ("ours", "ours2", "levers", "offload", "lora", "cfg"):
             cold_read_s = 0.0
             if phase == "ours" and not args.no_cold_start:
                 results["cold_start"] = measure_reads(folder)
@@ -1355,7 +932,7 @@ def main(argv: list[str] | None = None) -> None:
                 save()
             shutil.rmtree(probe_root, ignore_errors=True)
     for what, value, target in ratios(results):
-        print(f"{what}: {_cell(value, 3)} {target}", flush=True)
+        print(f"{what}: {cell(value, 3)} {target}", flush=True)
     print(f"results: {out}\ndocs: {docs}", flush=True)
 
 

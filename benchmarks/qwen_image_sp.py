@@ -5,7 +5,7 @@ random bf16 weights built on the GPU; every variant shares the same weight tenso
 1024x1024 (4096 image tokens) and 1328x1328 (6889, padded at U2) it times, interleaved:
 ours U1, ours U2 in trim / none / mask, diffusers U1, diffusers Ulysses U2 and diffusers
 Ulysses-anything U2, and our forwards replayed as CUDA graphs (what the engine runs on GPUs),
-and reports how closely each output agrees with ours at U1. The driver is sp_forward.py.
+and reports how closely each output agrees with ours at U1. The driver is harness/sp_forward.py.
 
     torchrun --nproc_per_node 2 benchmarks/qwen_image_sp.py     # two GPUs, real NCCL all-to-alls
     python benchmarks/qwen_image_sp.py --simulate               # one GPU: rank 0 of a simulated U2
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.sp_forward import ForwardBenchmark, build_shared_models, main  # noqa: E402
+from benchmarks.harness.sp_forward import ForwardBenchmark, build_shared_models, main  # noqa: E402
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel  # noqa: E402
 
 REAL_CONFIG = dict(

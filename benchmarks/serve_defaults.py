@@ -161,8 +161,8 @@ def main() -> None:
             RESULTS.write_text(json.dumps(results, indent=1) + "\n")
             if args.copy_to is not None:
                 shutil.copy(RESULTS, args.copy_to / RESULTS.name)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from docs_table import replace_section
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.harness.reports import replace_section
 
     replace_section(DOCS, "serve_defaults", docs_section(results), "serve_defaults")
     if args.copy_to is not None:

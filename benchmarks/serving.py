@@ -65,7 +65,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.docs_table import replace_section  # noqa: E402
+from benchmarks.harness.reports import replace_section  # noqa: E402
 
 KEY = "serving"
 DEFAULT_RESULTS = ROOT / f"benchmarks/results/{KEY}.json"

@@ -28,7 +28,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.docs_table import replace_section  # noqa: E402
+from benchmarks.harness.reports import add_docs_phase, load_json, replace_section, save_json  # noqa: E402
 from vllm_omni.diffusion.worker.forward_chain import install_decode_split  # noqa: E402
 from vllm_omni.diffusion.worker.vae_parallel import decode_split_class  # noqa: E402
 
@@ -113,8 +113,12 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/vae_decode.json")
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs/benchmarks.md")
+    add_docs_phase(parser)
     args = parser.parse_args()
+    if args.phase == "docs":
+        rows = load_json(args.out)
+        replace_section(args.docs, "vae_decode", docs_section(rows, rows[0]["device"]))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     device = torch.cuda.get_device_name()
@@ -125,7 +129,7 @@ def main() -> None:
         row["device"] = device
         print(json.dumps(row), flush=True)
         rows.append(row)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    save_json(args.out, rows)
     replace_section(args.docs, "vae_decode", docs_section(rows, device))
 
 

@@ -31,7 +31,7 @@ Variants, by phase:
 (text encoding, latent preparation, VAE decode, the rest of the call, MP4 encoding) as measured,
 plus the measured denoising seconds per step times 40. With 2 or more steps both experts run
 (flow shift 3: the second step's timestep is below the boundary). The phases, the warm-up request
-(--warmup-steps, default 1, its own seed), the runs and the docs are benchmarks/video_e2e.py's,
+(--warmup-steps, default 1, its own seed), the runs and the docs are benchmarks/harness/video_e2e.py's,
 shared with benchmarks/hunyuan_video_e2e.py (its docstring says how each phase is timed); the
 probe's loop starts at the end of WanPipeline's `prepare_latents`.
 
@@ -99,7 +99,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.video_e2e import Scale, VideoFamily, install_probe_in_worker, main  # noqa: E402
+from benchmarks.harness.video_e2e import Scale, VideoFamily, install_probe_in_worker, main  # noqa: E402
 from benchmarks.wan22_sp import REAL_CONFIG as REAL_TRANSFORMER  # noqa: E402
 
 TINY_MODEL = "tiny/wan2.2-t2v"

@@ -8,7 +8,7 @@ every variant. The caption is 100 tokens (the pipeline passes only a prompt's va
 model pads them to 128). The model pads both streams to multiples of 32 itself, so Ulysses 2, 4
 and 8 never pad; and Ulysses 8 does not divide 30 heads (nor does 4). The nearest degree on an
 8-GPU node is 6: at 1024x1024 (4096 image tokens) it pads 2 image and 4 caption tokens, at
-1264x1264 (6241 tokens, 6272 with the model's padding) 4 and 4. The driver is sp_forward.py.
+1264x1264 (6241 tokens, 6272 with the model's padding) 4 and 4. The driver is harness/sp_forward.py.
 
     python benchmarks/z_image_sp.py --simulate --degree 6 --compile     # one GPU: U1 vs diffusers, U6 rank
     python benchmarks/z_image_sp.py --simulate --degree 6 --layers 2 --iters 2 --sizes 1024x1024  # smoke test
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.sp_forward import ForwardBenchmark, build_shared_models, main  # noqa: E402
+from benchmarks.harness.sp_forward import ForwardBenchmark, build_shared_models, main  # noqa: E402
 from vllm_omni.diffusion.models.z_image.transformer import ZImageTransformer2DModel  # noqa: E402
 
 # diffusers 0.42.1 ZImageTransformer2DModel.__init__ defaults (Tongyi-MAI/Z-Image-Turbo's transformer).

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from vllm_omni.diffusion import protocol
-from vllm_omni.diffusion.engine import core, scheduler
+from vllm_omni.diffusion.engine import core, lifecycle
 from vllm_omni.diffusion.executor.base import ExecutorStatus
 from vllm_omni.diffusion.protocol import (
     HEALTH_STATES,
@@ -108,6 +108,6 @@ def test_a_request_error_keeps_its_param_across_the_trip():
 
 def test_one_health_vocabulary_for_the_executor_the_engine_and_the_scheduler():
     assert get_type_hints(ExecutorStatus)["state"] == HealthState
-    assert get_type_hints(scheduler.Health)["state"] == HealthState
+    assert get_type_hints(lifecycle.Health)["state"] == HealthState
     assert get_type_hints(core.DiffusionEngine.health_status)["return"] == tuple[HealthState, str | None]
     assert HEALTH_STATES == ("loading", "warming_up", "ok", "restarting", "unhealthy", "failed", "shutting_down")

@@ -6,6 +6,8 @@ Skipped on machines without GPUs: `python -m pytest tests/diffusion/test_runner_
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -94,3 +96,26 @@ def test_the_step_cache_with_real_graphs_decides_as_eager_and_replays_its_residu
 
 def _run_request(runner: PipelineRunner, seed: int) -> np.ndarray:
     return runner.run(_qwen_request(seed), lambda step: None)
+
+
+@pytest.mark.parametrize("name", ["tiny/qwen-image", "tiny/wan2.2-t2v"])
+def test_cfg_in_one_pass_with_compiled_blocks_and_real_graphs_gives_two_forwards_image(name):
+    """Both rows of a CFG step in one graphed forward (worker/cfg_batch.py): each replay after the first step,
+    eager's two-forward image."""
+    path = resolve_model_path(name)
+    spec = read_pipeline_spec(path)
+    device = torch.device("cuda", 0)
+    fields = dict(num_frames=17) if spec.modality == "video" else dict(true_cfg_scale=4.0)
+    request = DiffusionRequest(
+        request_id="c", prompt="a paper boat on a pond", negative_prompt="blurry", height=80, width=112,
+        num_inference_steps=4, seed=5, output_type="np", **fields,
+    )  # fmt: skip
+    eager = PipelineRunner(path, spec, device, torch.float32, rank=0, enforce_eager=True)
+    expected = eager.run(request, lambda step: None)
+    del eager
+    runner = PipelineRunner(path, spec, device, torch.float32, rank=0)
+    for _ in range(2):  # the second request replays only
+        actual = runner.run(dataclasses.replace(request, cfg_one_pass=True), lambda step: None)
+        assert runner.cfg_one_pass_steps == 3
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=2e-3)
+    assert runner.graph_capture_failures == []

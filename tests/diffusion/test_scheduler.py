@@ -17,8 +17,10 @@ import pytest
 
 from vllm_omni.diffusion.config import BatchingConfig, EngineLimits
 from vllm_omni.diffusion.engine.job import Job
+from vllm_omni.diffusion.engine.lifecycle import Unavailable
 from vllm_omni.diffusion.engine.policy import MAX_OVERTAKES, QueuePolicy
-from vllm_omni.diffusion.engine.scheduler import InternalError, QueueFull, Scheduler, Unavailable
+from vllm_omni.diffusion.engine.queue_admission import InternalError, QueueFull
+from vllm_omni.diffusion.engine.scheduler import Scheduler
 from vllm_omni.diffusion.request import (
     DiffusionOutput,
     DiffusionRequest,

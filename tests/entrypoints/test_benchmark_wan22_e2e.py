@@ -89,7 +89,7 @@ def test_tiny_smoke_run_links_the_experts_reports_every_phase_and_keeps_other_si
 
 
 def script_module():
-    from benchmarks import video_e2e
+    from benchmarks.harness import video_e2e
 
     return video_e2e
 
@@ -132,7 +132,7 @@ def load_script(monkeypatch):
 
 def test_the_target_applies_at_832x480_and_an_empty_section_says_not_run(monkeypatch):
     script = load_script(monkeypatch)
-    from benchmarks.video_e2e import docs_section
+    from benchmarks.harness.video_e2e import docs_section
 
     family = script.FAMILY
     section = docs_section(family, {"variants": {}})

@@ -57,6 +57,7 @@ def reference_run():
     """U1's cached result, and its uncached image (the same engine at a threshold below every change)."""
     with Omni(MODEL, cache="first_block", cache_threshold=THRESHOLD) as omni:
         first = _generate(omni)
+        assert omni.last_output.cfg_one_pass_steps == 0  # the cache decides each branch apart: two forwards
         # A request's own threshold: above every change but the first steps' (inf), it skips all it can.
         higher = _generate(omni, cache_threshold=10.0)[1]
         with pytest.raises(RequestError, match="cache_threshold must be a number > 0") as refused:
@@ -105,6 +106,7 @@ def test_cfg_parallel_with_graphs_skips_the_same_steps_and_gives_the_same_image(
     with Omni(MODEL, ulysses_degree=2, cfg_parallel_size=2, cache="first_block", cache_threshold=THRESHOLD) as omni:
         image, report = _generate(omni)
         failures = omni.engine.graph_capture_failures
+        assert omni.last_output.cfg_one_pass_steps == 0  # CFG parallel splits the branches over the groups
     assert same_decisions(report, reference[1])
     np.testing.assert_allclose(image, reference[0], rtol=0, atol=1e-5)
     err = capfd.readouterr().err

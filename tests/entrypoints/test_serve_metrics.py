@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_process import HTTP_TIMEOUT_S, start_server
 
 from vllm_omni.diffusion.engine.core import DiffusionEngine
-from vllm_omni.diffusion.engine.scheduler import Health
+from vllm_omni.diffusion.engine.lifecycle import Health
 from vllm_omni.diffusion.protocol import HealthState, Stats
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 

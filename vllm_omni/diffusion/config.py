@@ -248,6 +248,8 @@ class OmniDiffusionConfig:
     # A lossy attention backend (cudnn_fp8) runs the first and last this many denoising steps exactly.
     fp8_attention_full_steps: int = 2
     enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)
+    # A CFG step's two branches as the rows of one forward where both fit (worker/cfg_batch.py); False: two forwards.
+    cfg_one_pass: bool = True
     # "fp8": the denoisers' large linear layers run FP8 matmuls (diffusion/worker/quantization.py); None: as loaded.
     quantization: Literal["fp8"] | None = None
     cache: StepCacheConfig | None = None  # step caching in the denoisers; None: every step computes every block
@@ -343,6 +345,7 @@ class OmniDiffusionConfig:
         if self.dtype is not None:
             self.dtype = normalize_dtype_name(self.dtype)
         _check_bool("enforce_eager", self.enforce_eager)
+        _check_bool("cfg_one_pass", self.cfg_one_pass)
         if self.warmup is not None:
             _check_bool("warmup", self.warmup)
         if self.warmup_size is not None:

@@ -120,6 +120,7 @@ class Stats(RequestReport):
     graph_captures: int  # since the rank's group started
     compiles: int  # graphs torch.compile compiled, likewise
     step_cache: dict[str, Any] | None = None  # the step cache's record (step_cache.CacheRecord.summary)
+    cfg_one_pass_steps: int = 0  # steps whose CFG branches ran as one forward (worker/cfg_batch.py)
     peak_memory_bytes: int | None = None  # on CUDA: peak allocated memory during the request
     allocated_memory_bytes: int | None = None  # on CUDA: allocated once the request's tensors were dropped
     reserved_memory_bytes: int | None = None  # on CUDA: held by the caching allocator then

@@ -81,6 +81,9 @@ class DiffusionRequest:
     # Rows one pipeline call may hold (the deploy's envelope, config.Envelope): more images run as consecutive
     # calls inside this request, each image from its own generator; 0: all in one call.
     rows_per_forward: int = 0
+    # A CFG step's two branches run as the rows of one forward (worker/cfg_batch.py): the engine's decision
+    # (admission.fit), so every rank of the group takes the same.
+    cfg_one_pass: bool = False
     profile: bool = False  # the warm-up's measured step: the denoising alone (no decode), its peak memory reported
     cancel_token: int = 0  # the executor's number for this request; cancelling flags it
     output_type: OutputType = "pil"
@@ -127,6 +130,7 @@ class DiffusionOutput:
     timings_ms: dict[str, float] = field(default_factory=dict)
     batch_size: int = 1  # requests that shared its pipeline call (request batching), itself included
     step_cache: dict[str, Any] | None = None  # step_cache_report: forwards computed and skipped; None: no cache
+    cfg_one_pass_steps: int = 0  # denoising steps whose CFG branches ran as one forward (worker/cfg_batch.py)
     seeds: list[int] = field(default_factory=list)  # each image's own seed (DiffusionRequest.image_seeds)
 
 

@@ -17,9 +17,10 @@ from typing import Any
 
 from vllm_omni.diffusion.engine.args import EngineArgs
 from vllm_omni.diffusion.engine.job import Job
+from vllm_omni.diffusion.engine.queue_admission import InternalError
 from vllm_omni.diffusion.engine.replicas import Engine, engine_factory
 from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME
-from vllm_omni.diffusion.engine.scheduler import InternalError, Scheduler
+from vllm_omni.diffusion.engine.scheduler import Scheduler
 from vllm_omni.diffusion.request import DiffusionOutput, GenerationParams, RequestCancelled, RequestFailed
 
 

@@ -82,13 +82,21 @@ def gray_png(width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
-def fit(request: DiffusionRequest, envelope: Envelope | None) -> DiffusionRequest:
-    """`request` with the rows its forwards hold (`rows_per_forward`; the preprocessor refused rows the envelope
-    cannot hold)."""
-    if envelope is None or not request.tokens:
-        return request
-    rows = envelope.rows_for(request.tokens)
-    return dataclasses.replace(request, rows_per_forward=rows) if rows < request.num_images else request
+def fit(request: DiffusionRequest, envelope: Envelope | None, cfg_one_pass: bool = False) -> DiffusionRequest:
+    """`request` with the images its forwards hold (`rows_per_forward`; the preprocessor refused rows the envelope
+    cannot hold). `cfg_one_pass`: the request runs CFG and the deploy lets its two branches share a forward; they
+    do where a forward holds both branches' rows of at least one image (a batch: of all its images), its images
+    then in forwards of half the rows (worker/cfg_batch.py). Never the measured step: it measures one row."""
+    rows = envelope.rows_for(request.tokens) if envelope is not None and request.tokens else None
+    if cfg_one_pass and not request.profile:
+        if rows is None:
+            return dataclasses.replace(request, cfg_one_pass=True)
+        images = sum(row.num_images for row in request.rows)
+        if (request.batch and rows >= 2 * images) or (not request.batch and rows >= 2):
+            request, rows = dataclasses.replace(request, cfg_one_pass=True), rows // 2
+    if rows is not None and rows < request.num_images:
+        request = dataclasses.replace(request, rows_per_forward=rows)
+    return request
 
 
 def describe(

@@ -371,6 +371,12 @@ class EngineArgs:
         ENGINE,
         action="store_true",
     )
+    cfg_one_pass: bool = option(
+        "engine",
+        "run a CFG step's prompt and negative-prompt rows as one forward where both fit the envelope (default: on; "
+        "--no-cfg-one-pass runs two forwards a step)",
+        ENGINE,
+    )
     load_timeout_s: float | None = option(
         "engine",
         "every worker must have loaded the model within this, or the start fails "

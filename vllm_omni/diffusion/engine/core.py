@@ -393,7 +393,11 @@ class DiffusionEngine:
         self, request: DiffusionRequest, on_progress: ProgressCallback | None, interleave: bool = False
     ) -> list[DiffusionOutput]:
         preprocessed = time.perf_counter()
-        request = admission.fit(request, self.envelope)  # more images than one forward holds: forwards in a row
+        # More images than one forward holds: forwards in a row; CFG branches as rows where they fit (cfg_batch.py).
+        config = self.config
+        one_pass = config.cfg_one_pass and config.parallel_config.cfg_parallel_size == 1 and config.cache is None
+        one_pass = one_pass and self.spec.family_pipeline().uses_cfg(request)
+        request = admission.fit(request, self.envelope, one_pass)
         ids = [row.request_id for row in request.rows]
         with self._id_lock:
             if self._stopping:
@@ -439,6 +443,7 @@ class DiffusionEngine:
             output.timings_ms = dict(timings)
             output.batch_size = len(ids)
             output.step_cache = cache
+            output.cfg_one_pass_steps = rank0.cfg_one_pass_steps if rank0 is not None else 0
         return outputs
 
     def postprocess(self, request: DiffusionRequest, frames: np.ndarray, output_type: str) -> DiffusionOutput:

@@ -18,6 +18,15 @@ ErrorCode = Literal["invalid_request", "server_error", "out_of_memory", "cancell
 MESSAGE_CHARS = 500  # a client's error message is one line, at most this long
 
 
+def one_line(error: BaseException | str) -> str:
+    """The first line of an error's text (a worker's load error carries its whole traceback)."""
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    if not line and isinstance(error, BaseException):
+        line = type(error).__name__
+    return line if len(line) <= MESSAGE_CHARS else line[: MESSAGE_CHARS - 3] + "..."
+
+
 @dataclass(frozen=True)
 class JobError:
     """Why a job did not complete.

@@ -1,29 +1,27 @@
 """The scheduler below the entrypoints: one queue of jobs for the replicas' engines (replicas.py), in a
-scheduling policy's order (policy.py), request batching (batching.py), cancellation, health and a watchdog.
-The HTTP routes and `Omni` submit to it; docs/serving.md describes the policy, and tests drive it with a
-fake engine.
+scheduling policy's order (policy.py), request batching (batching.py), interleaving and cancellation. What joins
+the queue passes queue_admission.py; the engines' load, health, watchdog and shutdown are lifecycle.py's. The
+HTTP routes and `Omni` submit to it; docs/serving.md describes the policy, and tests drive it with a fake engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import math
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from vllm_omni.diffusion.config import BatchingConfig, EngineLimits
 from vllm_omni.diffusion.engine.batching import batch_key
-from vllm_omni.diffusion.engine.job import MESSAGE_CHARS, Job, JobError, JobStatus
+from vllm_omni.diffusion.engine.job import Job, JobError, JobStatus, one_line
+from vllm_omni.diffusion.engine.lifecycle import Health, Lifecycle
 from vllm_omni.diffusion.engine.policy import QueuePolicy
+from vllm_omni.diffusion.engine.queue_admission import QueueAdmission, QueuePlace
 from vllm_omni.diffusion.engine.replicas import Engine, ReplicaEngines
-from vllm_omni.diffusion.protocol import HealthState
 from vllm_omni.diffusion.request import (
     DiffusionOutput,
     GenerationParams,
@@ -41,76 +39,6 @@ class Observer(Protocol):
 
     def job_finished(self, job: Job) -> None: ...
     def steps_done(self, count: int) -> None: ...
-
-
-def one_line(error: BaseException | str) -> str:
-    """The first line of an error's text (a worker's load error carries its whole traceback)."""
-    text = str(error).strip()
-    line = text.splitlines()[0] if text else ""
-    if not line and isinstance(error, BaseException):
-        line = type(error).__name__
-    return line if len(line) <= MESSAGE_CHARS else line[: MESSAGE_CHARS - 3] + "..."
-
-
-@dataclass(frozen=True)
-class Health:
-    state: HealthState
-    detail: str | None = None
-    restarts: int = 0  # worker-group restarts so far
-    last_restart_reason: str | None = None
-    graph_capture_failures: int = 0  # CUDA graph captures that failed on a rank (that SP group ran eagerly)
-    last_graph_capture_failure: str | None = None
-    replicas: tuple[Health, ...] = ()  # each replica's, when there are several
-
-    @property
-    def ok(self) -> bool:
-        return self.state == "ok"
-
-    def to_dict(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"status": self.state} | ({"detail": self.detail} if self.detail else {})
-        if self.restarts:  # a group that never restarted answers just {"status": "ok"}
-            body.update(restarts=self.restarts, last_restart_reason=self.last_restart_reason)
-        if self.graph_capture_failures:
-            body.update(
-                graph_capture_failures=self.graph_capture_failures,
-                last_graph_capture_failure=self.last_graph_capture_failure,
-            )
-        if self.replicas:
-            body["replicas"] = [replica.to_dict() for replica in self.replicas]
-        return body
-
-
-class Unavailable(Exception):
-    """No work is taken now; `state` is "loading", "failed" or "shutting_down"."""
-
-    def __init__(self, state: HealthState, message: str) -> None:
-        super().__init__(message)
-        self.state = state
-
-
-class QueueFull(Exception):
-    def __init__(self, max_queue: int, retry_after_s: int) -> None:
-        super().__init__(f"the queue is full ({max_queue} request(s) waiting behind the running one); retry later")
-        self.retry_after_s = retry_after_s
-
-
-class InternalError(Exception):
-    """The engine's checks failed unexpectedly (logged with its traceback); the message is one line."""
-
-
-class QueuePlace:
-    """A place held in the queue; leaving the `with` block gives it back (a queued job has its own)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler: Scheduler | None = scheduler
-
-    def __enter__(self) -> QueuePlace:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._scheduler is not None:
-            self._scheduler._reserved -= 1
-            self._scheduler = None
 
 
 class Scheduler:
@@ -137,27 +65,23 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs  # engine calls in flight on a replica at once (interleaving: > 1)
         self.observer = observer
         self.replicas = replicas
-        self.watchdog_interval_s = watchdog_interval_s
         self.max_finished_jobs = max_finished_jobs
         self.on_fatal = on_fatal  # the workers are lost for good, or the model cannot load: the server ends
         self._engines = ReplicaEngines(engine_factory, replicas)
-        self._loaded = False  # the first load finished; later restarts do not reset it
-        self._load_error: str | None = None
-        self._load_failure: BaseException | None = None  # what the load raised
+        # Read at the call: the server sets `on_fatal` after it built the scheduler.
+        self.lifecycle = Lifecycle(self._engines, lambda reason: self.on_fatal(reason), watchdog_interval_s)
         self._step_thread = ThreadPoolExecutor(max_workers=replicas * max_num_seqs, thread_name_prefix="engine-step")
         self._waiting: deque[Job] = deque()
-        self._reserved = 0  # submits past the capacity check, still in the engine's checks
+        self.admission = QueueAdmission(self.lifecycle, limits.max_queue, self._waiting, self._running_jobs)
         # Each replica's engine calls in flight, outermost first: one, or with interleaving those run inside it.
         self._calls: list[list[list[Job]]] = [[] for _ in range(replicas)]
         self._jobs: dict[str, Job] = {}
         self._finished: deque[str] = deque()
-        self._run_seconds: deque[float] = deque(maxlen=16)  # recent run times, for Retry-After
         self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
-        self._shutting_down = False
 
-    # ---- lifecycle ----------------------------------------------------------------------------
+    # ---- lifecycle (lifecycle.py) ---------------------------------------------------------------
 
     async def start(self) -> None:
         """Begin loading the engines (in the background: until every replica has loaded and run its warm-up,
@@ -165,21 +89,15 @@ class Scheduler:
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._tasks = [
-            asyncio.create_task(self._load_engine(), name="load-engine"),
+            *self.lifecycle.start(),
             *(asyncio.create_task(self._consume(i), name=f"consume-queue-{i}") for i in range(self.replicas)),
         ]
         if self.max_num_seqs > 1 and self.policy.name != "fcfs":
             self._tasks.append(asyncio.create_task(self._interleave(), name="interleave"))
-        if self.watchdog_interval_s is not None:
-            self._tasks.append(asyncio.create_task(self._watchdog(), name="watchdog"))
 
     async def wait_until_loaded(self) -> None:
         """Until every replica has loaded and warmed up; raises what the load raised (`Omni` waits here)."""
-        await asyncio.shield(self._tasks[0])
-        if self._load_failure is not None:
-            raise self._load_failure
-        if not self._loaded:
-            raise Unavailable("shutting_down", "shut down while the engine was loading")
+        await self.lifecycle.wait_until_loaded()
 
     @property
     def engine(self) -> Engine | None:
@@ -193,41 +111,26 @@ class Scheduler:
 
     @property
     def ready(self) -> bool:
-        return self._loaded
+        return self.lifecycle.loaded
 
-    async def _load_engine(self) -> None:
-        started = time.perf_counter()
-        try:
-            await self._engines.load()
-        except Exception as exc:  # noqa: BLE001 - any failure to load ends the server
-            if self._shutting_down:
-                return
-            logger.error("Could not start the engine: %s", exc)
-            self._load_failure = exc
-            self._load_error = one_line(f"{type(exc).__name__}: {exc}")
-            self.on_fatal(self._load_error)
-            return
-        if self._engines.created and not self._shutting_down:
-            self._loaded = True
-            logger.info("Engine ready in %.1f s", time.perf_counter() - started)
+    def health(self) -> Health:
+        """The server's state: ok only while work is taken (one replica up and warm is enough); else why not."""
+        return self.lifecycle.health()
 
-    async def _watchdog(self) -> None:
-        """Have dead workers respawned while idle; call `on_fatal` when they are lost for good."""
-        while True:
-            await asyncio.sleep(self.watchdog_interval_s)
-            if not self._loaded or self._shutting_down:
-                continue
-            lost = await self._engines.check_workers()
-            if lost is not None and not self._shutting_down:
-                logger.error("The workers cannot be brought back (%s); shutting down", lost)
-                self.on_fatal(lost)
-                return
+    def replica_states(self) -> list[tuple[Health, list[Job], Engine | None]]:
+        """Each replica's health, running jobs and engine (None while it is created), for the metrics."""
+        health = self.lifecycle.replica_health
+        return [(health(engine), self._running_jobs(i), engine) for i, engine in enumerate(self._engines)]
+
+    def check_accepting(self) -> None:
+        """Unavailable unless new work is taken (loaded and warm, workers not lost, not shutting down)."""
+        self.lifecycle.check_accepting()
 
     def begin_shutdown(self) -> None:
         """Refuse new work, end the queued jobs, cancel the running one (it stops at its next step)."""
-        if self._shutting_down:
+        if self.lifecycle.shutting_down:
             return
-        self._shutting_down = True
+        self.lifecycle.shutting_down = True
         logger.info("Shutting down: cancelling the running request and %d queued one(s)", len(self._waiting))
         while self._waiting:
             job = self._waiting.popleft()
@@ -254,6 +157,21 @@ class Scheduler:
         await self._engines.close()
         self._step_thread.shutdown(wait=False, cancel_futures=True)
 
+    # ---- admission (queue_admission.py) ---------------------------------------------------------
+
+    def check_capacity(self) -> None:
+        """QueueFull when `max_queue` requests already wait (or are being checked) behind the running one."""
+        self.admission.check_capacity()
+
+    def hold_place(self) -> QueuePlace:
+        """A place in the queue, held while a request is checked (`with` it; `place_held=True` to submit).
+        Raises Unavailable or QueueFull at once."""
+        return self.admission.hold_place()
+
+    def retry_after_s(self) -> int:
+        """Seconds until a place in the queue is likely free: what the running job has left, about."""
+        return self.admission.retry_after_s()
+
     # ---- state --------------------------------------------------------------------------------
 
     @property
@@ -269,82 +187,6 @@ class Scheduler:
         replicas = self._calls if replica is None else [self._calls[replica]]
         return [job for calls in replicas for call in calls for job in call]
 
-    def health(self) -> Health:
-        """The server's state: ok only while work is taken (one replica up and warm is enough); else why not."""
-        if self._shutting_down:
-            return Health("shutting_down")
-        if self._load_error:
-            return Health("failed", self._load_error)
-        replicas = tuple(self._replica_health(engine) for engine in self._engines)
-        if len(replicas) == 1:
-            return replicas[0]
-        serving = [health for health in replicas if health.ok]
-        first = (serving or list(replicas))[0]
-        return dataclasses.replace(
-            first,
-            restarts=sum(h.restarts for h in replicas),
-            graph_capture_failures=sum(h.graph_capture_failures for h in replicas),
-            replicas=replicas,
-        )
-
-    def replica_states(self) -> list[tuple[Health, list[Job], Engine | None]]:
-        """Each replica's health, running jobs and engine (None while it is created), for the metrics."""
-        return [(self._replica_health(engine), self._running_jobs(i), engine) for i, engine in enumerate(self._engines)]
-
-    def _replica_health(self, engine: Engine | None) -> Health:
-        if engine is None:
-            return Health("loading")
-        state, detail = engine.health_status()
-        if state == "ok" and not self._loaded:  # the warm-up has just ended; `_loaded` flips next
-            state, detail = "warming_up", None
-        return Health(
-            state,
-            detail,
-            getattr(engine, "restarts", 0),
-            getattr(engine, "last_restart_reason", None),
-            getattr(engine, "graph_capture_failures", 0),
-            getattr(engine, "last_graph_capture_failure", None),
-        )
-
-    def check_accepting(self) -> None:
-        """Unavailable unless new work is taken (loaded and warm, workers not lost, not shutting down).
-
-        Reads `health()`, so /health never says ok while a request would be refused.
-        """
-        health = self.health()
-        if health.state == "shutting_down":
-            raise Unavailable("shutting_down", "the server is shutting down")
-        if health.state == "failed":
-            cause = "the model could not be loaded" if self._load_error else "the workers are down"
-            raise Unavailable("failed", f"{cause}: {health.detail}")
-        if not self._loaded:
-            what = "warming up (compiling, capturing CUDA graphs)" if health.state == "warming_up" else "loading"
-            raise Unavailable(health.state, f"the model is still {what}; poll GET /health until it answers 200")
-        # While a dead worker's group is respawned (and warms up), requests still queue: the engine waits for it.
-
-    def check_capacity(self) -> None:
-        """QueueFull when `max_queue` requests already wait (or are being checked) behind the running one."""
-        if len(self._waiting) + self._reserved >= self.limits.max_queue:
-            raise QueueFull(self.limits.max_queue, self.retry_after_s())
-
-    def hold_place(self) -> QueuePlace:
-        """A place in the queue, held while a request is checked (`with` it; `place_held=True` to submit). The routes
-        read a body before they submit, so a silent upload holds no place.
-
-        Raises Unavailable or QueueFull at once, before anything is read.
-        """
-        self.check_accepting()
-        self.check_capacity()
-        self._reserved += 1
-        return QueuePlace(self)
-
-    def retry_after_s(self) -> int:
-        """Seconds until a place in the queue is likely free: what the running job has left, about."""
-        typical = sum(self._run_seconds) / len(self._run_seconds) if self._run_seconds else 1.0
-        started = [job.started_at for job in self._running_jobs() if job.started_at]
-        elapsed = time.time() - min(started) if started else 0.0
-        return max(1, min(3600, math.ceil(typical - elapsed)))
-
     def get(self, job_id: str) -> Job | None:
         """A job by id; finished ones are kept (the latest `max_finished_jobs`) until `forget`."""
         return self._jobs.get(job_id)
@@ -358,24 +200,8 @@ class Scheduler:
         count prompt tokens), and a place held meanwhile, unless the caller holds one (`hold_place`). A
         queued job carries the checked request, source images still compressed.
         """
-        if params.priority not in (None, 0) and self.policy.name != "priority":
-            raise RequestError(
-                f"priority {params.priority!r} is taken only by a server started with --scheduling-policy priority "
-                f"(this one schedules {self.policy.name}); leave it out or 0",
-                "priority",
-            )
-        with contextlib.nullcontext() if place_held else self.hold_place():
-            request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
-            try:
-                request = await asyncio.to_thread(
-                    self.engine.preprocess, dataclasses.replace(params, request_id=request_id)
-                )
-            except RequestError:
-                raise
-            except Exception as exc:
-                logger.exception("Request %s: the checks failed unexpectedly", request_id)
-                message = one_line(f"{type(exc).__name__}: {exc}")
-                raise InternalError(f"could not check the request: {message}") from None
+        request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
+        request = await self.admission.check(self.engine, params, request_id, self.policy.name, place_held)
         self.check_accepting()  # shutdown may have begun meanwhile
         key = batch_key(request, self.engine.spec) if self.batching.max_batch_size > 1 else None
         job = Job(request.request_id, request, batch_key=key)
@@ -504,7 +330,7 @@ class Scheduler:
                 if not job.finished:
                     self._fail(job, exc)
         else:
-            self._run_seconds.append(time.time() - started)
+            self.admission.run_seconds.append(time.time() - started)
             for job, output in zip(jobs, outputs):
                 if job.finished:  # cancelled while its batch ran
                     continue
@@ -575,7 +401,7 @@ class Scheduler:
             logger.info("Request %s cancelled: %s", job.id, exc)
             if job._cancel_reason is not None:
                 error = JobError("cancelled", f"cancelled: {job._cancel_reason}")
-            elif self._shutting_down:
+            elif self.lifecycle.shutting_down:
                 error = JobError("shutting_down", "the server is shutting down; the request was cancelled")
             else:
                 error = JobError("cancelled", "cancelled")

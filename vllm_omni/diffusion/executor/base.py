@@ -5,8 +5,8 @@ multiproc.MultiprocExecutor starts one worker process per rank on this machine, 
 one Ray actor per rank; both run worker.run_rank, whose reports are the types of protocol.py.
 
 One request runs at a time (the engine queues them), except that a request may be sent to run inside the
-running one (`execute(interleave=True)`, worker._serve_request): the thread that runs the outer one reads
-every report and hands each request its own. Every wait on the workers has a deadline
+running one (`execute(interleave=True)`, worker.RankServer): the thread that runs the outer one reads
+every report and hands each request its own (flights.py). Every wait on the workers has a deadline
 (OmniDiffusionConfig): every rank must load within `load_timeout_s`, and a request fails when no
 rank has reported progress for `stall_timeout_s`. A missed deadline, a dead worker, or ranks still
 busy after another rank failed fail the request in flight and restart the whole group (its process
@@ -18,7 +18,7 @@ A request that runs out of device memory fails alone (RequestOutOfMemory, naming
 one-rank group, or where every rank raised it at an agreed point (protocol.Failed.agreed: the
 prompt encoding's broadcast), the ranks freed what it held and the group serves on. Anywhere else
 on a group of several ranks (inside a denoiser forward, a split decode) its peers may be left inside
-a collective, or on NCCL with an unmatched one: the group restarts at once.
+a collective, or on NCCL with an unmatched one: the group restarts at once (errors.py words the error).
 """
 
 from __future__ import annotations
@@ -28,23 +28,22 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni.diffusion.config import Envelope, OmniDiffusionConfig
+from vllm_omni.diffusion.executor.errors import out_of_memory_error
+from vllm_omni.diffusion.executor.flights import Flights
 from vllm_omni.diffusion.protocol import (
-    CANCEL_SLOTS,
     Cancelled,
     Done,
     Failed,
     GraphCaptureFailed,
     HealthState,
     LoadFailed,
-    Progress,
     ProgressCallback,
     RankReport,
     Ready,
-    RequestReport,
     Stats,
 )
 from vllm_omni.diffusion.request import (
@@ -52,7 +51,6 @@ from vllm_omni.diffusion.request import (
     RequestCancelled,
     RequestError,
     RequestFailed,
-    RequestOutOfMemory,
 )
 from vllm_omni.logger import init_logger
 
@@ -108,59 +106,6 @@ class ExecutorStatus:
         return body
 
 
-@dataclass(eq=False)
-class _Flight:
-    """One request in flight on the group: its ranks' reports so far, then how it ended."""
-
-    request: DiffusionRequest
-    on_progress: ProgressCallback | None
-    world_size: int
-    replies: dict[int, Done | Failed | Cancelled] = field(default_factory=dict)
-    steps: dict[int, Progress] = field(default_factory=dict)
-    stats: dict[int, Stats] = field(default_factory=dict)
-    stuck_after: float = math.inf  # when ranks still busy after another rank's error count as stuck
-    finished: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    def progress(self, report: Progress) -> None:
-        if report.rank != 0 or self.on_progress is None:
-            return
-        try:
-            self.on_progress(report.done, report.total, report.phase)
-        except Exception:  # noqa: BLE001 - a broken callback must not break the request
-            logger.exception("Progress callback failed for %s; not called again", self.request.request_id)
-            self.on_progress = None
-
-    def where(self) -> str:
-        return ", ".join(
-            f"rank {rank} {'finished' if rank in self.replies else _step_text(self.steps.get(rank))}"
-            for rank in range(self.world_size)
-        )
-
-    def end(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self.finished.set()
-
-    def outcome(self) -> Any:
-        """Rank 0's images, or raise how the request ended."""
-        if self.error is not None:
-            raise self.error
-        replies = self.replies
-        if all(isinstance(reply, Done) for reply in replies.values()):
-            return replies[0].images
-        failures = [reply for reply in replies.values() if isinstance(reply, Failed)]
-        if failures:
-            failed = failures[0]
-            if isinstance(failed.error, RequestError):  # the client's mistake, found in a worker (a damaged image)
-                raise failed.error
-            ooms = [reply for reply in failures if reply.out_of_memory]
-            if ooms:  # one rank, or every rank at an agreed point: the group serves on
-                # The lowest rank: at the prompt encoding, the one that encoded (its peers got a copy).
-                raise out_of_memory_error(self.request, min(ooms, key=lambda reply: reply.rank), restarting=False)
-            raise RequestFailed(failed.error)
-        raise RequestCancelled(replies[0].reason if isinstance(replies[0], Cancelled) else "cancelled")
-
-
 class WorkerGroupExecutor:
     """A group of ranks; requests go to all of them, rank 0's result comes back.
 
@@ -201,11 +146,9 @@ class WorkerGroupExecutor:
         self.rank_stats: dict[int, Stats] = {}
         # The requests in flight, outermost first (interleaving nests them); the thread holding _lock reads their
         # reports, the others wait on their flight.
-        self._flights: dict[str, _Flight] = {}
-        self._flights_lock = threading.Lock()
+        self._flights = Flights(self.world_size, self._send_request, self._flag_cancels)
         self._last_progress = time.monotonic()  # the group's last report about any request in flight
         self._thread = threading.local()
-        self._cancelled: list[int] = []  # cancel tokens flagged on the ranks, oldest first
 
     # ---- what a kind of group supplies -------------------------------------------------------
 
@@ -242,16 +185,7 @@ class WorkerGroupExecutor:
     def cancel(self, cancel_token: int) -> None:
         """Flag the request with this cancel token on every rank; they stop together at its next step (a request
         suspended while another runs inside it sees the flag as it resumes: it stays until the request ends)."""
-        with self._flights_lock:
-            self._cancelled = [token for token in self._cancelled if token != cancel_token][1 - CANCEL_SLOTS :]
-            self._cancelled.append(cancel_token)
-            self._flag_cancels(self._cancelled + [-1] * (CANCEL_SLOTS - len(self._cancelled)))
-
-    def _forget_cancel(self, cancel_token: int) -> None:
-        """The request with this token ended: its flag goes (needs self._flights_lock)."""
-        if cancel_token in self._cancelled:
-            self._cancelled.remove(cancel_token)
-            self._flag_cancels(self._cancelled + [-1] * (CANCEL_SLOTS - len(self._cancelled)))
+        self._flights.cancel(cancel_token)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -512,10 +446,10 @@ class WorkerGroupExecutor:
         (begin_shutdown() or shutdown()).
 
         `interleave`: while the group runs other requests, send this one at once; the ranks run it inside
-        the running one, from that one's next step (worker._serve_request), and this thread waits for it. A
+        the running one, from that one's next step (worker.RankServer), and this thread waits for it. A
         restart fails every request in flight. Without it (or on an idle group) the request waits its turn.
         """
-        flight = self._join_running(request, on_progress) if interleave else None
+        flight = self._flights.send_inside(request, on_progress) if interleave and not self._stopping.is_set() else None
         if flight is not None:
             flight.finished.wait()
             self._thread.stats = flight.stats
@@ -542,32 +476,16 @@ class WorkerGroupExecutor:
         """Each rank's figures for the request this thread's last `execute` ran (`rank_stats` is the group's latest)."""
         return getattr(self._thread, "stats", {})
 
-    def _join_running(self, request: DiffusionRequest, on_progress: ProgressCallback | None) -> _Flight | None:
-        """Send `request` to run inside the requests in flight and return its flight; None when none is in flight."""
-        with self._flights_lock:
-            if not self._flights or self._stopping.is_set():
-                return None
-            flight = self._flights[request.request_id] = _Flight(request, on_progress, self.world_size)
-            self._send_request(request)
-            logger.info("Request %s sent to run inside %s", request.request_id, ", ".join(list(self._flights)[:-1]))
-            return flight
-
     def _collect(self, request: DiffusionRequest, on_progress: ProgressCallback | None) -> Any:
         """Send `request` and read the group's reports (needs self._lock) until it and every request sent to run
         inside it have ended; returns its images or raises how it ended."""
-        flight = _Flight(request, on_progress, self.world_size)
-        with self._flights_lock:
-            self._flights[request.request_id] = flight
-            self._send_request(request)
+        flight = self._flights.send(request, on_progress)
         self._last_progress = time.monotonic()
         try:
-            while True:
-                with self._flights_lock:
-                    if not self._flights:
-                        break
+            while self._flights:
                 self._read_report()
         except Exception as exc:
-            self._end_flights(exc)  # a restart, a shutdown: no request is left in flight
+            self._flights.end_all(exc, shut_down=isinstance(exc, _ShutDown))  # a restart, a shutdown: none is left
             if isinstance(exc, _ShutDown) or flight.error is exc:
                 raise
             if flight.error is not None:  # it was in flight when a request run inside it failed the group
@@ -583,7 +501,7 @@ class WorkerGroupExecutor:
         if self._closing.is_set():
             raise _ShutDown()
         now = time.monotonic()
-        flights = list(self._flights.values())
+        flights = self._flights.in_flight()
         for flight in flights:
             if now > flight.stuck_after:  # the first error is the cause; the ranks left waiting are its effect
                 cause = next(reply for reply in flight.replies.values() if isinstance(reply, Failed))
@@ -603,12 +521,13 @@ class WorkerGroupExecutor:
             dead = self._dead_worker()
             if dead is not None:
                 rank, how = dead
-                self._restart_locked(f"worker rank {rank} {how} during {', '.join(self._flights)}")
+                during = ", ".join(flight.request.request_id for flight in self._flights.in_flight())
+                self._restart_locked(f"worker rank {rank} {how} during {during}")
                 raise RequestFailed(
                     f"a worker died while running the request (rank {rank} {how}); the workers are restarting"
                 ) from None
             return
-        flight = self._flights.get(report.request_id) if isinstance(report, RequestReport) else None
+        flight = self._flights.record(report)
         if flight is None:
             return  # a late message about an earlier request
         self._last_progress = time.monotonic()
@@ -618,42 +537,15 @@ class WorkerGroupExecutor:
                 self.last_graph_capture_failure = f"rank {rank}: {reason}"
                 logger.warning("CUDA graph capture failed on rank %d during %s: %s", rank, report.request_id, reason)
             case Stats():
-                self.rank_stats[report.rank] = flight.stats[report.rank] = report
-            case Progress():
-                flight.steps[report.rank] = report
-                flight.progress(report)
+                self.rank_stats[report.rank] = report
             case Done() | Failed() | Cancelled():
-                flight.replies[report.rank] = report
                 if isinstance(report, Failed) and flight.stuck_after == math.inf:
                     flight.stuck_after = self._last_progress + min(STUCK_AFTER_ERROR_S, stall_s)
                 if isinstance(report, Failed) and _restarts_group(report, self.world_size):
                     # Its peers may be inside a collective it left: no waiting for them to get stuck.
                     self._restart_locked(f"request {report.request_id} ran out of memory on rank {report.rank}")
                     raise out_of_memory_error(flight.request, report, restarting=True)
-                if len(flight.replies) == self.world_size:
-                    with self._flights_lock:
-                        del self._flights[report.request_id]
-                        self._forget_cancel(flight.request.cancel_token)
-                    flight.end()
-
-    def _end_flights(self, error: BaseException) -> None:
-        """Every request still in flight ends with `error` (the one whose failure restarted the group), or with a
-        RequestFailed saying the group restarted under it."""
-        with self._flights_lock:
-            flights, self._flights = list(self._flights.values()), {}
-            for flight in flights:
-                self._forget_cancel(flight.request.cancel_token)
-        for flight in flights:
-            if isinstance(error, _ShutDown):
-                why = RequestCancelled(f"request {flight.request.request_id} stopped: the engine is shutting down")
-            elif flight is flights[-1] or isinstance(error, RequestCancelled):
-                why = error
-            else:
-                why = RequestFailed(
-                    f"request {flight.request.request_id} was in flight when another failed the group ({error}); "
-                    "the workers are restarting"
-                )
-            flight.end(why)
+                self._flights.end_if_answered(flight)
 
     def _fail_hung(self, request: DiffusionRequest, why: str, cause: Failed | None = None) -> None:
         """The group is stuck in this request: restart it, and fail the request saying why."""
@@ -668,36 +560,6 @@ def _restarts_group(failed: Failed, world_size: int) -> bool:
     return failed.out_of_memory is not None and not failed.agreed and world_size > 1
 
 
-_PHASE_WORDS = {"encode": "encoding the prompt", "denoise": "denoising", "decode": "decoding"}
-
-
-def out_of_memory_error(request: DiffusionRequest, failed: Failed, restarting: bool) -> RequestOutOfMemory:
-    """The error of a request that ran out of memory on `failed.rank`: its size, where, and what helps."""
-    rows = request.rows
-    size = f"{request.width}x{request.height}" if request.width else "the default size"
-    if request.num_frames:
-        size += f", {request.num_frames} frames"
-    size += f", n={request.num_images}"
-    if len(rows) > 1:
-        size += f", batched with {len(rows) - 1} other request(s)"
-    # torch's first sentences (what it tried to allocate); the rest is in the worker's log.
-    detail = (str(failed.error).splitlines() or [""])[0].split(". GPU ")[0].rstrip(".")
-    after = "the workers are restarting" if restarting else "the server freed its memory and serves on"
-    return RequestOutOfMemory(
-        f"request {request.request_id} ({size}) ran out of memory on rank {failed.rank} while "
-        f"{_PHASE_WORDS.get(failed.out_of_memory, 'running')}: {detail}; {after}. What helps: a smaller size, fewer "
-        "frames or images (n); on the server, FP8 (--quantization fp8), a higher --ulysses-degree, or a GPU "
-        "with more free memory"
-    )
-
-
 def _request_shape(request: DiffusionRequest) -> str:
     size = f"{request.width}x{request.height}" if request.width else "default size"
     return size + (f"x{request.num_frames}" if request.num_frames else "")
-
-
-def _step_text(progress: Progress | None) -> str:
-    if progress is None:
-        return "had not started"
-    where = "encoding at" if progress.phase == "encode" else "at step"
-    return f"{where} {progress.done}/{progress.total}"

@@ -21,6 +21,9 @@ The runner reads nothing else of a family:
 - `uses_cfg(request)`: whether the request runs two forwards per step (cond, uncond), which CFG
   parallel splits between two rank groups; `default_negative_prompt` is what the pipeline uses
   when such a request gives none (the uncond group's prompt).
+- `cfg_rows(cond, uncond)`: the keyword arguments of a CFG step's two denoiser calls as one call's, the cond
+  rows first (models/branch_rows.py has the helpers), for CFG in one pass (worker/cfg_batch.py); None (the
+  default): the family's steps run two forwards.
 - Text encoded once: `encode_text(pipe, kwargs, progress=None)` runs the pipeline's own
   `encode_prompt` on the call kwargs (GLM-Image: its autoregressive stage, which samples the prior
   token ids) and returns the tensors, keyed by the `__call__` arguments that take them ({}: this
@@ -79,6 +82,10 @@ class FamilyPipeline(abc.ABC):
     def uses_cfg(self, request: DiffusionRequest) -> bool:
         """True when the pipeline runs a conditional and an unconditional forward per step for `request`."""
         return False
+
+    def cfg_rows(self, cond: dict[str, Any], uncond: dict[str, Any]) -> dict[str, Any] | None:
+        """A CFG step's cond and uncond denoiser arguments as one forward's rows (cond first); None: two forwards."""
+        return None
 
     def encode_text(
         self, pipe: Any, kwargs: dict[str, Any], progress: Callable[[int, int], None] | None = None

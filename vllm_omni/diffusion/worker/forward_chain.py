@@ -1,11 +1,12 @@
 """The forward chain: the one module that wraps a denoiser, a scheduler step or a VAE decode.
 
 The runner (runner.py) calls it once per loaded pipeline; the levers keep their logic in their own
-modules (cfg_parallel.py, step_cache.py, cuda_graphs.py, vae_parallel.py) and are wired here, in
+modules (cfg_parallel.py, cfg_batch.py, step_cache.py, cuda_graphs.py, vae_parallel.py) and are wired here, in
 this order, outermost first:
 
     denoiser(...)        diffusers hooks on `forward` (HookRegistry; the last registered runs first):
-                           CountForwards -> CFGParallelHook (one branch computed, exchanged) ->
+                           CountForwards -> CFGParallelHook (one branch computed, exchanged) or
+                           CFGBatchHook (both branches' rows in one forward) ->
                            BranchContext (the step cache's context)
                          -> the model's own `forward` (host-side preparation) -> `run_sharded`
                          -> `sharded_wrapper`, declared by models/family.py's SequenceParallelTransformer:
@@ -41,6 +42,7 @@ from diffusers.hooks.first_block_cache import FBCHeadBlockHook
 
 from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer
+from vllm_omni.diffusion.worker.cfg_batch import CFGBatch, CFGBatchHook
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, CFGParallelHook
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward
 from vllm_omni.diffusion.worker.step_cache import BranchContext, CachedForward, CacheRecord, GroupFirstBlockHook
@@ -73,22 +75,24 @@ class CountForwards(ModelHook):
 def install_denoiser_chain(
     denoiser: SequenceParallelTransformer,
     graphs: dict[str, Any] | None,
-    cfg: CFGParallel | None,
+    cfg: CFGParallel | CFGBatch | None,
     counts: Counter,
     name: str,
     cache: CacheRecord | None = None,
 ) -> None:
     """Install, on one denoiser, every wrapper its forward goes through (the module doc's order).
 
-    `graphs`: CUDAGraphForward's keyword arguments, None for eager. `cache`: the step cache's record,
-    None for none. Installed innermost first.
+    `graphs`: CUDAGraphForward's keyword arguments, None for eager. `cfg`: how a step's two branches run
+    (CFG parallel, or one pass). `cache`: the step cache's record, None for none. Installed innermost first.
     """
     head = _install_block_cache(denoiser, cache) if cache is not None else None
     registry = HookRegistry.check_if_exists_or_initialize(denoiser)
     if head is not None:
         registry.register_hook(BranchContext(head), BranchContext.NAME)
-    if cfg is not None:
+    if isinstance(cfg, CFGParallel):
         registry.register_hook(CFGParallelHook(cfg), CFGParallelHook.NAME)
+    elif cfg is not None:
+        registry.register_hook(CFGBatchHook(cfg), CFGBatchHook.NAME)
     registry.register_hook(CountForwards(counts, name), CountForwards.NAME)
     if graphs is not None:
         # Only the sharded part is replayed: the host-side preparation in `forward` decides shapes

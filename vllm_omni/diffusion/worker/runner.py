@@ -36,6 +36,7 @@ from vllm_omni.diffusion.models.family import FamilyPipeline, attention_heads, u
 from vllm_omni.diffusion.models.spec import PipelineSpec
 from vllm_omni.diffusion.protocol import RunPhase
 from vllm_omni.diffusion.request import DiffusionRequest, LoraRequest, RequestError
+from vllm_omni.diffusion.worker.cfg_batch import CFGBatch
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, swap_prompts
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphs, compile_repeated_blocks
 from vllm_omni.diffusion.worker.forward_chain import (
@@ -162,6 +163,9 @@ class PipelineRunner:
         if state is not None and state.config.cfg_parallel_size > 1:
             self.cfg = CFGParallel(state.cfg_group)
             self.cfg_rank = state.cfg_rank
+        # Without CFG parallel, a step's two branches may run as one forward (the request says: cfg_one_pass).
+        self.cfg_batch = CFGBatch(self.family.cfg_rows) if self.cfg is None else None
+        self.cfg_one_pass_steps = 0
         self.forwards: Counter = Counter()  # per denoiser, in the current request
         self.cache = CacheRecord(cache) if cache is not None else None  # shared by the denoisers (Wan2.2's two)
         # Compiled blocks also under offload: its hooks move the weights in before the compiled forward runs.
@@ -169,7 +173,7 @@ class PipelineRunner:
         for name, denoiser in self.denoisers.items():
             if compile_blocks:
                 compile_repeated_blocks(denoiser)
-            install_denoiser_chain(denoiser, graphs, self.cfg, self.forwards, name, self.cache)
+            install_denoiser_chain(denoiser, graphs, self.cfg or self.cfg_batch, self.forwards, name, self.cache)
         # HunyuanVideo 1.5's pipeline has no step callback: its scheduler's `step` reports instead.
         self.step_callback = "callback_on_step_end" in inspect.signature(self.pipe.__call__).parameters
         self.step_report = install_step_report(self.pipe, self.step_callback)
@@ -240,6 +244,7 @@ class PipelineRunner:
             )
         self._activate_adapter(request.lora, lambda: self._at("lora", request, cancelled))
         self.forwards.clear()
+        self.cfg_one_pass_steps = 0  # the request's steps whose CFG branches ran as one forward (all its calls)
         self.step_peak_bytes = None
         self.phase_seconds = {}
         # Each image has a generator of its own (its seed, DiffusionRequest.image_seeds): an image does not depend
@@ -296,6 +301,8 @@ class PipelineRunner:
             self.cfg.start_request(self.family.uses_cfg(request))
             if self.cfg.active and self.cfg_rank == 1:
                 kwargs = swap_prompts(kwargs, self.family.default_negative_prompt)
+        if self.cfg_batch is not None:
+            self.cfg_batch.start_request(request.cfg_one_pass and self.family.uses_cfg(request))
         started = time_now = time.perf_counter()
         encodes_first = self.text_peers or self.family.encodes_first
         if encodes_first:
@@ -321,10 +328,9 @@ class PipelineRunner:
             baseline = torch.cuda.memory_allocated(self.device)
 
         def step_end(step: int) -> None:
-            if self.cfg is not None:
-                self.cfg.end_step()
-            if self.cache is not None:
-                self.cache.end_step()
+            for branches in (self.cfg, self.cfg_batch, self.cache):
+                if branches is not None:
+                    branches.end_step()
             if step >= last_step and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the phases end where the GPU's work ends, once a request
                 if measure:
@@ -347,6 +353,8 @@ class PipelineRunner:
         self._add_phase("denoise", denoised["at"] - called)
         self._add_phase("decode", time.perf_counter() - denoised["at"])
         logger.debug("Request %s: forwards per denoiser %s", request.request_id, dict(self.forwards))
+        if self.cfg_batch is not None:
+            self.cfg_one_pass_steps += self.cfg_batch.one_pass_steps
         if request.profile:
             return None
         frames = result.frames if self.spec.modality == "video" else result.images
@@ -443,13 +451,14 @@ class PipelineRunner:
         them), then bring it back as it was: what its pipeline call left on shared objects (interleave.py), this
         runner's phase, counters and decode callback, and its adapter, merged again (an agreed point: every rank
         of the group comes back here after the same inner request)."""
-        fields = (self.phase, self.phase_seconds, Counter(self.forwards), self._on_decode_tile)
-        state = put_aside(self.pipe, list(self.denoisers.values()), [self.cfg, self.cache, self.step_report])
+        fields = (self.phase, self.phase_seconds, Counter(self.forwards), self._on_decode_tile, self.cfg_one_pass_steps)
+        kept = [self.cfg, self.cfg_batch, self.cache, self.step_report]
+        state = put_aside(self.pipe, list(self.denoisers.values()), kept)
         try:
             yield
         finally:
             state.restore()
-            self.phase, self.phase_seconds, forwards, self._on_decode_tile = fields
+            self.phase, self.phase_seconds, forwards, self._on_decode_tile, self.cfg_one_pass_steps = fields
             self.forwards.clear()  # in place: the denoisers' hooks count into this Counter
             self.forwards.update(forwards)
         self._activate_adapter(request.lora)
@@ -457,8 +466,9 @@ class PipelineRunner:
     def end_failed_request(self) -> None:
         """Drop the per-request state a failed request left mid-way: the CFG exchange's branches, the step
         cache's residuals (the next request would reset them; until then they would hold memory)."""
-        if self.cfg is not None:
-            self.cfg.end_step()
+        for branches in (self.cfg, self.cfg_batch):
+            if branches is not None:
+                branches.end_step()
         if self.cache is not None:
             for denoiser in self.denoisers.values():
                 reset_step_cache(denoiser)

@@ -315,6 +315,7 @@ class RankServer:
             graph_captures=runner.graph_captures,
             compiles=runner.compiles(),
             step_cache=records,
+            cfg_one_pass_steps=runner.cfg_one_pass_steps,
             peak_memory_bytes=peak,
             allocated_memory_bytes=allocated,
             reserved_memory_bytes=reserved,
@@ -372,10 +373,10 @@ class RankServer:
         self.reports.put(Progress(self.rank, request.request_id, done, total, "encode"))
 
     def _log_done(self, request: DiffusionRequest, encoded: list[tuple[int, int]], seconds: float, cache: Any) -> None:
-        runner = self.runner
+        runner, one_pass = self.runner, self.runner.cfg_one_pass_steps
         batched = f" (batched with {', '.join(row.request_id for row in request.batch)})" if request.batch else ""
         logger.info(
-            "Request %s%s: %s%d step(s) in %.2f s (forwards: %s)%s",
+            "Request %s%s: %s%d step(s) in %.2f s (forwards: %s)%s%s",
             request.request_id,
             batched,
             "".join(
@@ -385,6 +386,7 @@ class RankServer:
             seconds,
             ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
             "" if cache is None else f"; {step_cache_line(cache)}",
+            f"; CFG in one pass at {one_pass} step(s)" if one_pass else "",
         )
 
     def _measured_envelope(self, request: DiffusionRequest) -> Envelope | None:

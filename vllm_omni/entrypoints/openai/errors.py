@@ -18,9 +18,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from vllm_omni.diffusion.engine.adapters import LoraNotFound
-from vllm_omni.diffusion.engine.job import JobError
+from vllm_omni.diffusion.engine.job import JobError, one_line
+from vllm_omni.diffusion.engine.lifecycle import Unavailable
+from vllm_omni.diffusion.engine.queue_admission import InternalError, QueueFull
 from vllm_omni.diffusion.engine.request_fields import FIELDS_BY_NAME
-from vllm_omni.diffusion.engine.scheduler import InternalError, QueueFull, Unavailable, one_line
 from vllm_omni.diffusion.request import RequestError
 from vllm_omni.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from vllm_omni.logger import init_logger

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from vllm_omni.diffusion.engine.job import Job, JobError
-from vllm_omni.diffusion.engine.scheduler import Scheduler, one_line
+from vllm_omni.diffusion.engine.job import Job, JobError, one_line
+from vllm_omni.diffusion.engine.scheduler import Scheduler
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)

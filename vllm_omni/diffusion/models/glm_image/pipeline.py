@@ -34,6 +34,7 @@ from PIL import Image
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from vllm_omni.diffusion import diffusers_compat
+from vllm_omni.diffusion.models.branch_rows import stack_branches
 from vllm_omni.diffusion.models.family import FamilyPipeline
 from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -143,6 +144,14 @@ class GlmImageFamily(FamilyPipeline):
         """`do_classifier_free_guidance`: guidance_scale above 1 (the default, 1.5, is)."""
         scale = DEFAULT_GUIDANCE_SCALE if request.guidance_scale is None else request.guidance_scale
         return scale > 1
+
+    def cfg_rows(self, cond: dict[str, Any], uncond: dict[str, Any]) -> dict[str, Any] | None:
+        """The prompt's and the negative prompt's rows in one forward; not while the source images' KV caches are
+        in use (an edit): the pipeline switches their mode between the two calls (read, then skip)."""
+        caches = cond.get("kv_caches")
+        if caches is not None and any(layer.mode is not None for layer in caches.caches):
+            return None
+        return stack_branches(cond, uncond)
 
     def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         """Keyword arguments of the pipeline's `__call__`; the size is always given (the engine restates

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_omni.diffusion import diffusers_compat
+from vllm_omni.diffusion.models.branch_rows import stack_branches
 from vllm_omni.diffusion.models.family import FamilyPipeline
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -43,6 +44,10 @@ class HunyuanVideo15Family(FamilyPipeline):
     def uses_cfg(self, request: DiffusionRequest) -> bool:
         """The guider runs two forwards per step unless the scale is 1 (the checkpoint's default scale is above 1)."""
         return request.guidance_scale is None or request.guidance_scale > 1
+
+    def cfg_rows(self, cond: dict[str, Any], uncond: dict[str, Any]) -> dict[str, Any] | None:
+        """The prompt's and the negative prompt's rows in one forward (texts padded to one length, with masks)."""
+        return stack_branches(cond, uncond)
 
     def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         """The per-request keyword arguments of the pipeline's `__call__` (None fields: pipeline defaults)."""

@@ -13,6 +13,7 @@ from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 
 from vllm_omni.diffusion import diffusers_compat
+from vllm_omni.diffusion.models.branch_rows import pad_text, stack_branches
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -31,6 +32,11 @@ class QwenImageFamily(FamilyPipeline):
     def uses_cfg(self, request: DiffusionRequest) -> bool:
         """True CFG (two forwards per step) runs only with a negative prompt and a scale above 1."""
         return request.negative_prompt is not None and request.true_cfg_scale > 1
+
+    def cfg_rows(self, cond: dict[str, Any], uncond: dict[str, Any]) -> dict[str, Any] | None:
+        """The prompt's and the negative prompt's rows in one forward: texts of different lengths padded and
+        masked (the transformer keeps each row's valid text, attention runs per row)."""
+        return stack_branches(*pad_text(cond, uncond, "encoder_hidden_states", "encoder_hidden_states_mask"))
 
     def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(

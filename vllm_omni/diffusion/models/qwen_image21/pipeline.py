@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from vllm_omni.diffusion import diffusers_compat
+from vllm_omni.diffusion.models.branch_rows import same_value, stack_branches
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.qwen_image21.transformer import QwenImage21Transformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -31,6 +32,13 @@ class QwenImage21Family(FamilyPipeline):
     def uses_cfg(self, request: DiffusionRequest) -> bool:
         """True CFG (two forwards per step) runs only with a negative prompt and a scale above 1."""
         return request.negative_prompt is not None and (request.true_cfg_scale or 1.0) > 1
+
+    def cfg_rows(self, cond: dict[str, Any], uncond: dict[str, Any]) -> dict[str, Any] | None:
+        """Two forwards: the transformer plans one joint layout (`img_mask`, which spans the text) for a whole
+        batch, and a prompt and a negative prompt of different lengths have two; alike layouts stack."""
+        if not same_value(cond.get("img_mask"), uncond.get("img_mask")):
+            return None
+        return stack_branches(cond, uncond)
 
     def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_omni.diffusion import diffusers_compat
+from vllm_omni.diffusion.models.branch_rows import stack_branches
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -36,6 +37,10 @@ class Wan22Family(FamilyPipeline):
         """`do_classifier_free_guidance`: guidance_scale above 1 (the default, 5.0, is)."""
         scale = DEFAULT_GUIDANCE_SCALE if request.guidance_scale is None else request.guidance_scale
         return scale > 1
+
+    def cfg_rows(self, cond: dict[str, Any], uncond: dict[str, Any]) -> dict[str, Any] | None:
+        """The prompt's and the negative prompt's rows in one forward (the text is padded to one length already)."""
+        return stack_branches(cond, uncond)
 
     def pipeline_kwargs(self, request: DiffusionRequest, spec: PipelineSpec) -> dict[str, Any]:
         """Keyword arguments of the pipeline's `__call__` (None fields keep the pipeline's defaults)."""

@@ -39,7 +39,10 @@ from pydantic import BaseModel, ValidationError
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, QuerystringParser, parse_options_header
 
-from vllm_omni.diffusion.engine.scheduler import QueueFull, Scheduler, Unavailable, one_line
+from vllm_omni.diffusion.engine.job import one_line
+from vllm_omni.diffusion.engine.lifecycle import Unavailable
+from vllm_omni.diffusion.engine.queue_admission import QueueFull
+from vllm_omni.diffusion.engine.scheduler import Scheduler
 from vllm_omni.entrypoints.openai.errors import CLIENT_CLOSED, ApiError, scheduler_error, validation_error
 from vllm_omni.logger import init_logger
 

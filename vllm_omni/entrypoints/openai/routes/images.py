@@ -20,8 +20,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from vllm_omni.diffusion.engine.job import Job
+from vllm_omni.diffusion.engine.lifecycle import Unavailable
+from vllm_omni.diffusion.engine.queue_admission import InternalError, QueueFull
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
-from vllm_omni.diffusion.engine.scheduler import InternalError, QueueFull, Scheduler, Unavailable
+from vllm_omni.diffusion.engine.scheduler import Scheduler
 from vllm_omni.diffusion.request import DiffusionOutput, GenerationParams, RequestError
 from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
 from vllm_omni.entrypoints.openai.errors import ApiError, job_error, request_error, scheduler_error

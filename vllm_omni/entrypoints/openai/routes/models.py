@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from vllm_omni import __version__
-from vllm_omni.diffusion.engine.scheduler import Unavailable
+from vllm_omni.diffusion.engine.lifecycle import Unavailable
 from vllm_omni.diffusion.request import GenerationParams, RequestError
 from vllm_omni.entrypoints.openai.errors import ApiError, scheduler_error
 from vllm_omni.entrypoints.openai.protocol import (

@@ -23,9 +23,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from vllm_omni.diffusion.engine.lifecycle import Unavailable
 from vllm_omni.diffusion.engine.preprocess import check_int
+from vllm_omni.diffusion.engine.queue_admission import InternalError, QueueFull
 from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
-from vllm_omni.diffusion.engine.scheduler import InternalError, QueueFull, Scheduler, Unavailable
+from vllm_omni.diffusion.engine.scheduler import Scheduler
 from vllm_omni.diffusion.request import GenerationParams, RequestError
 from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
 from vllm_omni.entrypoints.openai.errors import ApiError, request_error, scheduler_error

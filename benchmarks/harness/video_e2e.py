@@ -25,18 +25,18 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks.qwen_image_e2e import (  # noqa: E402
+from benchmarks.harness.e2e import (  # noqa: E402
     BUILD_MARKER,
     GPU_GIB,
     DeviceMemorySampler,
     PhaseProbe,
-    _cell,
     add_agreement,
     already_built,
     as_card_of,
     build_record,
+    cell,
     commit_checkpoint,
     copy_outputs,
     default_dtype,
@@ -678,18 +678,18 @@ def size_tables(family: VideoFamily, size: str, by_name: dict[str, dict[str, Any
         if row.get("error"):
             lines.append(f"| {row['variant']} | error: {row['error']} |" + " |" * 10)
             continue
-        mp4 = _cell(row.get("mp4_s")) if row.get("mp4_s") is not None else "not measured"
+        mp4 = cell(row.get("mp4_s")) if row.get("mp4_s") is not None else "not measured"
         total = row.get("extrapolated_with_mp4_s")
-        total_cell = _cell(total, 1) if total is not None else f"{_cell(row.get('extrapolated_s'), 1)} (without MP4)"
+        total_cell = cell(total, 1) if total is not None else f"{cell(row.get('extrapolated_s'), 1)} (without MP4)"
         cells = [
             str(row.get("device", "n/a")),
-            _cell(row.get("steps")),
-            _cell(row.get("per_step_s"), 3),
-            *(_cell(row.get(k)) for k in ("text_s", "prep_s", "decode_s", "other_s")),
+            cell(row.get("steps")),
+            cell(row.get("per_step_s"), 3),
+            *(cell(row.get(k)) for k in ("text_s", "prep_s", "decode_s", "other_s")),
             mp4,
-            _cell(row.get("e2e_s")),
+            cell(row.get("e2e_s")),
             total_cell,
-            _cell(row.get("peak_alloc_gib"), 1),
+            cell(row.get("peak_alloc_gib"), 1),
         ]
         lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
     lines += [
@@ -701,18 +701,18 @@ def size_tables(family: VideoFamily, size: str, by_name: dict[str, dict[str, Any
     for row in rows:
         if row.get("error"):
             continue
-        warm = f"{_cell(row.get('warmup_run_s'), 1)} ({_cell(row.get('warmup_captures'))}, {_cell(row.get('warmup_compile_s'), 1)})"  # noqa: E501
-        start = f"load {_cell(row.get('load_s'), 1)} (in this process)"
+        warm = f"{cell(row.get('warmup_run_s'), 1)} ({cell(row.get('warmup_captures'))}, {cell(row.get('warmup_compile_s'), 1)})"  # noqa: E501
+        start = f"load {cell(row.get('load_s'), 1)} (in this process)"
         if "start_to_ready_s" in row:
             start = f"{row['start_to_ready_s']:.1f} = {row['load_s']:.1f} + {row['engine_warmup_s']:.1f}"
             if row.get("engine_warmup_requests"):
                 start += (
-                    f" ({row['engine_warmup_requests']} requests, {_cell(row.get('engine_warmup_captures'))} captures, "
-                    f"{_cell(row.get('engine_warmup_compile_s'), 1)} s compile)"
+                    f" ({row['engine_warmup_requests']} requests, {cell(row.get('engine_warmup_captures'))} captures, "
+                    f"{cell(row.get('engine_warmup_compile_s'), 1)} s compile)"
                 )
         lines.append(
-            f"| {row['variant']} | {_cell(row.get('nvsmi_peak_gib'), 1)} | {_cell(row.get('captures'))} | "
-            f"{_cell(row.get('compile_s'), 1)} | {warm} | {start} | {_psnr_cell(row)} |"
+            f"| {row['variant']} | {cell(row.get('nvsmi_peak_gib'), 1)} | {cell(row.get('captures'))} | "
+            f"{cell(row.get('compile_s'), 1)} | {warm} | {start} | {_psnr_cell(row)} |"
         )
     for row in rows:
         cache = row.get("step_cache")
@@ -720,7 +720,7 @@ def size_tables(family: VideoFamily, size: str, by_name: dict[str, dict[str, Any
             lines += [
                 "",
                 f"{row['variant']}: requests of the full {row['steps']} steps (nothing extrapolated); the step cache's "
-                f"threshold {_cell(cache['threshold'], 4)} is the median change of the first block that its warm-up "
+                f"threshold {cell(cache['threshold'], 4)} is the median change of the first block that its warm-up "
                 f"request (the same size and steps, the default threshold) measured; the timed request skipped "
                 f"{cache['forwards_skipped']} of {cache['forwards']} forwards.",
             ]
@@ -730,14 +730,14 @@ def size_tables(family: VideoFamily, size: str, by_name: dict[str, dict[str, Any
             share = f", {row['onload_s'] / total:.1%} of the {full}-step total" if total else ""
             lines += [
                 "",
-                f"{row['variant']}: each request moved {_cell(row.get('onload_gib'), 1)} GiB of offloaded weights onto "
-                f"the GPU in {_cell(row['onload_s'], 2)} s (the copies' own time, CUDA events on the stream the work "
-                f"waits on{share}); {_cell(row.get('onload_loop_s'), 2)} s of it the denoisers' (the experts: once a "
+                f"{row['variant']}: each request moved {cell(row.get('onload_gib'), 1)} GiB of offloaded weights onto "
+                f"the GPU in {cell(row['onload_s'], 2)} s (the copies' own time, CUDA events on the stream the work "
+                f"waits on{share}); {cell(row.get('onload_loop_s'), 2)} s of it the denoisers' (the experts: once a "
                 "request each, inside the loop, so counted once in the extrapolated total, not per step).",
             ]
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
     for what, value, target in ratios(family, by_name, size):
-        lines.append(f"| {what} | {_cell(value, 3)} | {target}{_verdict(value, target)} |")
+        lines.append(f"| {what} | {cell(value, 3)} | {target}{_verdict(value, target)} |")
     return lines
 
 
@@ -758,7 +758,7 @@ def docs_section(family: VideoFamily, results: dict[str, Any]) -> str:
         "The tiny model's configs (float32, CPU workers), random weights in a safetensors folder; "
         if tiny
         else f"The whole text-to-video pipeline at real dimensions with random bf16 weights ({family.components_text}; "
-        f"{_cell((build.get('bytes') or 0) / 1e9, 1) if build else 'n/a'} GB), loaded from a safetensors folder; "
+        f"{cell((build.get('bytes') or 0) / 1e9, 1) if build else 'n/a'} GB), loaded from a safetensors folder; "
     )
     sizes = " and ".join(dict.fromkeys(row.get("size", "n/a") for row in done)) or "n/a"
     lines += [
@@ -796,7 +796,7 @@ def docs_section(family: VideoFamily, results: dict[str, Any]) -> str:
     hosts = sorted({row.get("host") for row in rows} - {None})
     caches = ", ".join(
         f"{row['variant']}{' ' + row['size'] if family.several_sizes else ''} "
-        f"{_cell(row['inductor_cache_files_before'])}"
+        f"{cell(row['inductor_cache_files_before'])}"
         for row in done
         if "inductor_cache_files_before" in row
     )
@@ -945,5 +945,5 @@ def main(family: VideoFamily, description: str, argv: list[str] | None = None) -
             shutil.rmtree(probe_root, ignore_errors=True)
     for size, rows in rows_by_size(family, results).items():
         for what, value, target in ratios(family, rows, size):
-            print(f"{(size + ': ') if size else ''}{what}: {_cell(value, 3)} {target}", flush=True)
+            print(f"{(size + ': ') if size else ''}{what}: {cell(value, 3)} {target}", flush=True)
     print(f"results: {out}\ndocs: {docs}", flush=True)
