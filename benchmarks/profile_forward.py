@@ -211,10 +211,11 @@ def profile_case(net: torch.nn.Module, model: str, size: str, rows: int, layers:
 
 def install_graphs(net: torch.nn.Module) -> list[str]:
     """The engine's CUDA graph replay on `net` (forward_chain's CUDAGraphForward); the capture failures it reports."""
+    from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphs
     from vllm_omni.diffusion.worker.forward_chain import install_denoiser_chain
 
     failures: list[str] = []
-    graphs = dict(on_failure=failures.append, simulated=None, pool=torch.cuda.graph_pool_handle())
+    graphs = dict(on_failure=failures.append, backend=CUDAGraphs())
     install_denoiser_chain(net, graphs, None, Counter(), "transformer")
     return failures
 

@@ -1,8 +1,8 @@
 """The package's layering, read from its source: imports point one way and form no cycle.
 
 entrypoints -> engine -> executor -> worker -> models -> attention -> distributed -> the bottom
-(config, request, images, logger). `vllm_omni.testing` (test doubles) may be imported from anywhere,
-lazily, where an environment variable switches one on.
+(config, request, images, logger). `vllm_omni.testing` (test doubles) sits above them all: it imports production,
+and nothing outside it imports it, in any form (a rank reaches its doubles through worker/hooks.py's RankHooks).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ LAYERS = {  # a module's layer is that of the longest prefix it has here; the re
     "vllm_omni.diffusion.model_source": 3,
     "vllm_omni.diffusion.attention": 2,
     "vllm_omni.diffusion.distributed": 1,
+    "vllm_omni.testing": 8,  # test doubles: they import production, never the reverse
 }
 TESTING = "vllm_omni.testing"
 
@@ -75,11 +76,24 @@ def test_imports_point_down_the_layers():
     upward = [
         f"{name}:{line} imports {module}"
         for name in MODULES
-        if not name.startswith(TESTING) and name != "vllm_omni"
+        if name != "vllm_omni"
         for module, line in imports(name, top_level_only=False)
-        if not module.startswith(TESTING) and layer(module) > layer(name)
+        if layer(module) > layer(name)
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_nothing_outside_testing_imports_testing():
+    """Counting imports inside functions and under `TYPE_CHECKING`: production reaches its test doubles only
+    through the hooks a rank is given (diffusion/worker/hooks.py)."""
+    offenders = [
+        f"{name}:{line} imports {module}"
+        for name in MODULES
+        if not (name == TESTING or name.startswith(TESTING + "."))
+        for module, line in imports(name, top_level_only=False, type_checking=True)
+        if module == TESTING or module.startswith(TESTING + ".")
+    ]
+    assert not offenders, "\n".join(offenders)
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[str]:
@@ -101,11 +115,8 @@ def find_cycles(graph: dict[str, set[str]]) -> list[str]:
     return cycles
 
 
-# Cycles through imports inside functions or `TYPE_CHECKING` blocks that are still to be broken (issue 45): the
-# graph capture's test double is imported by what it doubles (test seams injected, testing/hooks.py).
-KNOWN_CYCLES = {
-    "vllm_omni.diffusion.worker.cuda_graphs -> vllm_omni.testing.graphs -> vllm_omni.diffusion.worker.cuda_graphs",
-}
+# Cycles through imports inside functions or `TYPE_CHECKING` blocks that are still to be broken (issue 45).
+KNOWN_CYCLES: set[str] = set()
 
 
 def import_graph(top_level_only: bool, type_checking: bool) -> dict[str, set[str]]:
@@ -151,6 +162,13 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
     assert layer("vllm_omni.entrypoints.omni") > layer(runner) > layer("vllm_omni.diffusion.models.spec") > 0
     assert layer("vllm_omni.diffusion.config") == layer("vllm_omni.diffusion.protocol") == 0  # the contracts
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
+    # The walker sees an import inside a function and one under TYPE_CHECKING (the worker has both).
+    worker = "vllm_omni.diffusion.worker.worker"
+    every_form = {module for module, _ in imports(worker, top_level_only=False, type_checking=True)}
+    top_level = {module for module, _ in imports(worker, top_level_only=True)}
+    late = {"vllm_omni.diffusion.distributed.parallel_state", "vllm_omni.diffusion.worker.runner"}
+    assert late <= every_form and not late & top_level
+    assert layer(TESTING) > layer("vllm_omni.entrypoints.omni")
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 

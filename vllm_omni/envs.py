@@ -32,3 +32,5 @@ TEST_FAULT = "VLLM_OMNI_TEST_FAULT"  # an injected fault in a worker (testing/fa
 TEST_MEMORY_TRACE = "VLLM_OMNI_TEST_MEMORY_TRACE"  # what a rank holds between requests (testing/memory_trace.py)
 TEST_GPU_MEMORY = "VLLM_OMNI_TEST_GPU_MEMORY"  # a simulated device memory for the memory plan (testing/memory.py)
 TEST_MEASURED_STEP = "VLLM_OMNI_TEST_MEASURED_STEP"  # the warm-up's measured step, simulated (testing/memory.py)
+# "module:function" building a rank's RankHooks (diffusion/worker/hooks.py): the tests name testing/hooks.py.
+TEST_HOOKS = "VLLM_OMNI_TEST_HOOKS"

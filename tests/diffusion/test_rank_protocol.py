@@ -61,7 +61,7 @@ REPORTS = [
         peak_memory_bytes=2**30,
         allocated_memory_bytes=2**29,
         reserved_memory_bytes=3 * 2**29,
-        traced_memory={"objects": 5, "tensors": 2, "tensor_bytes": 64},
+        extras={"memory_trace": {"objects": 5, "tensors": 2, "tensor_bytes": 64}},
     ),
     Done(0, "req-1", np.arange(12, dtype=np.uint8).reshape(1, 2, 2, 3)),
     Done(1, "req-1"),

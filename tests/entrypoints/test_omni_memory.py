@@ -21,6 +21,7 @@ os.environ.setdefault("VLLM_OMNI_CPU_THREADS", "1")
 from vllm_omni import Omni  # noqa: E402
 from vllm_omni.diffusion.request import RequestOutOfMemory  # noqa: E402
 from vllm_omni.testing.faults import LEAK_BYTES  # noqa: E402
+from vllm_omni.testing.hooks import MEMORY_TRACE  # noqa: E402
 
 pytestmark = pytest.mark.slow  # whole engines with worker processes (Omni)
 
@@ -55,7 +56,7 @@ def _generate(omni: Omni, prompt: str, width: int = 32, height: int = 32, n: int
 def _held(omni: Omni) -> dict[str, int]:
     """What the rank held after the last request: a probe measures it as it arrives."""
     _generate(omni, PROBE)
-    return omni.engine.executor.rank_stats[0].traced_memory
+    return omni.engine.executor.rank_stats[0].extras[MEMORY_TRACE]
 
 
 def test_a_request_out_of_memory_fails_alone_and_the_rank_serves_on(omni):

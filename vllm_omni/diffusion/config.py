@@ -297,7 +297,7 @@ class OmniDiffusionConfig:
     # waited a fifth as long behind long ones, at the same throughput.
     scheduling_policy: Literal["fcfs", "priority", "fair"] = "fair"
     # Requests in flight on one worker group at once: with fair or priority, a queued request that the policy puts
-    # first runs inside the running one from its next step (engine/scheduler.py, worker._serve_request); 1: never.
+    # first runs inside the running one from its next step (engine/scheduler.py, worker.RankServer); 1: never.
     max_num_seqs: int = 1
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from vllm_omni.diffusion.config import MAX_NUM_SEQS, Envelope
@@ -126,9 +126,8 @@ class Stats(RequestReport):
     reserved_memory_bytes: int | None = None  # on CUDA: held by the caching allocator then
     # A profile request's (the warm-up's measured step): the envelope the measured step leaves on this rank.
     envelope: Envelope | None = None
-    # Test only (VLLM_OMNI_TEST_MEMORY_TRACE): what the rank held as the request arrived, after the
-    # previous one (testing/memory_trace.py).
-    traced_memory: dict[str, int] | None = None
+    # What a rank's hooks add (worker/hooks.py, RankHooks.request_extras): test-only figures, empty in production.
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

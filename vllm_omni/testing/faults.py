@@ -1,8 +1,8 @@
 """Injected faults for the deadline and memory tests: one rank hangs, raises, pauses, runs out of memory or
 leaks at one step (`InjectedFault`).
 
-Off unless the env var VLLM_OMNI_TEST_FAULT is set; the worker (worker._serve) reads it once per
-rank and calls `trigger` at each denoising step, decode tile, encode token, prompt encoding and adapter merge.
+Off unless the env var VLLM_OMNI_TEST_FAULT is set; read once per rank (testing/hooks.py), whose hooks call
+`trigger` at each denoising step, decode tile, encode token, prompt encoding and adapter merge (the hook points).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Simulated CUDA graphs: the graph decisions of worker/cuda_graphs.py on CPU ranks (a test double).
 
-Switched on by `VLLM_OMNI_TEST_CUDA_GRAPHS=simulate` in the workers' environment (the runner imports
-this module only then): the same keys, cache and SP-group agreement as real graphs, with a "graph"
-that re-runs the forward on its static inputs at each replay; `simulate:fail-rank=N` makes the first
+Switched on by `VLLM_OMNI_TEST_CUDA_GRAPHS=simulate` in the workers' environment (testing/hooks.py hands it to the
+runner as CUDAGraphForward's capture backend): the same keys, cache and SP-group agreement as real graphs, with a
+"graph" that re-runs the forward on its static inputs at each replay; `simulate:fail-rank=N` makes the first
 capture on rank N fail. CI uses it (tests/entrypoints/test_omni_graph_decisions.py) for what only
 multi-GPU runs reach.
 """
@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from vllm_omni import envs
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state
 from vllm_omni.diffusion.distributed.sequence_parallel import fresh_sp_context
-from vllm_omni.diffusion.worker.cuda_graphs import TEST_GRAPHS_ENV
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
+
+TEST_GRAPHS_ENV = envs.TEST_CUDA_GRAPHS
 
 
 class SimulatedGraph:
@@ -37,9 +39,10 @@ class SimulatedGraph:
 
 @dataclass(frozen=True)
 class SimulatedGraphs:
-    """Stands in for CUDA graph capture in CUDAGraphForward (`simulated=`), on CPU ranks."""
+    """Stands in for CUDA graph capture in CUDAGraphForward (its `backend`: cuda_graphs.GraphBackend), on CPU ranks."""
 
     fail_rank: int | None = None  # the first capture on this rank raises
+    replays_cpu_tensors = True  # CPU ranks: their tensors are the graph's inputs
 
     @classmethod
     def from_env(cls) -> SimulatedGraphs | None:

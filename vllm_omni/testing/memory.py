@@ -1,9 +1,9 @@
-"""A simulated device memory for the memory plan's tests (worker/memory_plan.py `device_memory`).
+"""A simulated device memory for the memory plan's tests (worker/memory_plan.py `plan_rank`, through testing/hooks.py).
 
 VLLM_OMNI_TEST_GPU_MEMORY='TOTAL[,FREE]' (bytes, or with a KiB/MiB/GiB suffix) makes every rank plan
 against a device of that size, on a CPU too, so a deploy that cannot fit is refused there as on a GPU.
 VLLM_OMNI_TEST_MEASURED_STEP='FACTOR' stands in for the warm-up's measured step where no GPU measures one
-(worker.py): the step measures FACTOR times the plan's estimate.
+(worker.py, through testing/hooks.py): the step measures FACTOR times the plan's estimate.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def simulated_device_memory() -> tuple[int, int] | None:
     return _bytes(total), _bytes(free) if free else _bytes(total)
 
 
-def simulated_step_bytes(estimate: int) -> int | None:
-    """A measured step of VLLM_OMNI_TEST_MEASURED_STEP times `estimate` bytes; None when it is not set."""
+def simulated_step_factor() -> float | None:
+    """How many times the plan's estimate a measured step is (VLLM_OMNI_TEST_MEASURED_STEP); None when it is not set."""
     text = os.environ.get(TEST_MEASURED_STEP_ENV)
-    return None if not text else int(float(text) * estimate)
+    return None if not text else float(text)

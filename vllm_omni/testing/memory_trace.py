@@ -1,8 +1,8 @@
 """Test only: what a rank holds between requests, for the leak test (`MemoryTrace`).
 
-VLLM_OMNI_TEST_MEMORY_TRACE=<prompt> makes the worker (worker._serve) measure as each request with
+VLLM_OMNI_TEST_MEMORY_TRACE=<prompt> makes the rank (through testing/hooks.py) measure as each request with
 that prompt arrives, that is after the previous request, with nothing of a request alive but the new
-one; protocol.Stats carries the figures (tests/entrypoints/test_omni_memory.py).
+one; protocol.Stats carries the figures in its `extras` (tests/entrypoints/test_omni_memory.py).
 """
 
 from __future__ import annotations

@@ -15,14 +15,17 @@ from vllm_omni.diffusion.model_source import read_pipeline_spec, resolve_model_p
 from vllm_omni.diffusion.models.family import FamilyPipeline, SequenceParallelTransformer, is_denoiser
 from vllm_omni.diffusion.models.registry import TINY_MODELS
 from vllm_omni.diffusion.models.wan22.pipeline import Wan22Family
-from vllm_omni.diffusion.worker.cuda_graphs import TEST_GRAPHS_ENV, CUDAGraphForward
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphForward
 from vllm_omni.diffusion.worker.forward_chain import CountForwards
 from vllm_omni.diffusion.worker.runner import PipelineRunner
+from vllm_omni.testing.graphs import TEST_GRAPHS_ENV
+from vllm_omni.testing.hooks import rank_hooks
 
 
 def _runner(name: str) -> PipelineRunner:
     path = resolve_model_path(name)
-    return PipelineRunner(path, read_pipeline_spec(path), torch.device("cpu"), torch.float32, rank=1)
+    spec = read_pipeline_spec(path)
+    return PipelineRunner(path, spec, torch.device("cpu"), torch.float32, rank=1, hooks=rank_hooks(1))  # as a worker
 
 
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))

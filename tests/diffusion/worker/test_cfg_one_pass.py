@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 
 import numpy as np
 import pytest
@@ -28,7 +27,8 @@ from vllm_omni.diffusion.models.family import FamilyPipeline
 from vllm_omni.diffusion.models.registry import TINY_MODELS
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.worker.cfg_batch import CFGBatch
-from vllm_omni.diffusion.worker.cuda_graphs import TEST_GRAPHS_ENV
+from vllm_omni.testing.graphs import SimulatedGraphs
+from vllm_omni.testing.hooks import TestHooks
 
 # ---- the hook on a made-up denoiser ---------------------------------------------------------------------------
 
@@ -240,14 +240,11 @@ SP_REQUEST = dict(
 
 
 def _sp_run(one_pass: bool) -> dict:
-    os.environ[TEST_GRAPHS_ENV] = "simulate"
-    try:
-        from vllm_omni.diffusion.worker.runner import PipelineRunner
+    from vllm_omni.diffusion.worker.runner import PipelineRunner
 
-        path = resolve_model_path("tiny/qwen-image")
-        runner = PipelineRunner(path, read_pipeline_spec(path), torch.device("cpu"), torch.float32, rank=0)
-    finally:
-        del os.environ[TEST_GRAPHS_ENV]
+    path = resolve_model_path("tiny/qwen-image")
+    hooks = TestHooks(0, faults=[], graphs=SimulatedGraphs())  # graphs on, as on GPUs
+    runner = PipelineRunner(path, read_pipeline_spec(path), torch.device("cpu"), torch.float32, rank=0, hooks=hooks)
     request = DiffusionRequest(request_id="r", output_type="np", cfg_one_pass=one_pass, **SP_REQUEST)
     image = runner.run(request, lambda step: None)
     return {"image": image, "one_pass_steps": runner.cfg_one_pass_steps, "captures": runner.graph_captures}

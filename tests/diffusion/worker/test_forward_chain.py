@@ -44,7 +44,7 @@ def test_the_chain_with_every_lever_lists_its_wrappers_in_order_and_computes_the
     cfg = CFGParallel(group=None)  # no exchange without CFG in the request: no group needed
     cache = CacheRecord(StepCacheConfig(threshold=0.5))
     counts: Counter = Counter()
-    graphs = dict(simulated=SimulatedGraphs())
+    graphs = dict(backend=SimulatedGraphs())
     install_denoiser_chain(model, graphs, cfg, counts, "transformer", cache)
     assert chain_of(model) == [
         "vllm_omni.count_forwards",

@@ -38,7 +38,7 @@ def run_graphed_forward_twice(failing_rank: int | None) -> tuple[bool, int, list
         calls.append("run")
         return hidden_states + 1
 
-    graphed = CUDAGraphForward(forward, on_failure=failures.append, simulated=SimulatedGraphs(failing_rank))
+    graphed = CUDAGraphForward(forward, on_failure=failures.append, backend=SimulatedGraphs(failing_rank))
     outputs = [graphed(hidden_states=torch.full((2,), float(i))) for i in range(2)]
     correct = [torch.equal(out, torch.full((2,), i + 1.0)) for i, out in enumerate(outputs)]
     return graphed.disabled, len(failures), calls, correct

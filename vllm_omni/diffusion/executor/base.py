@@ -5,7 +5,7 @@ multiproc.MultiprocExecutor starts one worker process per rank on this machine, 
 one Ray actor per rank; both run worker.run_rank, whose reports are the types of protocol.py.
 
 One request runs at a time (the engine queues them), except that a request may be sent to run inside the
-running one (`execute(interleave=True)`, worker._serve_request): the thread that runs the outer one reads
+running one (`execute(interleave=True)`, worker.RankServer): the thread that runs the outer one reads
 every report and hands each request its own (flights.py). Every wait on the workers has a deadline
 (OmniDiffusionConfig): every rank must load within `load_timeout_s`, and a request fails when no
 rank has reported progress for `stall_timeout_s`. A missed deadline, a dead worker, or ranks still
@@ -446,7 +446,7 @@ class WorkerGroupExecutor:
         (begin_shutdown() or shutdown()).
 
         `interleave`: while the group runs other requests, send this one at once; the ranks run it inside
-        the running one, from that one's next step (worker._serve_request), and this thread waits for it. A
+        the running one, from that one's next step (worker.RankServer), and this thread waits for it. A
         restart fails every request in flight. Without it (or on an idle group) the request waits its turn.
         """
         flight = self._flights.send_inside(request, on_progress) if interleave and not self._stopping.is_set() else None

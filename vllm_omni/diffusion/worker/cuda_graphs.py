@@ -17,8 +17,8 @@ the capture each open a fresh SP context (the padding mask is built within the c
 cached from the warm-up), and a model computes tables that live in an evicting cache (rotary
 tables) before the graphed function and passes them in.
 
-Test-only: `VLLM_OMNI_TEST_CUDA_GRAPHS=simulate` switches in the simulated graphs of
-vllm_omni/testing/graphs.py (`simulated_graphs_from_env`) on CPU ranks.
+What captures a graph is the wrapper's `backend` (`GraphBackend`): CUDA's (`CUDAGraphs`), or one a rank's hooks
+supply (worker/hooks.py; the tests' simulated graphs on CPU ranks).
 """
 
 from __future__ import annotations
@@ -27,32 +27,17 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from vllm_omni import envs
 from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.attention.backends import attention_precision
 from vllm_omni.diffusion.distributed.parallel_state import every_sp_rank, get_parallel_state
 from vllm_omni.diffusion.distributed.sequence_parallel import fresh_sp_context
 from vllm_omni.logger import init_logger
 
-if TYPE_CHECKING:
-    from vllm_omni.testing.graphs import SimulatedGraphs
-
 logger = init_logger(__name__)
-
-TEST_GRAPHS_ENV = envs.TEST_CUDA_GRAPHS  # switches on vllm_omni/testing/graphs.py
-
-
-def simulated_graphs_from_env() -> SimulatedGraphs | None:
-    """The test double for graphs on CPU ranks where VLLM_OMNI_TEST_CUDA_GRAPHS asks for it, else None."""
-    if not os.environ.get(TEST_GRAPHS_ENV):
-        return None
-    from vllm_omni.testing.graphs import SimulatedGraphs
-
-    return SimulatedGraphs.from_env()
 
 
 def compile_repeated_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
@@ -82,8 +67,53 @@ def compile_repeated_blocks(model: torch.nn.Module, backend: str = "inductor") -
     return compiled
 
 
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class GraphBackend(Protocol):
+    """What captures a call of the wrapped function into a graph that can be replayed."""
+
+    replays_cpu_tensors: bool  # whether a call with CPU tensors is captured (else it runs eagerly)
+
+    def capture(
+        self, forward: Callable[..., torch.Tensor], call: dict[str, Any], captures: int, shapes: Any
+    ) -> tuple[Replayable, torch.Tensor]:
+        """`forward(**call)` captured (the wrapper's `captures`-th, of tensors `shapes`): the graph and its output,
+        which each replay overwrites. May raise: the SP group then runs eagerly."""
+        ...
+
+
+class CUDAGraphs:
+    """CUDA graph capture; the graphs of one backend share a memory pool (they replay one at a time)."""
+
+    replays_cpu_tensors = False
+
+    def __init__(self) -> None:
+        self.pool: Any = None  # made at the first capture
+
+    def capture(
+        self, forward: Callable[..., torch.Tensor], call: dict[str, Any], captures: int, shapes: Any
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm up on a side stream (lazy inits, caches, NCCL communicators), then capture. Each run
+        # opens its own SP context, so what the capture reads of it (the padding mask) is built in
+        # the graph's pool rather than kept from the warm-up's allocations.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), fresh_sp_context():
+            forward(**call)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool), fresh_sp_context():
+            output = forward(**call)
+        logger.debug("Captured a CUDA graph for the transformer: %s", shapes)
+        return graph, output
+
+
 class _Graph:
-    def __init__(self, graph: Any, inputs: dict[str, torch.Tensor], output: torch.Tensor):
+    def __init__(self, graph: Replayable, inputs: dict[str, torch.Tensor], output: torch.Tensor):
         self.graph, self.inputs, self.output = graph, inputs, output
 
 
@@ -112,8 +142,9 @@ class CUDAGraphForward:
     Every tensor argument, whatever its name, becomes a static input of the graph, copied in
     before each replay; every other argument is part of the graph's key. A call the graph
     cannot replay (a CPU tensor, tensors inside a container, an object) runs eagerly.
-    `on_failure(reason)` is called on the rank whose own capture failed. Graphs replay one at a
-    time and their outputs are cloned, so wrappers of one pipeline can share one memory `pool`.
+    `on_failure(reason)` is called on the rank whose own capture failed. `backend` captures (None: CUDA
+    graphs of its own); graphs replay one at a time and their outputs are cloned, so wrappers of one pipeline
+    can share one backend and its memory pool.
     """
 
     def __init__(
@@ -121,15 +152,13 @@ class CUDAGraphForward:
         forward: Callable[..., torch.Tensor],
         max_graphs: int = 8,
         on_failure: Callable[[str], None] | None = None,
-        simulated: SimulatedGraphs | None = None,
-        pool: Any = None,
+        backend: GraphBackend | None = None,
     ) -> None:
         self.eager = forward  # the wrapped function, run eagerly where a call cannot replay
         self.max_graphs = max_graphs
         self.on_failure = on_failure
-        self.simulated = simulated
+        self.backend = backend if backend is not None else CUDAGraphs()
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.pool = pool  # a graph memory pool shared with other wrappers (a pipeline's experts); None: its own
         self.disabled = False
         self.captures = 0
 
@@ -137,7 +166,7 @@ class CUDAGraphForward:
         if self.disabled:
             return self.eager(**kwargs)
         try:
-            key = self._key(kwargs, allow_cpu=self.simulated is not None)
+            key = self._key(kwargs, allow_cpu=self.backend.replays_cpu_tensors)
         except _NotReplayable:
             return self.eager(**kwargs)
         entry = self.graphs.get(key)
@@ -173,7 +202,7 @@ class CUDAGraphForward:
     def key(self, kwargs: dict[str, Any]) -> tuple | None:
         """The graph a call with `kwargs` replays (its key in `graphs`); None for a call that runs eagerly."""
         try:
-            return self._key(kwargs, allow_cpu=self.simulated is not None)
+            return self._key(kwargs, allow_cpu=self.backend.replays_cpu_tensors)
         except _NotReplayable:
             return None
 
@@ -201,21 +230,6 @@ class CUDAGraphForward:
         inputs = {name: value.clone() for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
         call = dict(kwargs, **inputs)
         self.captures += 1
-        if self.simulated is not None:
-            graph, output = self.simulated.capture(self.eager, call, self.captures, self._key(call, True)[0])
-            return _Graph(graph, inputs, output)
-        # Warm up on a side stream (lazy inits, caches, NCCL communicators), then capture. Each run
-        # opens its own SP context, so what the capture reads of it (the padding mask) is built in
-        # the graph's pool rather than kept from the warm-up's allocations.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), fresh_sp_context():
-            self.eager(**call)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: share memory
-        with torch.cuda.graph(graph, pool=self.pool), fresh_sp_context():
-            output = self.eager(**call)
-        logger.debug("Captured a CUDA graph for the transformer: %s", self._key(kwargs)[0])
+        shapes = self._key(call, allow_cpu=True)[0]
+        graph, output = self.backend.capture(self.eager, call, self.captures, shapes)
         return _Graph(graph, inputs, output)

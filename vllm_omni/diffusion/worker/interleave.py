@@ -1,7 +1,7 @@
 """What one request leaves on the runner's shared objects, put aside while another request runs inside it.
 
 Interleaving nests requests: the worker runs a request that arrived while another was running to its end
-inside the running one's step callback (worker._serve_request), then the outer one goes on from its next
+inside the running one's step callback (worker.RankServer), then the outer one goes on from its next
 step. A diffusers pipeline keeps its loop's state in the locals of its own `__call__` frame (latents,
 prompt embeddings, generators, the step counter, FLUX.2 klein's reference keys, GLM-Image's condition
 cache), and that frame just waits on the stack. What a pipeline call leaves on shared objects is saved

@@ -9,8 +9,6 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_omni.testing.memory import simulated_device_memory
-
 # What an allocation of a measured peak is planned with beyond it: the allocator's rounding and fragmentation.
 # Measured on an H200: HunyuanVideo 1.5's untiled decode at 848x480x121 (an 83 GiB peak) after a compiled and
 # graphed denoising ran out under a 125.8 GiB cap with 92 GiB to spare, 29 GiB of it reserved in fragments.
@@ -59,12 +57,11 @@ def memory_figures(device: torch.device) -> tuple[int | None, int | None, int | 
     return peak, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
 
-def allocation_check(device: torch.device) -> Callable[[int], bool] | None:
+def allocation_check(device: torch.device, simulated: tuple[int, int] | None = None) -> Callable[[int], bool] | None:
     """`fits(nbytes)`: whether the rank can allocate `nbytes` more now, within its cap (--gpu-memory-utilization,
     the per-process fraction the worker sets) and what the device has free, blocks the allocator caches unused
     counted after releasing them (a CUDA graph's private pool stays held). None on a CPU (nothing to judge),
-    unless the test double VLLM_OMNI_TEST_GPU_MEMORY stands in for a device: then its free bytes are the room."""
-    simulated = simulated_device_memory()
+    unless a simulated device's (total, free) bytes stand in (the rank's hooks): then its free bytes are the room."""
     if simulated is not None:
         return lambda nbytes: nbytes * ALLOCATION_MARGIN <= simulated[1]
     if device.type != "cuda":

@@ -428,13 +428,7 @@ def cheapest_placement(plan_at: Callable[..., MemoryPlan], lora: bool) -> str:
 
 
 def device_memory(device: Any) -> tuple[int, int] | None:
-    """(total, free) bytes of the rank's device; None on a CPU (no device memory to plan against),
-    unless the test double VLLM_OMNI_TEST_GPU_MEMORY stands in for one (vllm_omni/testing/memory.py)."""
-    from vllm_omni.testing.memory import simulated_device_memory
-
-    simulated = simulated_device_memory()
-    if simulated is not None:
-        return simulated
+    """(total, free) bytes of the rank's device; None on a CPU (no device memory to plan against)."""
     if device.type != "cuda":
         return None
     import torch
@@ -454,7 +448,7 @@ def plan_rank(
     the worker has every rank agree on it).
     `components`: those this rank loads (runner.loaded_components). `config` is the worker's
     OmniDiffusionConfig; `spec` the pipeline's PipelineSpec. `memory`: (total, free) bytes of a device to plan
-    against instead of `device`'s (`vllm-omni plan`)."""
+    against instead of `device`'s (`vllm-omni plan`; a simulated device, the rank's hooks)."""
     memory = memory or device_memory(device)
     if memory is None:
         return None

@@ -38,7 +38,7 @@ from vllm_omni.diffusion.protocol import RunPhase
 from vllm_omni.diffusion.request import DiffusionRequest, LoraRequest, RequestError
 from vllm_omni.diffusion.worker.cfg_batch import CFGBatch
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, swap_prompts
-from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks, simulated_graphs_from_env
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphs, compile_repeated_blocks
 from vllm_omni.diffusion.worker.forward_chain import (
     install_decode_split,
     install_denoiser_chain,
@@ -47,6 +47,7 @@ from vllm_omni.diffusion.worker.forward_chain import (
     reset_step_cache,
     sharded_graphs,
 )
+from vllm_omni.diffusion.worker.hooks import HookPoint, RankHooks
 from vllm_omni.diffusion.worker.interleave import put_aside
 from vllm_omni.diffusion.worker.lora import LoraAdapters
 from vllm_omni.diffusion.worker.memory_guard import GroupOutOfMemory, allocation_check, is_out_of_memory
@@ -97,8 +98,10 @@ class PipelineRunner:
         resident_blocks: Mapping[str, int] | None = None,
         loras: tuple[int, int] | None = None,
         cfg_one_pass: bool = True,
+        hooks: RankHooks | None = None,
     ) -> None:
         self.spec = spec
+        self.hooks = hooks  # the rank's test seams (worker/hooks.py); None in production
         self.device = device
         self.phase_seconds: dict[str, float] = {}  # the last request's: encode (text once), denoise, decode, onload
         self.step_peak_bytes: int | None = None  # a profile request's measured step (CUDA): its peak activations
@@ -148,13 +151,14 @@ class PipelineRunner:
 
         self.graph_capture_failures: list[str] = []  # this rank's, since the worker last reported them
         graphs = None
-        simulated = simulated_graphs_from_env()  # test-only: the graph decisions on CPU ranks
+        backend = hooks.graph_backend() if hooks is not None else None  # a test's, on any device
         # Offloaded weights move between phases (new addresses each time): a captured graph would read stale ones.
         # Under encoders the denoisers stay.
         graphed = cpu_offload in ("none", "encoders")
-        if (device.type == "cuda" or simulated is not None) and not enforce_eager and graphed:
-            pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # one for all experts
-            graphs = dict(on_failure=self.graph_capture_failures.append, simulated=simulated, pool=pool)
+        if (device.type == "cuda" or backend is not None) and not enforce_eager and graphed:
+            # One backend for every denoiser: the experts' graphs share its memory pool.
+            backend = backend if backend is not None else CUDAGraphs()
+            graphs = dict(on_failure=self.graph_capture_failures.append, backend=backend)
         self.cfg: CFGParallel | None = None
         self.cfg_rank = 0
         if state is not None and state.config.cfg_parallel_size > 1:
@@ -183,7 +187,7 @@ class PipelineRunner:
             state.control_group if state is not None else None,
             vae_parallel,
             on_tile=lambda tile: self._on_decode_tile is not None and self._on_decode_tile(tile),
-            fits=allocation_check(device),
+            fits=allocation_check(device, hooks.device_memory() if hooks is not None else None),
         )
         # LoRA adapters merged into the denoisers per request (lora.py); `loras`: (max_loras, max_cpu_loras).
         self.adapters = LoraAdapters(self.pipe, self.denoisers, device, *loras) if loras is not None else None
@@ -220,17 +224,16 @@ class PipelineRunner:
         on_step_end: StepCallback,
         on_decode_tile: Callable[[int], None] | None = None,
         on_encode_progress: Callable[[int, int], None] | None = None,
-        on_text_encode: Callable[[], None] | None = None,
-        on_adapter: Callable[[], None] | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> np.ndarray:
         """Run one request; `on_step_end(step)` is called after every denoising step and may raise to stop.
 
         `on_decode_tile(tile)`, likewise, at every tile of a split VAE decode, on every rank;
         `on_encode_progress(done, total)` as a family's long encode stage advances (GLM-Image's AR
-        tokens), on the rank that runs it (the SP group's rank 0), and may raise to stop it;
-        `on_text_encode()` as that rank starts encoding the prompts once for its group, and `on_adapter()` as a
-        rank merges the request's LoRA adapter (the worker's test faults; what they raise reaches the group as
-        an encoding failure, or a failed adapter).
+        tokens), on the rank that runs it (the SP group's rank 0), and may raise to stop it. The hooks' points
+        "text" (that rank starts encoding the prompts once for its group) and "lora" (a rank merges the request's
+        adapter) are passed here, `cancelled()` telling them whether the request was; what they raise reaches the
+        group as an encoding failure, or a failed adapter.
 
         Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np".
         """
@@ -240,7 +243,7 @@ class PipelineRunner:
             request = dataclasses.replace(
                 request, images=[decode_image(image, name) for image, name in zip(request.images, names)]
             )
-        self._activate_adapter(request.lora, on_adapter)
+        self._activate_adapter(request.lora, lambda: self._at("lora", request, cancelled))
         self.forwards.clear()
         self.cfg_one_pass_steps = 0  # the request's steps whose CFG branches ran as one forward (all its calls)
         self.step_peak_bytes = None
@@ -255,7 +258,7 @@ class PipelineRunner:
                 part = request if count == request.num_images else dataclasses.replace(request, num_images=count)
                 step_offset = index * request.num_inference_steps
                 chunk_seeds = seeds if request.batch else seeds[first : first + count]  # a batch is one call
-                calls = (on_step_end, on_decode_tile, on_encode_progress, on_text_encode)
+                calls = (on_step_end, on_decode_tile, on_encode_progress, lambda: self._at("text", request, cancelled))
                 arrays.append(self._call(part, chunk_seeds, step_offset, *calls, embeds))
                 first += count
         finally:
@@ -357,6 +360,10 @@ class PipelineRunner:
             return None
         frames = result.frames if self.spec.modality == "video" else result.images
         return np.asarray(frames, dtype=np.float32)
+
+    def _at(self, point: HookPoint, request: DiffusionRequest, cancelled: Callable[[], bool]) -> None:
+        if self.hooks is not None:
+            self.hooks.at(point, 0, request, cancelled)
 
     def _add_phase(self, name: str, seconds: float) -> None:
         self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + seconds

@@ -6,13 +6,15 @@ pipeline on the same request and seed; rank 0 sends the images back. What a rank
 progress, a failed graph capture, stats, done / cancelled / failed) is in diffusion/protocol.py:
 the executor's deadlines read the progress, and it tells a request that failed everywhere (bad
 input) from one that left ranks stuck in a collective (it restarts the group). A worker process
-never outlives the executor's process (`bind_lifetime_to_parent`).
+never outlives the executor's process (`bind_lifetime_to_parent`). A loaded rank serves through a
+`RankServer`; the tests reach into it only through its `RankHooks` (worker/hooks.py), None in production.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import multiprocessing
 import os
 import signal
@@ -22,10 +24,10 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_omni import envs
-from vllm_omni.diffusion.config import PLACEMENTS, OmniDiffusionConfig
+from vllm_omni.diffusion.config import PLACEMENTS, Envelope, OmniDiffusionConfig
 from vllm_omni.diffusion.protocol import (
     Cancelled,
     Done,
@@ -37,11 +39,14 @@ from vllm_omni.diffusion.protocol import (
     Stats,
 )
 from vllm_omni.diffusion.request import DiffusionRequest, RequestCancelled, RequestError
+from vllm_omni.diffusion.worker.hooks import HookPoint, RankHooks, rank_hooks
 from vllm_omni.diffusion.worker.memory_guard import GroupOutOfMemory, is_out_of_memory, memory_figures, release_memory
 from vllm_omni.diffusion.worker.step_cache import step_cache_line
 from vllm_omni.logger import init_logger
-from vllm_omni.testing.faults import InjectedFault
-from vllm_omni.testing.memory_trace import MemoryTrace
+
+if TYPE_CHECKING:  # loaded in the rank (_load): the executor's process imports this module without torch
+    from vllm_omni.diffusion.worker.memory_plan import RankPlan
+    from vllm_omni.diffusion.worker.runner import PipelineRunner
 
 logger = init_logger(__name__)
 
@@ -113,18 +118,26 @@ def run_rank(
     report)` sends a protocol.RankReport to the executor, `cancel_token[:]` holds the cancel tokens the
     executor flagged (the cancelled requests in flight, protocol.CANCEL_SLOTS of them). `cuda_index`
     is the GPU to use on CUDA (a Ray actor sees only the one Ray gave it, as device 0). A load failure
-    is reported (`LoadFailed`), not raised.
+    is reported (`LoadFailed`), not raised. The rank's test seams are built here, once (worker/hooks.py).
     """
     try:
-        runner, plan = _load(rank, config, model_path, init_method, cuda_index)
+        hooks = rank_hooks(rank)
+        runner, plan = _load(rank, config, model_path, init_method, cuda_index, hooks)
     except BaseException as exc:  # noqa: BLE001 - reported to the executor, which raises it
         reports.put(LoadFailed(rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
     reports.put(Ready(rank, plan.envelope if plan is not None else None))
-    _serve(rank, runner, plan, requests, reports, cancel_token)
+    RankServer(rank, runner, plan, requests, reports, cancel_token, hooks).serve()
 
 
-def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: str, cuda_index: int):
+def _load(
+    rank: int,
+    config: OmniDiffusionConfig,
+    model_path: str,
+    init_method: str,
+    cuda_index: int,
+    hooks: RankHooks | None,
+) -> tuple[PipelineRunner, RankPlan | None]:
     import torch
 
     from vllm_omni.diffusion.attention.backends import configure_attention_backend
@@ -155,7 +168,8 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     components = set(present_components(Path(model_path))) - set(
         skipped_text_encoders(Path(model_path), spec.family_pipeline())
     )
-    rank_plan = plan_rank(config, spec, Path(model_path), device, sorted(components))
+    simulated = hooks.device_memory() if hooks is not None else None  # a test's device, on any rank
+    rank_plan = plan_rank(config, spec, Path(model_path), device, sorted(components), memory=simulated)
     if rank_plan is not None:
         offload = rank_plan.plan.offload
     else:  # no device memory to plan against (a CPU): auto keeps every weight where it is
@@ -166,7 +180,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
         offload = PLACEMENTS[most_of_ranks(PLACEMENTS.index(offload))]
         if offload != rank_plan.plan.offload:
             agreed = dataclasses.replace(config, cpu_offload=offload)
-            rank_plan = plan_rank(agreed, spec, Path(model_path), device, sorted(components))
+            rank_plan = plan_rank(agreed, spec, Path(model_path), device, sorted(components), memory=simulated)
         if offload != "none":
             logger.info(
                 "Worker rank %d: %s offload chosen (cpu_offload auto): the default request does not fit with %s on "
@@ -196,6 +210,7 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
         loras=(config.max_loras, config.max_cpu_loras or config.max_loras)
         if config.lora_modules or config.allow_runtime_lora
         else None,
+        hooks=hooks,
     )
     for name, heads in runner.attention_heads.items():  # the engine checked the configs; these are the models
         if heads % parallel.ulysses_degree:
@@ -214,124 +229,153 @@ def _load(rank: int, config: OmniDiffusionConfig, model_path: str, init_method: 
     return runner, rank_plan
 
 
-def _serve(rank: int, runner: Any, plan: Any, requests: Any, reports: Any, cancel_token: Any) -> None:
-    from vllm_omni.diffusion.distributed.parallel_state import destroy_parallel_state
-
-    faults = InjectedFault.from_env()
-    trace = MemoryTrace.from_env()  # test only: what the rank holds between requests
-    while True:
-        request: DiffusionRequest | None = requests.get()
-        if request is None:
-            break
-        traced = trace.measure(request) if trace is not None else None
-        # In a function of its own: whatever the request held (its images, a failure's frames) is
-        # dropped when it returns, before the next request arrives.
-        _serve_request(rank, runner, request, reports, cancel_token, faults, traced, requests, plan)
-        del request
-    destroy_parallel_state()
-
-
-def _serve_request(
-    rank: int,
-    runner: Any,
-    request: DiffusionRequest,
-    reports: Any,
-    cancel_token: Any,
-    faults: list[InjectedFault],
-    traced: dict[str, int] | None,
-    requests: Any,
-    plan: Any = None,
-) -> None:
-    """Run one request on this rank and send its reports: progress, then stats and done, or how it ended.
+class RankServer:
+    """A rank's serving loop: it runs each request the executor sends on this rank and sends its reports (progress,
+    then stats and done, or how it ended).
 
     Interleaving: the executor sends a request to a busy group only to run it inside the running one (the
     scheduling policy chose it, engine/policy.py). At each step's end every rank agrees whether one arrived (on
     any rank: each rank's queue gets the same requests in the same order), takes it from its queue and runs it to
     its end here, nested, with the running one put aside (runner.suspended); then the running one goes on."""
-    from vllm_omni.diffusion.distributed.parallel_state import any_rank, any_rank_each
 
-    total = request.num_inference_steps * len(request.forward_chunks)  # more images than fit: calls in a row
-    reports.put(Progress(rank, request.request_id, 0, total))
+    def __init__(
+        self,
+        rank: int,
+        runner: PipelineRunner,
+        plan: RankPlan | None,
+        requests: Any,
+        reports: Any,
+        cancel_token: Any,
+        hooks: RankHooks | None = None,
+    ) -> None:
+        self.rank, self.runner, self.plan, self.hooks = rank, runner, plan, hooks
+        self.requests, self.reports, self.cancel_token = requests, reports, cancel_token
 
-    def cancelled() -> bool:
-        return request.cancel_token in cancel_token[:]
+    def serve(self) -> None:
+        """Serve until a None request, then leave the process groups."""
+        from vllm_omni.diffusion.distributed.parallel_state import destroy_parallel_state
 
-    def on_step_end(step: int) -> None:
-        for fault in faults:
-            fault.trigger(rank, step, request, "step", cancelled)
+        while True:
+            request: DiffusionRequest | None = self.requests.get()
+            if request is None:
+                break
+            extras = self.hooks.request_extras(request) if self.hooks is not None else {}
+            # In a method of its own: whatever the request held (its images, a failure's frames) is
+            # dropped when it returns, before the next request arrives.
+            self.serve_request(request, extras)
+            del request
+        destroy_parallel_state()
+
+    def serve_request(self, request: DiffusionRequest, extras: dict[str, Any] | None = None) -> None:
+        """Run one request on this rank and send its reports; `extras`: the hooks' figures for its Stats."""
+        rank, runner, reports = self.rank, self.runner, self.reports
+        total = request.num_inference_steps * len(request.forward_chunks)  # more images than fit: calls in a row
+        reports.put(Progress(rank, request.request_id, 0, total))
+        encoded: list[tuple[int, int]] = []  # the encode stage's last (done, total), for the log
+        start = time.perf_counter()
+        failure: Failed | None = None
+        try:
+            try:
+                images = runner.run(
+                    request,
+                    functools.partial(self._step_end, request, total),
+                    functools.partial(self._decode_tile, request, total),
+                    functools.partial(self._encode_progress, request, encoded),
+                    functools.partial(self._cancelled, request),
+                )
+            finally:
+                # Before the request's last report: the executor stops reading once every rank answered.
+                while runner.graph_capture_failures:
+                    reason = runner.graph_capture_failures.pop(0)
+                    reports.put(GraphCaptureFailed(rank, request.request_id, reason))
+        except RequestCancelled as exc:
+            logger.info("%s", exc)
+            reports.put(Cancelled(rank, request.request_id, str(exc)))
+            return
+        except RequestError as exc:  # bad input only the worker could see (a source image's data): a 400
+            logger.info("Request %s refused on rank %d: %s", request.request_id, rank, exc)
+            reports.put(Failed(rank, request.request_id, exc))  # pickles with its param
+            return
+        except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
+            failure = _failure(rank, request, runner, exc)
+        if failure is not None:
+            # Out of the except clause, so its exception (and the tensors its frames hold) can go.
+            runner.end_failed_request()
+            release_memory(runner.device)
+            reports.put(failure)
+            return
+        records = runner.cache.summary() if runner.cache is not None else None
+        cache = None if records is None else runner.cache.report()
+        if rank == 0:
+            self._log_done(request, encoded, time.perf_counter() - start, cache)
+        peak, allocated, reserved = memory_figures(runner.device)
+        envelope = self._measured_envelope(request) if request.profile else None
+        stats = Stats(
+            rank,
+            request.request_id,
+            phase_seconds=dict(runner.phase_seconds),  # a copy: a Ray rank's report waits for its poll
+            graph_captures=runner.graph_captures,
+            compiles=runner.compiles(),
+            step_cache=records,
+            cfg_one_pass_steps=runner.cfg_one_pass_steps,
+            peak_memory_bytes=peak,
+            allocated_memory_bytes=allocated,
+            reserved_memory_bytes=reserved,
+            envelope=envelope,
+            extras=extras or {},
+        )
+        reports.put(stats)
+        reports.put(Done(rank, request.request_id, images if rank == 0 else None))
+
+    def _cancelled(self, request: DiffusionRequest) -> bool:
+        return request.cancel_token in self.cancel_token[:]
+
+    def _at(self, point: HookPoint, index: int, request: DiffusionRequest) -> None:
+        if self.hooks is not None:
+            self.hooks.at(point, index, request, functools.partial(self._cancelled, request))
+
+    def _step_end(self, request: DiffusionRequest, total: int, step: int) -> None:
+        """After every denoising step (the runner's `on_step_end`): cancel, report progress, run an arrived request."""
+        from vllm_omni.diffusion.distributed.parallel_state import any_rank_each
+
+        self._at("step", step, request)
         # All ranks must stop at the same step, or the others would wait in a collective forever; likewise they
         # take an arrived request at the same step. None arrives after the last step (the executor waits then).
-        stop, arrived = any_rank_each(cancelled(), step + 1 < total and not requests.empty())
+        stop, arrived = any_rank_each(self._cancelled(request), step + 1 < total and not self.requests.empty())
         if stop:
             raise RequestCancelled(f"request {request.request_id} cancelled at step {step + 1}")
-        reports.put(Progress(rank, request.request_id, min(step + 1, total), total))
+        self.reports.put(Progress(self.rank, request.request_id, min(step + 1, total), total))
         if arrived:
-            inner: DiffusionRequest = requests.get()
+            inner: DiffusionRequest = self.requests.get()
             logger.info(
                 "Request %s: suspended after step %d/%d for %s", request.request_id, step + 1, total, inner.request_id
             )
-            with runner.suspended(request):
-                _serve_request(rank, runner, inner, reports, cancel_token, faults, None, requests)
+            with self.runner.suspended(request):
+                self.serve_request(inner)
             logger.info("Request %s: resumed at step %d/%d", request.request_id, step + 2, total)
 
-    def on_decode_tile(tile: int) -> None:
-        for fault in faults:
-            fault.trigger(rank, tile, request, "decode", cancelled)
+    def _decode_tile(self, request: DiffusionRequest, total: int, tile: int) -> None:
+        from vllm_omni.diffusion.distributed.parallel_state import any_rank
+
+        self._at("decode", tile, request)
         # Every rank reaches every tile start of a split decode: a cancel stops them all at one tile.
-        if any_rank(cancelled()):
+        if any_rank(self._cancelled(request)):
             raise RequestCancelled(f"request {request.request_id} cancelled while decoding (tile {tile + 1})")
-        reports.put(Progress(rank, request.request_id, total, total))  # alive: the stall deadline
+        self.reports.put(Progress(self.rank, request.request_id, total, total))  # alive: the stall deadline
 
-    encoded: list[tuple[int, int]] = []
-
-    def on_encode_progress(done: int, total: int) -> None:
-        for fault in faults:
-            fault.trigger(rank, done, request, "encode", cancelled)
+    def _encode_progress(
+        self, request: DiffusionRequest, encoded: list[tuple[int, int]], done: int, total: int
+    ) -> None:
+        self._at("encode", done, request)
         # Only this rank runs the stage (its SP peers wait in the broadcast of its output, where the
         # runner tells them it stopped): its own cancel check decides.
-        if cancelled():
+        if self._cancelled(request):
             raise RequestCancelled(f"request {request.request_id} cancelled while encoding ({done}/{total})")
         encoded[:] = [(done, total)]
-        reports.put(Progress(rank, request.request_id, done, total, "encode"))
+        self.reports.put(Progress(self.rank, request.request_id, done, total, "encode"))
 
-    def on_text_encode() -> None:
-        for fault in faults:
-            fault.trigger(rank, 0, request, "text", cancelled)
-
-    def on_adapter() -> None:
-        for fault in faults:
-            fault.trigger(rank, 0, request, "lora", cancelled)
-
-    start = time.perf_counter()
-    failure: Failed | None = None
-    try:
-        try:
-            images = runner.run(request, on_step_end, on_decode_tile, on_encode_progress, on_text_encode, on_adapter)
-        finally:
-            # Before the request's last report: the executor stops reading once every rank answered.
-            while runner.graph_capture_failures:
-                reason = runner.graph_capture_failures.pop(0)
-                reports.put(GraphCaptureFailed(rank, request.request_id, reason))
-    except RequestCancelled as exc:
-        logger.info("%s", exc)
-        reports.put(Cancelled(rank, request.request_id, str(exc)))
-        return
-    except RequestError as exc:  # bad input only the worker could see (a source image's data): a 400
-        logger.info("Request %s refused on rank %d: %s", request.request_id, rank, exc)
-        reports.put(Failed(rank, request.request_id, exc))  # pickles with its param
-        return
-    except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
-        failure = _failure(rank, request, runner, exc)
-    if failure is not None:
-        # Out of the except clause, so its exception (and the tensors its frames hold) can go.
-        runner.end_failed_request()
-        release_memory(runner.device)
-        reports.put(failure)
-        return
-    records = runner.cache.summary() if runner.cache is not None else None
-    cache = None if records is None else runner.cache.report()
-    one_pass = runner.cfg_one_pass_steps
-    if rank == 0:
+    def _log_done(self, request: DiffusionRequest, encoded: list[tuple[int, int]], seconds: float, cache: Any) -> None:
+        runner, one_pass = self.runner, self.runner.cfg_one_pass_steps
         batched = f" (batched with {', '.join(row.request_id for row in request.batch)})" if request.batch else ""
         logger.info(
             "Request %s%s: %s%d step(s) in %.2f s (forwards: %s)%s%s",
@@ -341,52 +385,33 @@ def _serve_request(
                 f"encode {done}/{total} token(s) in {runner.phase_seconds['encode']:.2f} s, " for done, total in encoded
             ),
             request.num_inference_steps,
-            time.perf_counter() - start,
+            seconds,
             ", ".join(f"{name} {count}" for name, count in sorted(runner.forwards.items())),
             "" if cache is None else f"; {step_cache_line(cache)}",
             f"; CFG in one pass at {one_pass} step(s)" if one_pass else "",
         )
-    peak, allocated, reserved = memory_figures(runner.device)
-    envelope = _measured_envelope(plan, runner, request) if request.profile else None
-    stats = Stats(
-        rank,
-        request.request_id,
-        phase_seconds=dict(runner.phase_seconds),  # a copy: a Ray rank's report waits for its poll
-        graph_captures=runner.graph_captures,
-        compiles=runner.compiles(),
-        step_cache=records,
-        cfg_one_pass_steps=one_pass,
-        peak_memory_bytes=peak,
-        allocated_memory_bytes=allocated,
-        reserved_memory_bytes=reserved,
-        traced_memory=traced,
-        envelope=envelope,
-    )
-    reports.put(stats)
-    reports.put(Done(rank, request.request_id, images if rank == 0 else None))
 
-
-def _measured_envelope(plan: Any, runner: Any, request: DiffusionRequest) -> Any:
-    """The envelope this rank's measured step leaves (the warm-up's profile request): the runner's peak on CUDA,
-    else the test double's (VLLM_OMNI_TEST_MEASURED_STEP, testing/memory.py); None without a plan or a figure."""
-    from vllm_omni.testing.memory import simulated_step_bytes
-
-    if plan is None:
-        return None
-    measured = runner.step_peak_bytes
-    if measured is None:
-        measured = simulated_step_bytes(plan.plan_at(request.tokens, text_tokens=0).step_bytes)
-    if measured is None:
-        return None
-    envelope = plan.measured(measured, request.tokens)
-    logger.info(
-        "Measured one denoising step of %d tokens: %.1f MiB of activations (planned %.1f MiB); envelope: %s",
-        request.tokens,
-        measured / 2**20,
-        plan.plan_at(request.tokens, text_tokens=0).step_bytes / 2**20,
-        envelope,
-    )
-    return envelope
+    def _measured_envelope(self, request: DiffusionRequest) -> Envelope | None:
+        """The envelope this rank's measured step leaves (the warm-up's profile request): the runner's peak on CUDA,
+        else the hooks' (a test's simulated step); None without a plan or a figure."""
+        plan = self.plan
+        if plan is None:
+            return None
+        estimate = plan.plan_at(request.tokens, text_tokens=0).step_bytes
+        measured = self.runner.step_peak_bytes
+        if measured is None and self.hooks is not None:
+            measured = self.hooks.measured_step_bytes(estimate)
+        if measured is None:
+            return None
+        envelope = plan.measured(measured, request.tokens)
+        logger.info(
+            "Measured one denoising step of %d tokens: %.1f MiB of activations (planned %.1f MiB); envelope: %s",
+            request.tokens,
+            measured / 2**20,
+            estimate / 2**20,
+            envelope,
+        )
+        return envelope
 
 
 def _failure(rank: int, request: DiffusionRequest, runner: Any, exc: Exception) -> Failed:
