@@ -40,7 +40,7 @@ def cell(folder: Path, gib: int, options: dict) -> str:
     if not plan.starts:
         return "no"
     spec = read_pipeline_spec(folder)
-    target = bucket_target_size(folder) if spec.size_buckets else None
+    target = bucket_target_size(folder, spec.size_buckets) if spec.size_buckets else None
     limits = args.limits.for_model(spec)
     envelope, default = plan.envelope, default_request_tokens(spec, target)
     if spec.modality == "video":

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 HealthState = Literal["loading", "warming_up", "ok", "restarting", "unhealthy", "failed", "shutting_down"]
 HEALTH_STATES: tuple[HealthState, ...] = get_args(HealthState)
 
-# "encode": a family's long encode stage (GLM-Image's AR tokens, before any step); "denoise": the
+# "encode": a family's long encode stage (an autoregressive prior's tokens, before any step); "denoise": the
 # denoising steps (and the split decode's tiles, reported as the last step: the rank is alive).
 ProgressPhase = Literal["denoise", "encode"]
 # on_progress(done, total, phase), called in the executor's thread as rank 0 reports progress.

@@ -30,7 +30,7 @@ class GenerationParams:
 
     prompt: str
     negative_prompt: str | None = None
-    image: Any = None  # PIL image, path, bytes, or a list of them (edit models, FLUX.2 references)
+    image: Any = None  # PIL image, path, bytes, or a list of them (edit models, reference images)
     height: int | None = None
     width: int | None = None
     num_inference_steps: int | None = None
@@ -58,7 +58,7 @@ class DiffusionRequest:
     request_id: str
     prompt: str
     negative_prompt: str | None = None
-    # Source images (edits, FLUX.2 references, image-to-video) as the engine checked them: the
+    # Source images (edits, references, image-to-video) as the engine checked them: the
     # compressed file bytes (the worker decodes them; queued requests stay small), or PIL images
     # handed to `Omni.generate`.
     images: list[Any] | None = None
@@ -66,7 +66,7 @@ class DiffusionRequest:
     width: int | None = None
     num_inference_steps: int = 50
     guidance_scale: float | None = None
-    guidance_scale_2: float | None = None  # Wan2.2 A14B's low-noise expert; None: guidance_scale
+    guidance_scale_2: float | None = None  # a two-expert model's low-noise expert; None: guidance_scale
     true_cfg_scale: float | None = None  # None: the pipeline takes no true CFG
     num_images: int = 1
     seed: int = 0

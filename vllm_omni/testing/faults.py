@@ -37,7 +37,7 @@ class InjectedFault:
     then wait in a collective. "oom" raises torch.OutOfMemoryError with CUDA's text, as an
     allocation there would; "leak" keeps a tensor and a Python buffer (LEAK_BYTES each) for the
     process's life and goes on. With "phase": "decode", "step" is a tile of the split VAE decode;
-    with "encode", a token of a family's encode stage (GLM-Image's AR), on the rank that runs it;
+    with "encode", a token of a family's encode stage (an autoregressive prior), on the rank that runs it;
     with "text" (step 0), the start of the prompt encoding on the rank that encodes it once for its
     SP group (the runner's text-once path); with "lora" (step 0), as the rank merges the request's adapter.
     A JSON list sets several faults. The deadline and memory

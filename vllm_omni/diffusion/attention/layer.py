@@ -1,21 +1,21 @@
 """The attention layers every model calls, in the two kinds a model declares:
 
 - `JointAttention`: self-attention over an image/video stream and an optional text stream joined
-  to it ("front": [text, image], Qwen-Image, FLUX.2; "rear": [video, text], HunyuanVideo 1.5; no
-  text: Wan2.2's video self-attention; the text stream alone: Z-Image's caption refiner),
+  to it ("front": [text, image]; "rear": [video, text]; no text: a video self-attention whose text
+  comes through cross-attention; the text stream alone: a caption refiner),
   optionally after kv-only streams, which give keys and values only, Ulysses-parallel when a
   sequence-parallel context is active: one seq->head all-to-all for q, k, v of both streams,
   `attend_joint` (join, kernel, layout for the way back), one head->seq all-to-all. What attention
   may see of the SP padding comes from the context's `JointLayout` (distributed/sequence_parallel.py).
-  A kv-only stream is exchanged (`kv_streams`: GLM-Image's cached condition image, each rank's
-  sequence shard sent every step) or kept (`attend_reference`: FLUX.2 klein's reference stream,
+  A kv-only stream is exchanged (`kv_streams`: a cached condition image, each rank's
+  sequence shard sent every step) or kept (`attend_reference`: a reference-image stream,
   computed with queries at the first step, attending only to itself, then held as each rank's
   heads after that all-to-all, `ReferenceKV`, and never exchanged again). With `text_blocks`
-  (Qwen-Image 2.1's block-causal prefix) the text stream attends only to itself, in runs. Batch
+  (a block-causal text prefix) the text stream attends only to itself, in runs. Batch
   rows whose text ends at different lengths (the layout's `row_keys`) run the kernel per row,
   `attend_rows`; everything else of the batch runs once.
 - `CrossAttention`: queries from the rank's own shard of the video stream, keys and values from a
-  stream every rank holds whole (Wan2.2's 512 text tokens). No all-to-all and no padding policy:
+  stream every rank holds whole (a padded prompt of a few hundred tokens). No all-to-all and no padding policy:
   the padded query rows give rows that the gather drops like every padded row.
 
 Models compute q, k, v (after QK-norm and rotary) as [B, S, H, D] and get [B, S, H, D] back;
@@ -45,14 +45,14 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # Runs of the text stream, (start, end, causal) over its true tokens in order: queries [start, end)
-# attend to text keys [0, end), causally within the run where `causal` (Qwen-Image 2.1's prefix:
+# attend to text keys [0, end), causally within the run where `causal` (a block-causal prefix:
 # text causal, each condition image a bidirectional block). The image stream still attends to all.
 TextBlocks = tuple[tuple[int, int, bool], ...]
 
 
 @dataclass
 class ReferenceKV:
-    """Keys and values of FLUX.2 klein's reference stream, held by attention across denoising steps.
+    """Keys and values of a reference-image stream, held by attention across denoising steps.
 
     The reference stream leads the joint sequence; its tokens attend only to each other, and every
     other token attends to them too. Under SP they are this rank's heads over the whole stream
@@ -177,7 +177,7 @@ def attend_joint(
     every mode), the kernel runs for the query rows, and its output is written straight into
     the [P, B, S_local, H/P, D] buffer the reverse all-to-all sends (query streams only).
 
-    `reference` (FLUX.2 klein): filled, it holds the keys and values of the layout's kept stream,
+    `reference` (a kept reference stream): filled, it holds the keys and values of the layout's kept stream,
     copied to its joint rows. Empty, the layout's first stream is the reference stream with queries:
     its rows attend only to themselves, in a second kernel call, and their keys and values are kept
     in it for the later steps.
@@ -305,7 +305,7 @@ class JointAttention(nn.Module):
         reference: ReferenceKV,
         reference_qkv: QKV | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """FLUX.2 klein's KV mode: joint attention over [reference, text, image], the reference tokens
+        """The reference KV mode: joint attention over [reference, text, image], the reference tokens
         attending only to each other. With `reference_qkv` (the first step, `reference` empty) their
         keys and values are kept in `reference`; without (later steps) `reference`'s are used, a kept
         kv-only stream, and the reference tokens are not computed at all. Returns the image, text and
@@ -349,7 +349,7 @@ class JointAttention(nn.Module):
         backend = resolve_attention_backend(needs_mask=False)
         reference_out = None
         if reference is not None and not reference.filled:
-            # klein's first step: the reference rows attend to themselves alone; for every later query
+            # The first step: the reference rows attend to themselves alone; for every later query
             # the reference stream is kv-only, its keys and values kept for the next steps.
             ref_query, ref_key, ref_value = streams[REFERENCE]
             reference.key, reference.value = ref_key.clone(), ref_value.clone()
@@ -361,7 +361,7 @@ class JointAttention(nn.Module):
             queries = [streams[IMAGE][0]]
         query = torch.cat(queries, dim=1)
         # A stream's filler (shard_with_auto_pad's valid_len) is cut from keys and values: exact, dense.
-        # Only a tensor of the stream's recorded length carries it (FLUX.2's fused single-stream
+        # Only a tensor of the stream's recorded length carries it (fused single-stream
         # blocks pass [text, image] as one stream, which has no filler). Rows with their own true
         # lengths see each their own: the kernel runs per row.
         kept, row_lens = [], {}
@@ -423,5 +423,5 @@ class CrossAttention(nn.Module):
         # Every query row attends to the same whole keys, so a rank's rows need nothing from its peers;
         # there is no key padding to hide (the keys are not sharded), hence the dense kernel in every mode.
         # Exact even under a lossy backend: a rank's query shard would give FP8 scales unlike U1's, and the
-        # few keys (Wan2.2's 512 text tokens) make it a small share of the attention time.
+        # few keys (a padded prompt's few hundred tokens) make it a small share of the attention time.
         return resolve_attention_backend(needs_mask=False, allow_low_precision=False)(query, key, value)

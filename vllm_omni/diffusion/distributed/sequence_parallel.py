@@ -27,8 +27,8 @@ A stream may give keys and values only (*kv-only*: no queries, no output), cache
 forward that sharded it; `record_sharded_stream` records its length, and the layout puts it in
 front of the query streams, under the same policy. Its keys and values reach attention one of two
 ways: *exchanged* every forward through the seq->head all-to-all from each rank's sequence shard
-(GLM-Image's condition images, `kv_only=`), or *kept*: held by attention since an earlier forward's
-all-to-all, as each rank's heads over the whole stream, and not exchanged again (FLUX.2 klein's
+(a condition image, `kv_only=`), or *kept*: held by attention since an earlier forward's
+all-to-all, as each rank's heads over the whole stream, and not exchanged again (a reference stream's
 reference tokens, `kept=`). Either way the stream sits at the joint offset it had when exchanged.
 """
 
@@ -53,7 +53,7 @@ logger = init_logger(__name__)
 
 IMAGE = "image"  # the image or video tokens
 TEXT = "text"
-REFERENCE = "reference"  # FLUX.2 klein KV: the reference images' tokens, a kept kv-only stream after the first step
+REFERENCE = "reference"  # the reference images' tokens (reference KV mode), a kept kv-only stream after the first step
 
 
 @dataclass(frozen=True)
@@ -405,8 +405,8 @@ def shard_with_auto_pad(
 
 def record_sharded_stream(stream: str, seq_len: int) -> int:
     """Record a kv-only stream of `seq_len` tokens that an earlier forward sharded under the same group and
-    this one does not shard again (a K/V cache, padded by this module's rule: GLM-Image's condition, each
-    rank holding its sequence shard; FLUX.2 klein's reference, each rank holding its heads); its rank-local
+    this one does not shard again (a K/V cache, padded by this module's rule: a condition image's, each
+    rank holding its sequence shard; a reference stream, each rank holding its heads); its rank-local
     length."""
     ctx = get_sp_context()
     if ctx is None:
@@ -426,7 +426,7 @@ def gather_sequence(x: torch.Tensor, dim: int, stream: str = IMAGE) -> torch.Ten
 def real_rows(x: torch.Tensor, dim: int, stream: str = IMAGE) -> torch.Tensor:
     """This rank's rows of a sharded `stream` without its SP padding (a statistic over the real tokens).
 
-    `x` may hold the stream's rows first and other rows after them (Qwen-Image 2.1's [target, prefix]):
+    `x` may hold the stream's rows first and other rows after them ([target, prefix] rows):
     only the stream's are returned, with one rank too."""
     ctx = get_sp_context()
     if ctx is None or (not ctx.enabled and stream not in ctx.streams):

@@ -136,7 +136,7 @@ class LoraRegistry:
             return dict(sorted(self.adapters.items()))
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """'<module path>.weight' -> shape, of the denoiser's 2-D weights (the first denoiser's: Wan2.2's experts
+        """'<module path>.weight' -> shape, of the denoiser's 2-D weights (the first denoiser's: two experts
         have the same layers)."""
         if self._weights is None:
             shapes = {}

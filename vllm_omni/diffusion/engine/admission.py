@@ -165,7 +165,7 @@ def plan_deploy(args: Any, gpu_bytes: int) -> DeployPlan:
     path = resolve_model_path(config.model, config.download_dir, config.revision)
     spec = read_pipeline_spec(path)
     limits = args.limits
-    target = bucket_target_size(path) if spec.size_buckets else None
+    target = bucket_target_size(path, spec.size_buckets) if spec.size_buckets else None
     rows = config.admission.max_rows if config.admission is not None else limits.max_n
     config = dataclasses.replace(
         config, dtype=config.dtype or "bfloat16", admission=admission(spec, limits, target, rows)

@@ -50,7 +50,7 @@ class Job:
     request: DiffusionRequest
     status: JobStatus = "queued"
     progress: int = 0  # percent of `phase` done: its denoising steps (or of an encode stage's tokens)
-    phase: str = "denoise"  # "encode" while a family's long encode stage runs (GLM-Image's AR tokens)
+    phase: str = "denoise"  # "encode" while a family's long encode stage runs (an autoregressive prior's tokens)
     created_at: float = field(default_factory=time.time)  # Unix times
     started_at: float | None = None
     completed_at: float | None = None

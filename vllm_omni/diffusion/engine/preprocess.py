@@ -98,10 +98,11 @@ class PromptTokenCounter:
             raise RequestError(f"{name} is {count} tokens; the limit is {limit}", name)
 
 
-def bucket_target_size(model_path: Path) -> int:
-    """The checkpoint's `target_size` (transformer/config.json), which HunyuanVideo 1.5 sizes videos by."""
+def bucket_target_size(model_path: Path, default: int) -> int:
+    """The checkpoint's `target_size` (transformer/config.json) that a bucketed pipeline sizes videos by; `default`
+    (the family's `size_buckets`) where the config has none."""
     config = json.loads((model_path / "transformer" / "config.json").read_text())
-    return config.get("target_size", 640)  # HunyuanVideo15Transformer3DModel's default
+    return config.get("target_size", default)
 
 
 class RequestPreprocessor:
@@ -119,7 +120,7 @@ class RequestPreprocessor:
         self.limits = limits.for_model(spec)
         self.tokens = PromptTokenCounter(model_path)
         self.max_prompt_tokens = min(limits.max_prompt_tokens, spec.max_prompt_tokens or limits.max_prompt_tokens)
-        self.target_size = bucket_target_size(model_path) if spec.size_buckets else None
+        self.target_size = bucket_target_size(model_path, spec.size_buckets) if spec.size_buckets else None
         # The deploy's envelope once its ranks found it (admission.py; the engine sets it): a row holds no more.
         self.envelope: Callable[[], Envelope | None] = lambda: None
 

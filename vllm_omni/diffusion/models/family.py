@@ -6,18 +6,18 @@ family transformer (`models/<family>/transformer.py`) inherits, declaring `forwa
 The runner reads nothing else of a family:
 
 - `denoisers`: every denoiser its pipelines can have, by pipeline component name, with the SP
-  class that replaces diffusers' own (`transformer`; Wan2.2 A14B adds `transformer_2`, its
+  class that replaces diffusers' own (`transformer`; a two-expert model adds `transformer_2`, its
   low-noise expert). The runner loads each one a checkpoint has, and compile, CUDA graphs, CFG
   parallel and the Ulysses-divides-heads check apply to every one of them. A pipeline component
   that is a denoiser (see `is_denoiser`) but is not declared makes the load fail: it would run
   unsharded, on every rank, silently slow.
 - `call_kwargs(pipe, request, spec)`: a validated request -> the pipeline's `__call__` keyword
   arguments (the runner adds the generator, the output type and the per-step hook). A family
-  that must also set per-request state on the pipeline (HunyuanVideo 1.5's guider) does it here.
+  that must also set per-request state on the pipeline (a guider) does it here.
 - `pipeline_for(pipe, request)`: the pipeline that runs `request`: the loaded one, or one built on its
-  components (Z-Image: its img2img pipeline for a request with a source image).
+  components (an img2img pipeline for a request with a source image).
 - `prepare_pipeline(pipe)`: once, after the runner loads the pipeline with the family's denoisers
-  (FLUX.2 klein KV: its own attention processors replaced by ours, which take the same arguments).
+  (a family's own attention processors replaced by ours, which take the same arguments).
 - `uses_cfg(request)`: whether the request runs two forwards per step (cond, uncond), which CFG
   parallel splits between two rank groups; `default_negative_prompt` is what the pipeline uses
   when such a request gives none (the uncond group's prompt).
@@ -25,12 +25,12 @@ The runner reads nothing else of a family:
   rows first (models/branch_rows.py has the helpers), for CFG in one pass (worker/cfg_batch.py); None (the
   default): the family's steps run two forwards.
 - Text encoded once: `encode_text(pipe, kwargs, progress=None)` runs the pipeline's own
-  `encode_prompt` on the call kwargs (GLM-Image: its autoregressive stage, which samples the prior
+  `encode_prompt` on the call kwargs (or an autoregressive stage, which samples the prior
   token ids) and returns the tensors, keyed by the `__call__` arguments that take them ({}: this
   request must be encoded by the pipeline itself, on every rank); `with_text(kwargs, embeds)` is
   the call with them in place of the prompts, which a pipeline loaded without its
   `text_encoders` components runs to the same output. `progress(done, total)`, where a family
-  reports it (GLM-Image: after every generated token, of the total the AR generates), may raise to
+  reports it (an autoregressive stage: after every generated token, of the total the AR generates), may raise to
   stop the stage.
 """
 
@@ -60,7 +60,7 @@ class FamilyPipeline(abc.ABC):
     # the pipeline without them. Empty: every rank encodes.
     text_encoders: ClassVar[tuple[str, ...]] = ()
     # True: `encode_text` runs for every request, on one process too, so its long stage reports
-    # progress and can be cancelled (GLM-Image's AR); else only when SP peers wait for its output.
+    # progress and can be cancelled (an autoregressive prior); else only when SP peers wait for its output.
     encodes_first: ClassVar[bool] = False
 
     @abc.abstractmethod
@@ -94,7 +94,7 @@ class FamilyPipeline(abc.ABC):
         `__call__` arguments that take them; the negative ones only where the pipeline encodes them.
         {}: no embeddings for this call (the pipeline must encode the prompts itself).
 
-        `progress(done, total)`: called, where a family has a long stage here (GLM-Image's
+        `progress(done, total)`: called, where a family has a long stage here (an autoregressive
         autoregressive one), as it advances (tokens generated, of the total); an exception it
         raises stops the stage and propagates. Other families ignore it."""
         return {}
@@ -174,7 +174,7 @@ def declare_cache_block(block_class: type, hidden_states_index: int, encoder_hid
 
 
 def attention_heads(config: Mapping[str, Any]) -> int | None:
-    """A denoiser config's attention head count: diffusers' `num_attention_heads` (Z-Image's `n_heads`); None
+    """A denoiser config's attention head count: diffusers' `num_attention_heads` (or `n_heads`); None
     where it has neither."""
     for key in ("num_attention_heads", "n_heads"):
         if key in config:

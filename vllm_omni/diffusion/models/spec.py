@@ -25,21 +25,21 @@ class PipelineSpec:
     task: Literal["generate", "edit"]
     fields: frozenset[str]  # optional request fields this pipeline takes (COMMON_FIELDS plus its own)
     modality: Literal["image", "video"] = "image"
-    max_input_images: int = 0  # 0: text-only input; 1: one source image; more: several (Edit-Plus, FLUX.2)
-    input_image_required: bool = False  # edits need one; FLUX.2's reference images are optional
-    # Pixels per token side, the VAE's compression times the patch (8 x 2 for the image models, 16 x 1 for
-    # HunyuanVideo 1.5): sizes are rounded down to it.
+    max_input_images: int = 0  # 0: text-only input; 1: one source image; more: several (multi-image edits, references)
+    input_image_required: bool = False  # edits need one; reference images may be optional
+    # Pixels per token side, the VAE's compression times the patch (8 x 2 for most image models, 16 x 1 for a
+    # 16x VAE without patches): sizes are rounded down to it.
     size_multiple: int = 16
-    # Where sizes follow a coarser grid than the tokens, the pixels per token side (GLM-Image: 16-pixel DiT
-    # tokens, sides on its AR's 32-pixel grid, size_multiple 32); None: size_multiple.
+    # Where sizes follow a coarser grid than the tokens, the pixels per token side (16-pixel DiT tokens with
+    # sides on an autoregressive prior's 32-pixel grid: size_multiple 32); None: size_multiple.
     token_pixels: int | None = None
-    # Refuse sizes that are not multiples of size_multiple rather than round them down (GLM-Image: diffusers
-    # checks only part of its rule and fails late, in the DiT, with a tensor-size error).
+    # Refuse sizes that are not multiples of size_multiple rather than round them down (where diffusers checks
+    # only part of the rule and fails late, in the DiT, with a tensor-size error).
     exact_size: bool = False
     frame_multiple: int = 1  # video: num_frames is k * frame_multiple + 1 (the VAE's temporal compression)
     default_steps: int = 50
     min_steps: int = 1
-    default_true_cfg_scale: float | None = None  # used when a negative prompt is given (Qwen-Image true CFG)
+    default_true_cfg_scale: float | None = None  # used when a negative prompt is given (true CFG)
     default_fps: int = 24
     cfg_parallel: bool = False  # the pipeline runs CFG as two forwards per step (cfg_parallel_size=2 splits them)
     # Why cfg_parallel is False although the pipeline runs CFG (the engine's refusal); None: it runs none.
@@ -52,19 +52,18 @@ class PipelineSpec:
     # at which it encodes source `auto_size_source` (-1: the last; see `source_size`).
     default_size: tuple[int, int] | None = None
     auto_size_source: int = 0
-    # How the pipeline resizes a source image before its VAE encodes it: "area" (Qwen-Image-Edit's
-    # calculate_dimensions: the aspect ratio at about `source_area` pixels, sides rounded to 32),
-    # "shrink" (FLUX.2: down to at most `source_area` pixels, sides floored to 16), "grid" (GLM-Image:
-    # sides floored to size_multiple, its AR's grid); None: as given (Z-Image img2img: the engine floors the
-    # sides to size_multiple, as the pipeline's image processor does).
+    # How the pipeline resizes a source image before its VAE encodes it: "area" (calculate_dimensions: the
+    # aspect ratio at about `source_area` pixels, sides rounded to 32), "shrink" (down to at most `source_area`
+    # pixels, sides floored to 16), "grid" (sides floored to size_multiple, an autoregressive prior's grid);
+    # None: as given (img2img: the engine floors the sides to size_multiple, as the image processor does).
     source_resize: Literal["area", "shrink", "grid"] | None = None
     source_area: int = 1024 * 1024
-    # The encoded sources' latent tokens join the transformer's sequence (Qwen-Image-Edit, FLUX.2):
+    # The encoded sources' latent tokens join the transformer's sequence (edits, reference images):
     # each adds its tokens to every denoising step.
     sources_in_sequence: bool = False
-    # HunyuanVideo 1.5: sizes come from the checkpoint's buckets (transformer config `target_size`):
-    # the bucket nearest the source's aspect ratio, or without a source `default_aspect_ratio`.
-    size_buckets: bool = False
+    # Sizes from the checkpoint's buckets of about target_size**2 pixels (transformer config `target_size`; this
+    # when the config has none): the bucket nearest the source's aspect ratio, or `default_aspect_ratio`. 0: none.
+    size_buckets: int = 0
     default_aspect_ratio: tuple[int, int] = (16, 9)  # (width, height)
     default_frames: int | None = None  # video: the pipeline's num_frames default
     # Sources more elongated than this break the pipeline's own resizing (a side rounds to 0).
@@ -109,7 +108,7 @@ class PipelineSpec:
         if self.source_resize == "grid":
             return width // self.size_multiple * self.size_multiple, height // self.size_multiple * self.size_multiple
         if self.source_resize == "shrink":
-            if width * height > self.source_area:  # Flux2ImageProcessor._resize_to_target_area
+            if width * height > self.source_area:  # diffusers' resize to a target area
                 scale = math.sqrt(self.source_area / (width * height))
                 width, height = int(width * scale), int(height * scale)
             return width // self.size_multiple * self.size_multiple, height // self.size_multiple * self.size_multiple
@@ -146,13 +145,13 @@ class PipelineSpec:
 
 
 def area_size(ratio: float, area: int, step: int) -> tuple[int, int]:
-    """Qwen-Image-Edit's calculate_dimensions: (width, height) of aspect `ratio` at about `area` pixels."""
+    """An edit pipeline's calculate_dimensions: (width, height) of aspect `ratio` at about `area` pixels."""
     exact_width = math.sqrt(area * ratio)
     return round(exact_width / step) * step, round(exact_width / ratio / step) * step
 
 
 def bucket_size(width: int, height: int, target_size: int, step: int = 16, max_ratio: float = 4.0) -> tuple[int, int]:
-    """HunyuanVideo 1.5's calculate_default_height_width: the size bucket of about target_size**2 pixels
+    """A bucketed video pipeline's calculate_default_height_width: the size bucket of about target_size**2 pixels
     nearest the aspect ratio of width x height, as (width, height)."""
     patches = round((target_size / step) ** 2)
     buckets = []  # (height, width), in generate_crop_size_list's order

@@ -1,7 +1,7 @@
 """Text compaction: keep the text tokens a reference model attends to, drop the ones it masks.
 
-Pipelines pad prompts to a fixed length and pass a mask (HunyuanVideo 1.5: 1000 Qwen2.5-VL
-tokens of which about 30 are real, plus ByT5 and image tokens; Qwen-Image when the prompts of
+Pipelines pad prompts to a fixed length and pass a mask (a video model: 1000 vision-language
+tokens of which about 30 are real, plus glyph and image tokens; an image model when the prompts of
 a batch differ in length). A masked key has no influence on any other token, so gathering the
 valid tokens (and whatever travels with them, such as text rotary rows) reproduces the
 reference without a mask, and joint attention keeps its dense kernel. Transformers call

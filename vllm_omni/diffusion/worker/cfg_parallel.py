@@ -8,7 +8,7 @@ prompts swapped, so at a step's first call group 0 computes cond and group 1 com
 at the same time; one all-gather over the CFG group (a rank and its counterpart with the same
 SP rank) gives both ranks both predictions. Every rank then returns cond for the first call and
 uncond for the second without computing it, so all ranks combine the same two predictions and
-keep identical latents. The pipelines stay unchanged; with two experts (Wan2.2 A14B) the exchange
+keep identical latents. The pipelines stay unchanged; with two experts the exchange
 is shared, since a step calls one of them.
 """
 

@@ -157,7 +157,7 @@ def chain_of(denoiser: SequenceParallelTransformer) -> list[str]:
 
 class StepReportingScheduler:
     """A pipeline's scheduler whose `step` then reports the step's end, for a pipeline without
-    `callback_on_step_end` (HunyuanVideo 1.5's). Every other attribute read is the scheduler's."""
+    `callback_on_step_end`. Every other attribute read is the scheduler's."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler

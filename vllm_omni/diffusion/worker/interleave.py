@@ -3,7 +3,7 @@
 Interleaving nests requests: the worker runs a request that arrived while another was running to its end
 inside the running one's step callback (worker.RankServer), then the outer one goes on from its next
 step. A diffusers pipeline keeps its loop's state in the locals of its own `__call__` frame (latents,
-prompt embeddings, generators, the step counter, FLUX.2 klein's reference keys, GLM-Image's condition
+prompt embeddings, generators, the step counter, a reference stream's keys, a condition image's
 cache), and that frame just waits on the stack. What a pipeline call leaves on shared objects is saved
 by `put_aside` and brought back by `RequestState.restore`: the pipeline's attributes (guidance scale,
 current timestep, ...), the state of its scheduler and guider (timesteps, step index, a multistep

@@ -47,7 +47,7 @@ Factors = dict[tuple[str, str], LinearFactors]
 
 def read_factors(pipe: Any, denoisers: Mapping[str, torch.nn.Module], lora: LoraRequest) -> Factors:
     """The adapter's factors for every linear of the denoisers it adapts, read with the pipeline's own diffusers
-    loader (into every denoiser: Wan2.2's two experts both, as `load_into_transformer_2=True` does for the second).
+    loader (into every denoiser: two experts both, as `load_into_transformer_2=True` does for the second).
     """
     from peft.tuners.lora import LoraLayer
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 # What an allocation of a measured peak is planned with beyond it: the allocator's rounding and fragmentation.
-# Measured on an H200: HunyuanVideo 1.5's untiled decode at 848x480x121 (an 83 GiB peak) after a compiled and
+# Measured on an H200: a video VAE's untiled decode at 848x480x121 (an 83 GiB peak) after a compiled and
 # graphed denoising ran out under a 125.8 GiB cap with 92 GiB to spare, 29 GiB of it reserved in fragments.
 ALLOCATION_MARGIN = 1.3
 

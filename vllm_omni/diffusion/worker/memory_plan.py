@@ -25,9 +25,10 @@ starts. A plan that does not fit refuses the deploy, saying by how much and whic
 has an envelope (`widest_envelope`): the larger requests and the rows per forward that the rest of the budget
 holds, up to the model's token cap and the rows the limits allow. The engine's warm-up then measures one step at
 the envelope's largest row (`RankPlan.measured`) and serves what the measurement says fits.
-The VAE decode is planned only for images, where its untiled peak was measured (Qwen-Image's VAE), and only for what
-layerwise offload keeps resident through it (a tiled decode's peak is set by its tiles; docs/serving.md). At run time a
-decode whose untiled peak (measured per VAE class) the rank cannot allocate is tiled instead (vae_parallel.py).
+The VAE decode is planned only for images, where its untiled peak was measured (a family's decode bytes per pixel),
+and only for what layerwise offload keeps resident through it (a tiled decode's peak is set by its tiles;
+docs/serving.md). At run time a decode whose untiled peak (measured per VAE class) the rank cannot allocate is
+tiled instead (vae_parallel.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ STEP_BYTES_PER_TOKEN_WIDTH = 20
 SUSPENDED_BYTES_PER_TOKEN_WIDTH = 4
 # The share of the budget that resident blocks leave free under layerwise offload, for what the plan does not
 # count: the VAE decode, a third block still in flight on the prefetch stream, the allocator's fragmentation.
-# Measured on an H200 with Qwen-Image within 24 GiB: 34 resident blocks left 0.3 GiB, and the decode ran out.
+# Measured on an H200 with a 20B image model within 24 GiB: 34 resident blocks left 0.3 GiB, and the decode ran out.
 RESIDENT_HEADROOM = 0.1
 # How finely the envelope's token counts are searched (a few percent of a 1024x1024 image's 4096 tokens).
 ENVELOPE_STEP_TOKENS = 256
@@ -133,7 +134,7 @@ class MemoryPlan:
 
     def resident_blocks(self) -> dict[str, int]:
         """Under layerwise: how many of each denoiser's blocks stay on the GPU, within what the streamed plan
-        leaves of the budget (the first denoiser first; Wan2.2's second expert gets what remains)."""
+        leaves of the budget (the first denoiser first; a second expert gets what remains)."""
         if self.offload != "layerwise":
             return {}
         # The decode runs with the resident blocks still on the GPU: they leave room for it too.
@@ -280,7 +281,7 @@ def step_bytes(config: Mapping[str, Any], tokens: int, text_tokens: int, rows: i
     text tokens, each split over `sp` ranks, at the denoiser's width (heads x head dim). A suspended request
     of that size keeps SUSPENDED_BYTES_PER_TOKEN_WIDTH / STEP_BYTES_PER_TOKEN_WIDTH of it."""
     width = int(config.get("num_attention_heads", 0)) * int(config.get("attention_head_dim", 0))
-    if width <= 0:  # Z-Image names its width `dim`
+    if width <= 0:  # some configs name the width `dim` or `hidden_size`
         width = int(config.get("dim", 0) or config.get("hidden_size", 0) or 3072)
     per_rank = math.ceil(tokens / sp) + math.ceil(text_tokens / sp)
     return rows * per_rank * width * dtype_bytes * STEP_BYTES_PER_TOKEN_WIDTH
@@ -342,7 +343,7 @@ def untiled_decode_bytes(vae: Any, latent_shape: tuple[int, ...]) -> int | None:
     if per_pixel is None:
         return None
     config = vae.config
-    stages = config.get("temperal_downsample") or ()  # Wan's and Qwen-Image's VAEs give their factors as stages
+    stages = config.get("temperal_downsample") or ()  # causal video VAEs give their factors as stages
     spatial = config.get("spatial_compression_ratio") or config.get("scale_factor_spatial") or 2 ** len(stages)
     temporal = config.get("temporal_compression_ratio") or config.get("scale_factor_temporal") or 2 ** sum(stages)
     batch, height, width = latent_shape[0], latent_shape[-2], latent_shape[-1]

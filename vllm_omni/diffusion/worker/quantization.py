@@ -167,7 +167,7 @@ def grad_mode(method: str | None, cpu_offload: str) -> Callable[[], AbstractCont
 
 def converted_weight(model: torch.nn.Module, layers: list[str]) -> torch.nn.Parameter:
     """The weight whose device and dtype FP8 is checked against: the first layer to convert's, not the model's
-    first parameter, which diffusers may keep in float32 (`_keep_in_fp32_modules`: Wan's modulation table
+    first parameter, which diffusers may keep in float32 (`_keep_in_fp32_modules`: a modulation table
     and time embedder, which the rule leaves unconverted anyway)."""
     return model.get_submodule(layers[0]).weight if layers else next(model.parameters())
 
@@ -204,7 +204,7 @@ def move_bias_out(linear: torch.nn.Linear) -> None:
 
     Measured on an H200 (torch 2.11, cuBLAS of CUDA 13.0): a compiled block calls `_scaled_mm` with the bias
     and row-wise scales, and cuBLAS refuses it (CUBLAS_STATUS_NOT_SUPPORTED); eagerly, and without a
-    bias, the same GEMM runs. Qwen-Image's linear layers have biases, FLUX.2's have none.
+    bias, the same GEMM runs. Some models' linear layers have biases, others none.
     """
     if linear.bias is None:
         return

@@ -79,7 +79,7 @@ def shares_text(family: FamilyPipeline) -> tuple[bool, bool]:
 
 
 def skipped_text_encoders(path: Path, family: FamilyPipeline) -> list[str]:
-    """The text encoders this rank does not load (text encoded once: Qwen2.5-VL-7B is about 16 GB a rank)."""
+    """The text encoders this rank does not load (text encoded once: a 7B vision-language encoder is 16 GB a rank)."""
     return [] if shares_text(family)[1] else present_components(path, family.text_encoders)
 
 
@@ -168,14 +168,14 @@ class PipelineRunner:
         self.cfg_batch = CFGBatch(self.family.cfg_rows) if self.cfg is None and cfg_one_pass else None
         self.cfg_one_pass_steps = 0
         self.forwards: Counter = Counter()  # per denoiser, in the current request
-        self.cache = CacheRecord(cache) if cache is not None else None  # shared by the denoisers (Wan2.2's two)
+        self.cache = CacheRecord(cache) if cache is not None else None  # shared by the denoisers (two experts')
         # Compiled blocks also under offload: its hooks move the weights in before the compiled forward runs.
         compile_blocks = device.type == "cuda" and not enforce_eager and spec.compile_blocks
         for name, denoiser in self.denoisers.items():
             if compile_blocks:
                 compile_repeated_blocks(denoiser)
             install_denoiser_chain(denoiser, graphs, self.cfg or self.cfg_batch, self.forwards, name, self.cache)
-        # HunyuanVideo 1.5's pipeline has no step callback: its scheduler's `step` reports instead.
+        # A pipeline without a step callback: its scheduler's `step` reports instead.
         self.step_callback = "callback_on_step_end" in inspect.signature(self.pipe.__call__).parameters
         self.step_report = install_step_report(self.pipe, self.step_callback)
         self._on_decode_tile: Callable[[int], None] | None = None
@@ -229,7 +229,7 @@ class PipelineRunner:
         """Run one request; `on_step_end(step)` is called after every denoising step and may raise to stop.
 
         `on_decode_tile(tile)`, likewise, at every tile of a split VAE decode, on every rank;
-        `on_encode_progress(done, total)` as a family's long encode stage advances (GLM-Image's AR
+        `on_encode_progress(done, total)` as a family's long encode stage advances (an autoregressive prior's
         tokens), on the rank that runs it (the SP group's rank 0), and may raise to stop it. The hooks' points
         "text" (that rank starts encoding the prompts once for its group) and "lora" (a rank merges the request's
         adapter) are passed here, `cancelled()` telling them whether the request was; what they raise reaches the
@@ -480,7 +480,7 @@ class PipelineRunner:
         """Call `step_end(step)` after every denoising step, through the pipeline's own callback.
 
         `callback_on_step_end` runs after the step's scheduler update in every pipeline that has
-        one; HunyuanVideo 1.5's has none, so there (only) its scheduler reports the step
+        one; where a pipeline has none, its scheduler reports the step
         (forward_chain.StepReportingScheduler).
         """
         if self.step_report is not None:

@@ -16,7 +16,7 @@ The other blocks keep diffusers' hooks.
 
 Classifier-free guidance: diffusers' pipelines run cond and uncond in cache contexts of their own
 (`cache_context("cond")`), each with its own cache and its own decisions; `BranchContext` names
-the calls of a step the same way for a pipeline that sets no context (GLM-Image). Under CFG
+the calls of a step the same way for a pipeline that sets no context. Under CFG
 parallel each group runs one branch and decides it as one process would; the groups never meet in
 a cache decision, since a skip changes nothing outside the group's own SP collectives.
 
@@ -24,7 +24,7 @@ CUDA graphs: a graph cannot branch on the host, so with graphs on the forward go
 `CachedForward`: the forward runs eagerly up to the decision (the probe). A skipped step finishes
 there, eagerly (the embeddings, the first block, the reused residual, the final projection: no
 replay); a computed step stops the probe and replays the whole forward's graph, which runs the
-first block again (one block in 60 on Qwen-Image) and stores the new residuals, copied out of the
+first block again (one block in 60 on a 60-block model) and stores the new residuals, copied out of the
 graph's memory afterwards so that no cache holds what a graph overwrites at its next replay.
 
 `CacheRecord` keeps, per request, which steps each branch computed or skipped: the worker reports
@@ -75,7 +75,7 @@ class CacheRecord:
         self.calls = 0
 
     def add(self, context: str, computed: bool, change: float = math.inf) -> None:
-        context = context.removeprefix("pred_")  # HunyuanVideo 1.5's guider names them pred_cond, pred_uncond
+        context = context.removeprefix("pred_")  # diffusers' guiders name them pred_cond, pred_uncond
         if self.swapped and context in BRANCHES:
             context = BRANCHES[1 - BRANCHES.index(context)]
         self.decisions.setdefault(context, {})[self.step_index] = computed

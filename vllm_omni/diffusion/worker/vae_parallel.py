@@ -52,7 +52,7 @@ class TilePass:
     """One run of a VAE's own `tiled_decode` with its decoder calls going to `answer(tile, call, decode, *args)`.
 
     A tile starts at each decoder call of a VAE without a feature cache, and at the first call after
-    each `clear_cache()` of one with (Wan's, Qwen-Image's: they clear it per tile).
+    each `clear_cache()` of one with (causal video VAEs clear it per tile).
     """
 
     def __init__(

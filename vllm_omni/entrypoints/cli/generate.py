@@ -30,7 +30,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="PATH",
-        help="source image(s) for edit models, reference images for FLUX.2; repeat or list several",
+        help="source image(s) for edit models, reference images; repeat or list several",
     )
     # One flag per declared request field (request_fields.py); width and height travel as --size.
     req.add_argument(

@@ -21,7 +21,7 @@ def encode_image(image: Any, fmt: str = "png", quality: int | None = None) -> by
     """A PIL image -> the bytes of a PNG, JPEG or WebP file (`quality` 0-100 for JPEG and WebP)."""
     if fmt not in IMAGE_FORMATS:
         raise ValueError(f"image format must be one of {', '.join(IMAGE_FORMATS)}, got {fmt!r}")
-    if fmt == "jpeg" and image.mode == "RGBA":  # JPEG has no alpha (Qwen-Image 2.1 decodes RGBA): dropped
+    if fmt == "jpeg" and image.mode == "RGBA":  # JPEG has no alpha (some VAEs decode RGBA): dropped
         image = image.convert("RGB")
     options = {} if fmt == "png" or quality is None else {"quality": quality}
     buffer = io.BytesIO()

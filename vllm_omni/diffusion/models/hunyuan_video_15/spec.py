@@ -19,7 +19,7 @@ def _hunyuan(diffusers_class: str, fields: frozenset[str], max_input_images: int
         default_frames=121,
         # Text-to-video draws the 16:9 bucket, image-to-video the input image's: its latent joins the
         # first frame's channels (no tokens of its own; its 729 SigLIP tokens are fixed, text side).
-        size_buckets=True,
+        size_buckets=640,  # HunyuanVideo15Transformer3DModel's default target_size
         # Qwen2.5-VL reads 1000 tokens after the 108 of its system prompt: the user's prompt and the
         # 5 that close the chat template (tokenizer_max_length, prompt_template_encode_start_idx).
         max_prompt_tokens=995,
