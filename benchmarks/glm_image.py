@@ -260,7 +260,7 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
 def ar_variants(pipe, size: str, counts: dict[str, int]) -> dict:
     """name -> (callable returning (prior token ids,), None): ours and the pipeline's own AR call."""
     width, height = sides(size)
-    device = pipe._execution_device
+    device = pipe.device  # the whole pipeline is on one GPU here
 
     def counted(name: str):
         def progress(done: int, total: int) -> None:
@@ -270,13 +270,13 @@ def ar_variants(pipe, size: str, counts: dict[str, int]) -> dict:
 
     def ours() -> tuple[torch.Tensor]:
         kwargs = dict(prompt=PROMPT, height=height, width=width, generator=torch.Generator().manual_seed(0))
-        return (FAMILY.encode_text(pipe, kwargs, progress=counted("ours"))["prior_token_ids"],)
+        return (FAMILY.encode_text(pipe, kwargs, device, progress=counted("ours"))["prior_token_ids"],)
 
     def ours_static() -> tuple[torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
         static = {"cache_implementation": "static"}
         progress = counted("ours static cache")
-        ids = generate_prior_tokens(pipe, PROMPT, height, width, generator, progress, generate_kwargs=static)
+        ids = generate_prior_tokens(pipe, device, PROMPT, height, width, generator, progress, generate_kwargs=static)
         return (ids["prior_token_ids"],)
 
     def diffusers() -> tuple[torch.Tensor]:

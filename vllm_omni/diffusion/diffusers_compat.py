@@ -18,7 +18,6 @@ from typing import Any
 
 # (module, owner in it or "" for the module itself, name): what `PRIVATE_NAMES` promises exists.
 PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
-    ("diffusers", "DiffusionPipeline", "_execution_device"),
     ("diffusers.hooks.hooks", "StateManager", "_state_cache"),
     ("diffusers.hooks.hooks", "StateManager", "_context"),
     ("diffusers.hooks.hooks", "ModelHook", "_is_stateful"),
@@ -37,12 +36,6 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("diffusers", "HunyuanVideo15Pipeline", "_get_mllm_prompt_embeds"),
     ("transformers", "PreTrainedModel", "_from_config"),
 )
-
-
-def execution_device(pipe: Any) -> Any:
-    """The device a pipeline runs its components on: where offload hooks move them (a property diffusers' own
-    `__call__` reads; its public `device` says where the first component is now, the CPU under offload)."""
-    return pipe._execution_device
 
 
 def hook_registry(module: Any) -> Any:

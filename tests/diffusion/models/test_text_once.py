@@ -94,7 +94,7 @@ def test_embeddings_from_the_full_pipeline_give_its_output(loaded, name, case):
     kwargs = family.call_kwargs(full, request, spec)
     assert family.call_kwargs(textless, request, spec) == kwargs  # every rank sets its own pipeline up
     with torch.inference_mode():
-        embeds = family.encode_text(full, kwargs)
+        embeds = family.encode_text(full, kwargs, full.device)
     assert embeds and all(isinstance(tensor, torch.Tensor) for tensor in embeds.values())
     assert ("negative_prompt_embeds" in embeds) == family.uses_cfg(request) == (case == "cfg")
 

@@ -104,7 +104,7 @@ def test_klein_base_runs_cfg_and_matches_the_reference():
     np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=1e-5)
     assert FAMILY.runs_cfg(ours, kwargs) and not FAMILY.runs_cfg(ours, {**kwargs, "guidance_scale": 1.0})
     with torch.inference_mode():
-        embeds = FAMILY.encode_text(ours, kwargs)
+        embeds = FAMILY.encode_text(ours, kwargs, ours.device)
     assert set(embeds) == {"prompt_embeds", "negative_prompt_embeds"}
 
 

@@ -85,7 +85,7 @@ def test_prior_tokens_from_encode_text_give_the_full_pipelines_image(folder, ref
     assert FAMILY.uses_cfg(request) == (guidance_scale > 1)
     kwargs = dict(FAMILY.call_kwargs(reference, request, spec), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        embeds = FAMILY.encode_text(reference, kwargs)
+        embeds = FAMILY.encode_text(reference, kwargs, reference.device)
         own, _, _ = reference.generate_prior_tokens(
             PROMPT, **SIZE, device=torch.device("cpu"), generator=torch.Generator().manual_seed(3)
         )
@@ -124,7 +124,7 @@ def test_image_to_image_gives_the_reference_pipelines_image(folder, reference):
     )
     kwargs = dict(FAMILY.call_kwargs(reference, request, spec), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        embeds = FAMILY.encode_text(reference, kwargs)
+        embeds = FAMILY.encode_text(reference, kwargs, reference.device)
     with torch.inference_mode(), per_image_vision_tokens(reference):
         generator = torch.Generator().manual_seed(3)
         own = reference.generate_prior_tokens(
@@ -159,7 +159,7 @@ def test_the_ar_reports_every_token_and_stops_when_progress_raises(reference):
     total = int(16 * math.sqrt(ratio)) * int(16 / math.sqrt(ratio)) + (64 // 32) * (96 // 32) + 1
     seen = []
     with torch.inference_mode():
-        FAMILY.encode_text(reference, kwargs, progress=lambda done, of: seen.append((done, of)))
+        FAMILY.encode_text(reference, kwargs, reference.device, progress=lambda done, of: seen.append((done, of)))
     assert seen == [(done, total) for done in range(1, total + 1)]
 
     class Cancelled(Exception):
@@ -173,7 +173,7 @@ def test_the_ar_reports_every_token_and_stops_when_progress_raises(reference):
     hook = reference.vision_language_encoder.register_forward_hook(lambda *args: calls.append(1))
     try:
         with pytest.raises(Cancelled), torch.inference_mode():
-            FAMILY.encode_text(reference, kwargs, progress=cancel_at_ten)
+            FAMILY.encode_text(reference, kwargs, reference.device, progress=cancel_at_ten)
     finally:
         hook.remove()
     assert len(calls) == 10  # the prefill (token 1) and 9 decode steps, then no more

@@ -68,7 +68,7 @@ def _run(pipe, request: DiffusionRequest, task: str = "generate", shared_text: b
         kwargs["prompt"] = request.prompt  # a batch of requests: the runner passes each row's prompt
     with torch.inference_mode():
         if shared_text:
-            kwargs = FAMILY.with_text(kwargs, FAMILY.encode_text(pipe, kwargs))
+            kwargs = FAMILY.with_text(kwargs, FAMILY.encode_text(pipe, kwargs, pipe.device))
         out = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np")
     return out.images
 
@@ -122,7 +122,7 @@ def test_text_encoded_once_gives_the_same_images(pipes, case):
     fields = dict(CASES["cfg"]) if case == "cfg" else dict(prompt=["a red fox", "a lighthouse on a cliff at dusk"])
     request = _request(**fields)
     pipe = pipes["generate", "ours"]
-    embeds = FAMILY.encode_text(pipe, FAMILY.call_kwargs(pipe, request, SPECS["generate"]))
+    embeds = FAMILY.encode_text(pipe, FAMILY.call_kwargs(pipe, request, SPECS["generate"]), pipe.device)
     rows = 1 if case == "cfg" else 2
     assert sorted(embeds) == sorted(
         [f"prompt_embeds.{i}" for i in range(rows)] + [f"negative_prompt_embeds.{i}" for i in range(rows)]

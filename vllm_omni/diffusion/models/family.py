@@ -24,8 +24,8 @@ The runner reads nothing else of a family:
 - `cfg_rows(cond, uncond)`: the keyword arguments of a CFG step's two denoiser calls as one call's, the cond
   rows first (models/branch_rows.py has the helpers), for CFG in one pass (worker/cfg_batch.py); None (the
   default): the family's steps run two forwards.
-- Text encoded once: `encode_text(pipe, kwargs, progress=None)` runs the pipeline's own
-  `encode_prompt` on the call kwargs (or an autoregressive stage, which samples the prior
+- Text encoded once: `encode_text(pipe, kwargs, device, progress=None)` runs the pipeline's own
+  `encode_prompt` on the call kwargs, on the runner's `device` (or an autoregressive stage, which samples the prior
   token ids) and returns the tensors, keyed by the `__call__` arguments that take them ({}: this
   request must be encoded by the pipeline itself, on every rank); `with_text(kwargs, embeds)` is
   the call with them in place of the prompts, which a pipeline loaded without its
@@ -88,7 +88,11 @@ class FamilyPipeline(abc.ABC):
         return None
 
     def encode_text(
-        self, pipe: Any, kwargs: dict[str, Any], progress: Callable[[int, int], None] | None = None
+        self,
+        pipe: Any,
+        kwargs: dict[str, Any],
+        device: torch.device,
+        progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, torch.Tensor]:
         """The prompt embeddings `pipe(**kwargs)` computes, by its own `encode_prompt`, keyed by the
         `__call__` arguments that take them; the negative ones only where the pipeline encodes them.

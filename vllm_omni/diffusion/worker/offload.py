@@ -205,7 +205,7 @@ class ModelOffload:
 class ComponentOnload(ModelHook):
     """accelerate's hook on a component: its forward (and diffusers' `vae.decode`/`encode`, which call the hook's
     `pre_forward`) moves it onto the device first. `execution_device` is what diffusers' pipelines read as their
-    device (diffusers_compat.execution_device)."""
+    device (a pipeline's own `_execution_device` looks for it)."""
 
     def __init__(self, offload: ModelOffload) -> None:
         super().__init__()

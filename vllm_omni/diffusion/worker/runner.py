@@ -428,7 +428,7 @@ class PipelineRunner:
                 if on_start is not None:
                     on_start()
                 with self.grad_mode():
-                    embeds = self.family.encode_text(self.pipe, kwargs, progress=progress)
+                    embeds = self.family.encode_text(self.pipe, kwargs, self.device, progress=progress)
                 if not embeds:
                     raise RuntimeError(f"{self.spec.family} gave no embeddings to share; its SP peers cannot encode")
             except Exception as exc:  # noqa: BLE001 - the peers are told, then every rank raises it

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -67,13 +66,15 @@ class Flux2Family(FamilyPipeline):
         if type(pipe).__name__ == "Flux2KleinKVPipeline":
             pipe.transformer.use_sequence_parallel_processors()
 
-    def encode_text(self, pipe, kwargs: dict[str, Any], progress: Any = None) -> dict[str, torch.Tensor]:
+    def encode_text(
+        self, pipe, kwargs: dict[str, Any], device: torch.device, progress: Any = None
+    ) -> dict[str, torch.Tensor]:
         """The prompt's embeddings, one row per prompt (the pipeline repeats them num_images_per_prompt times;
         its text ids follow from them); klein base's empty negative prompt's too where it runs CFG."""
         if kwargs.get("caption_upsample_temperature"):
             return {}  # FLUX.2-dev would rewrite the prompt with its text encoder first
         encode = dict(
-            device=diffusers_compat.execution_device(pipe),
+            device=device,
             max_sequence_length=call_arg(pipe, kwargs, "max_sequence_length"),
             text_encoder_out_layers=call_arg(pipe, kwargs, "text_encoder_out_layers"),
         )

@@ -59,6 +59,7 @@ class ReportProgress(StoppingCriteria):
 
 def generate_prior_tokens(
     pipe: Any,
+    device: torch.device,
     prompt: str,
     height: int,
     width: int,
@@ -73,7 +74,6 @@ def generate_prior_tokens(
     Returns `prior_token_ids` [1, (H/16)(W/16)]; with images also the sources' upsampled AR tokens
     `prior_token_image_ids` [sum of their DiT tokens] and their grids `source_image_grid_thw` [n, 3].
     `generate_kwargs`: more of `generate`'s arguments (benchmarks/glm_image.py measures a static cache)."""
-    device = diffusers_compat.execution_device(pipe)
     content = [{"type": "image", "image": image} for image in images or []]
     messages = [[{"role": "user", "content": [*content, {"type": "text", "text": prompt}]}]]
     inputs = pipe.processor.apply_chat_template(
@@ -176,7 +176,11 @@ class GlmImageFamily(FamilyPipeline):
         return kwargs
 
     def encode_text(
-        self, pipe, kwargs: dict[str, Any], progress: Callable[[int, int], None] | None = None
+        self,
+        pipe,
+        kwargs: dict[str, Any],
+        device: torch.device,
+        progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, torch.Tensor]:
         """The AR stage's prior token ids for the call (one row: the pipeline repeats them per image), and
         with source images their AR tokens and grids."""
@@ -184,7 +188,14 @@ class GlmImageFamily(FamilyPipeline):
         if isinstance(generator, list):  # one per image: the AR stage runs once, seeded by the first (as diffusers')
             generator = generator[0]
         return generate_prior_tokens(
-            pipe, kwargs["prompt"], kwargs["height"], kwargs["width"], generator, progress, images=kwargs.get("image")
+            pipe,
+            device,
+            kwargs["prompt"],
+            kwargs["height"],
+            kwargs["width"],
+            generator,
+            progress,
+            images=kwargs.get("image"),
         )
 
     def with_text(self, kwargs: dict[str, Any], embeds: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -84,7 +84,9 @@ class HunyuanVideo15Family(FamilyPipeline):
             pipe.guider = checkpoint_guider.new(guidance_scale=request.guidance_scale)
         return self.pipeline_kwargs(request, spec)
 
-    def encode_text(self, pipe, kwargs: dict[str, Any], progress: Any = None) -> dict[str, torch.Tensor]:
+    def encode_text(
+        self, pipe, kwargs: dict[str, Any], device: torch.device, progress: Any = None
+    ) -> dict[str, torch.Tensor]:
         """Both encoders' embeddings and masks, one row each (the pipeline repeats them
         num_videos_per_prompt times); the negative prompt's only where the guider that
         `call_kwargs` set runs CFG."""
@@ -94,9 +96,7 @@ class HunyuanVideo15Family(FamilyPipeline):
         embeds = {}
         for name in branches:
             # dtype as __call__ passes it (encode_prompt's own default reads the text encoder's dtype)
-            outputs = pipe.encode_prompt(
-                kwargs.get(name), device=diffusers_compat.execution_device(pipe), dtype=pipe.transformer.dtype
-            )
+            outputs = pipe.encode_prompt(kwargs.get(name), device=device, dtype=pipe.transformer.dtype)
             keys = (f"{name}_embeds", f"{name}_embeds_mask", f"{name}_embeds_2", f"{name}_embeds_mask_2")
             embeds.update(zip(keys, outputs))
         return embeds

@@ -12,7 +12,6 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 
-from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.branch_rows import pad_text, stack_branches
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
@@ -54,7 +53,9 @@ class QwenImageFamily(FamilyPipeline):
             kwargs["image"] = request.images if spec.max_input_images > 1 else request.images[0]
         return kwargs
 
-    def encode_text(self, pipe, kwargs: dict[str, Any], progress: Any = None) -> dict[str, torch.Tensor]:
+    def encode_text(
+        self, pipe, kwargs: dict[str, Any], device: torch.device, progress: Any = None
+    ) -> dict[str, torch.Tensor]:
         """The prompt's embeddings (and the negative prompt's under true CFG), one row each: the
         pipeline repeats given embeddings num_images_per_prompt times itself.
 
@@ -62,7 +63,7 @@ class QwenImageFamily(FamilyPipeline):
         the same (the sources still go to the VAE), so edits are encoded once too.
         """
         encode = dict(
-            device=diffusers_compat.execution_device(pipe),
+            device=device,
             max_sequence_length=call_arg(pipe, kwargs, "max_sequence_length"),  # encode_prompt's default differs
         )
         if isinstance(pipe, (QwenImageEditPipeline, QwenImageEditPlusPipeline)):

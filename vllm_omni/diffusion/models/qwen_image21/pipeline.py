@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.branch_rows import same_value, stack_branches
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.qwen_image21.transformer import QwenImage21Transformer2DModel
@@ -64,7 +63,9 @@ class QwenImage21Family(FamilyPipeline):
             kwargs["sigmas"] = np.linspace(1.0, 1 / steps, steps).tolist()
         return kwargs
 
-    def encode_text(self, pipe, kwargs: dict[str, Any], progress: Any = None) -> dict[str, torch.Tensor]:
+    def encode_text(
+        self, pipe, kwargs: dict[str, Any], device: torch.device, progress: Any = None
+    ) -> dict[str, torch.Tensor]:
         """The prompt's embeddings (and the negative prompt's under true CFG), one row each: the
         pipeline repeats given embeddings num_images_per_prompt times itself. Their masks only where
         the prompts of a batch differ in length (encode_prompt gives None otherwise)."""
@@ -73,7 +74,7 @@ class QwenImage21Family(FamilyPipeline):
             branches.append("negative_prompt")
         embeds = {}
         for name in branches:
-            prompt_embeds, mask, _ = pipe.encode_prompt(kwargs[name], device=diffusers_compat.execution_device(pipe))
+            prompt_embeds, mask, _ = pipe.encode_prompt(kwargs[name], device=device)
             embeds[f"{name}_embeds"] = prompt_embeds
             if mask is not None:
                 embeds[f"{name}_embeds_mask"] = mask

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.branch_rows import stack_branches
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel
@@ -65,7 +64,9 @@ class Wan22Family(FamilyPipeline):
             kwargs["image"] = request.images[0]  # resized to the video's size by the pipeline
         return kwargs
 
-    def encode_text(self, pipe, kwargs: dict[str, Any], progress: Any = None) -> dict[str, torch.Tensor]:
+    def encode_text(
+        self, pipe, kwargs: dict[str, Any], device: torch.device, progress: Any = None
+    ) -> dict[str, torch.Tensor]:
         """The prompt's embeddings, and the negative prompt's under CFG, num_videos_per_prompt rows
         each: given embeddings, the pipeline takes its batch from them and repeats nothing."""
         prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
@@ -74,7 +75,7 @@ class Wan22Family(FamilyPipeline):
             do_classifier_free_guidance=call_arg(pipe, kwargs, "guidance_scale") > 1,  # as the pipeline's property
             num_videos_per_prompt=call_arg(pipe, kwargs, "num_videos_per_prompt"),
             max_sequence_length=call_arg(pipe, kwargs, "max_sequence_length"),  # encode_prompt's default is 226
-            device=diffusers_compat.execution_device(pipe),
+            device=device,
         )
         embeds = {"prompt_embeds": prompt_embeds}
         if negative_prompt_embeds is not None:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from diffusers import ZImageImg2ImgPipeline
 
-from vllm_omni.diffusion import diffusers_compat
 from vllm_omni.diffusion.models.family import FamilyPipeline, call_arg
 from vllm_omni.diffusion.models.z_image.transformer import ZImageTransformer2DModel
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -72,14 +71,16 @@ class ZImageFamily(FamilyPipeline):
                 kwargs["image"] = pipe.image_processor.resize(image, height, width)
         return kwargs
 
-    def encode_text(self, pipe: Any, kwargs: dict[str, Any], progress: Any = None) -> dict[str, torch.Tensor]:
+    def encode_text(
+        self, pipe: Any, kwargs: dict[str, Any], device: torch.device, progress: Any = None
+    ) -> dict[str, torch.Tensor]:
         """The prompts' embeddings (and the negative prompts' where the call runs CFG), one row per prompt
         (the pipeline repeats them num_images_per_prompt times), as `<argument>.<row>`."""
         prompt, negative = kwargs["prompt"], kwargs.get("negative_prompt")
         prompt_embeds, negative_embeds = pipe.encode_prompt(
             # Copies: the pipeline writes the chat-templated prompts into the list it is given.
             list(prompt) if isinstance(prompt, list) else prompt,
-            device=diffusers_compat.execution_device(pipe),
+            device=device,
             do_classifier_free_guidance=call_arg(pipe, kwargs, "guidance_scale") > 0,  # the pipelines' rule
             negative_prompt=list(negative) if isinstance(negative, list) else negative,
             max_sequence_length=call_arg(pipe, kwargs, "max_sequence_length"),
