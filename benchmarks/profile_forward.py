@@ -81,6 +81,7 @@ def kind_of(kernel: str) -> str:
 
 def build(model: str, layers: int | None, device: torch.device) -> torch.nn.Module:
     """Our transformer at real dimensions, random bf16 weights made on the GPU, compiled as the engine does."""
+    from vllm_omni.diffusion import diffusers_compat
     from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks
 
     if model == "qwen-image":
@@ -101,7 +102,7 @@ def build(model: str, layers: int | None, device: torch.device) -> torch.nn.Modu
             net = cls(**config)
     finally:
         torch.set_default_dtype(default)
-    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    keep = diffusers_compat.keep_in_fp32_modules(cls)
     for name, param in net.named_parameters():  # as from_pretrained(dtype=bfloat16) keeps them
         if keep & set(name.split(".")):
             param.data = param.data.float()

@@ -64,6 +64,7 @@ from benchmarks.harness.sp_forward import (  # noqa: E402
     runs_of,
     time_sizes,
 )
+from vllm_omni.diffusion import diffusers_compat  # noqa: E402
 from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel  # noqa: E402
 
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers transformer/config.json (equal to the diffusers 0.42.1 defaults).
@@ -124,7 +125,7 @@ def build_models(device: torch.device, layers: int, diffusers_ulysses: bool) -> 
     models = build_shared_models(
         Reference, WanTransformer3DModel, config, device, not diffusers_ulysses, finish=rotary_tables
     )
-    keep = set(Reference._keep_in_fp32_modules)
+    keep = diffusers_compat.keep_in_fp32_modules(Reference)
     for model in models.values():  # as from_pretrained(dtype=bfloat16) loads them (same values in every copy)
         for name, param in model.named_parameters():
             if keep & set(name.split(".")):

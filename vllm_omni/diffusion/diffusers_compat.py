@@ -23,6 +23,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("diffusers.hooks.hooks", "ModelHook", "_is_stateful"),
     ("diffusers.hooks.hooks", "HookRegistry", "_diffusers_hook"),  # the attribute a registry is kept under
     ("diffusers", "ModelMixin", "_repeated_blocks"),
+    ("diffusers", "ModelMixin", "_keep_in_fp32_modules"),
     ("diffusers.hooks._helpers", "", "TransformerBlockRegistry"),
     ("diffusers.hooks._helpers", "", "TransformerBlockMetadata"),
     ("diffusers.guiders.guider_utils", "BaseGuidance", "_enabled"),
@@ -36,6 +37,12 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("diffusers", "HunyuanVideo15Pipeline", "_get_mllm_prompt_embeds"),
     ("transformers", "PreTrainedModel", "_from_config"),
 )
+
+
+def keep_in_fp32_modules(model_class: type) -> set[str]:
+    """Names of the modules diffusers keeps in float32 when it loads `model_class` in another dtype (benchmarks
+    that build a model without loading one keep them so too)."""
+    return set(model_class._keep_in_fp32_modules or ())
 
 
 def hook_registry(module: Any) -> Any:
