@@ -120,10 +120,10 @@ class Stats(RequestReport):
     graph_captures: int  # since the rank's group started
     compiles: int  # graphs torch.compile compiled, likewise
     step_cache: dict[str, Any] | None = None  # the step cache's record (step_cache.CacheRecord.summary)
-    cfg_one_pass_steps: int = 0  # steps whose CFG branches ran as one forward (worker/cfg_batch.py)
     peak_memory_bytes: int | None = None  # on CUDA: peak allocated memory during the request
     allocated_memory_bytes: int | None = None  # on CUDA: allocated once the request's tensors were dropped
     reserved_memory_bytes: int | None = None  # on CUDA: held by the caching allocator then
+    cfg_one_pass_steps: int = 0  # steps whose CFG branches ran as one forward (worker/cfg_batch.py)
     # A profile request's (the warm-up's measured step): the envelope the measured step leaves on this rank.
     envelope: Envelope | None = None
     # What a rank's hooks add (worker/hooks.py, RankHooks.request_extras): test-only figures, empty in production.

@@ -46,8 +46,8 @@ class MemoryTrace:
         for tensor in tensors:
             try:
                 storage = tensor.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+                storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # sparse layouts; fake and functional tensors (no data)
                 continue
-            storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
         # The two lists themselves are not counted: gc.get_objects() does not hold itself.
         return {"objects": len(objects), "tensors": len(tensors), "tensor_bytes": sum(storages.values())}
