@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_omni.diffusion.attention.layer import JointAttention
+from vllm_omni.diffusion.attention.layer import JointAttention, StreamCrossAttention
 from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
@@ -233,3 +233,68 @@ def test_rows_with_text_of_different_lengths_each_see_their_own(sp_pool, text_po
         _check_rows_see_their_own_text(results, 13, 11, (4, 9), text_position)
     single = run_attention("trim", 2, 13, 11, text_position, text_valid=(9, 4))
     _check_rows_see_their_own_text([single], 13, 11, (9, 4), text_position)
+
+
+# ---- StreamCrossAttention: queries of one sharded stream over another's keys ----------------------
+
+
+def run_stream_cross(mode, batch, query_len, kv_len, pad_noise_seed=None):
+    """Worker side: each stream's queries over the other's keys (the image stream's, then the text stream's);
+    gathered outputs and the warnings logged."""
+    image, text = _streams(4321, batch, query_len, kv_len)
+    records = _Records()
+    logging.getLogger("vllm_omni").addHandler(records)
+    try:
+        with sequence_parallel_context(MODES[mode]):
+            img_local = [shard_with_auto_pad(t, 1, IMAGE) for t in image]
+            txt_local = [shard_with_auto_pad(t, 1, TEXT) for t in text]
+            if pad_noise_seed is not None:
+                img_local = [_fill_padding_with_noise(t, IMAGE, pad_noise_seed + i) for i, t in enumerate(img_local)]
+                txt_local = [_fill_padding_with_noise(t, TEXT, pad_noise_seed + 7 + i) for i, t in enumerate(txt_local)]
+            img_out = StreamCrossAttention(IMAGE, TEXT)(img_local[0], *txt_local[1:])
+            txt_out = StreamCrossAttention(TEXT, IMAGE)(txt_local[0], *img_local[1:])
+            img_out, txt_out = gather_sequence(img_out, 1, IMAGE), gather_sequence(txt_out, 1, TEXT)
+    finally:
+        logging.getLogger("vllm_omni").removeHandler(records)
+    warnings = [m for level, m in records.messages if level == logging.WARNING and "unmasked SP padding" in m]
+    return img_out, txt_out, warnings
+
+
+def _stream_cross_reference(batch, query_len, kv_len):
+    (q_img, k_img, v_img), (q_txt, k_txt, v_txt) = _streams(4321, batch, query_len, kv_len)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    return sdpa(q_img, k_txt, v_txt), sdpa(q_txt, k_img, v_img)
+
+
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_stream_cross_attention_exact_modes_match_single_process(sp_pool, mode):
+    """Query stream padded, key stream padded, both, neither (and shorter than the degree)."""
+    sp_pool.run(reset_warnings)
+    for query_len, kv_len, batch in [(13, 12, 1), (12, 13, 2), (13, 7, 2), (12, 6, 1), (1, 2, 1)]:
+        results = sp_pool.run(run_stream_cross, mode, batch, query_len, kv_len)
+        ref_img, ref_txt = _stream_cross_reference(batch, query_len, kv_len)
+        for img_out, txt_out, warnings in results:
+            torch.testing.assert_close(img_out, ref_img, rtol=0, atol=1e-5)
+            torch.testing.assert_close(txt_out, ref_txt, rtol=0, atol=1e-5)
+            assert warnings == []
+        noisy = sp_pool.run(run_stream_cross, mode, batch, query_len, kv_len, pad_noise_seed=5)
+        for (img_a, txt_a, _), (img_b, txt_b, _) in zip(results, noisy):
+            assert torch.equal(img_a, img_b) and torch.equal(txt_a, txt_b)
+
+
+def test_stream_cross_attention_unmasked_padding_is_close_and_warns(sp_pool):
+    sp_pool.run(reset_warnings)
+    results = sp_pool.run(run_stream_cross, "none", 1, 12, 13)  # only the keys' stream pads (at 2 and 3)
+    ref_img, _ = _stream_cross_reference(1, 12, 13)
+    for img_out, _, warnings in results:
+        assert 0 < (img_out - ref_img).abs().max().item() < 1.0
+        assert len(warnings) == 1 and f"ulysses_degree={sp_pool.world_size}" in warnings[0]
+
+
+def test_single_process_stream_cross_attention_matches_sdpa():
+    (q_img, _, _), (_, k_txt, v_txt) = _streams(4321, 2, 9, 4)
+    ref_img, _ = _stream_cross_reference(2, 9, 4)
+    torch.testing.assert_close(StreamCrossAttention(IMAGE, TEXT)(q_img, k_txt, v_txt), ref_img, rtol=0, atol=1e-6)

@@ -15,8 +15,13 @@
   rows whose text ends at different lengths (the layout's `row_keys`) run the kernel per row,
   `attend_rows`; everything else of the batch runs once.
 - `CrossAttention`: queries from the rank's own shard of the video stream, keys and values from a
-  stream every rank holds whole (a padded prompt of a few hundred tokens). No all-to-all and no padding policy:
-  the padded query rows give rows that the gather drops like every padded row.
+  stream every rank holds whole (a padded prompt of a few hundred tokens, optionally with a key mask). No
+  all-to-all and no padding policy: the padded query rows give rows that the gather drops like every padded row.
+- `StreamCrossAttention`: queries from one sharded stream, keys and values from another sharded stream (two
+  token streams of one model that attend to each other, each sharded and padded on its own). One seq->head
+  all-to-all carries the query stream's q and the other stream's k and v, one head->seq brings the output back;
+  what the queries see of the key stream's padding is the context's `JointLayout` for [keys, queries] with the
+  key stream kv-only (trim: cut at its true length; mask: masked; none: seen), as in every joint attention.
 
 Models compute q, k, v (after QK-norm and rotary) as [B, S, H, D] and get [B, S, H, D] back;
 the kernel comes from backends.py.
@@ -245,8 +250,8 @@ def attend_joint(
 class JointAttention(nn.Module):
     """Joint attention over [image] or [text, image] ("front") / [image, text] ("rear").
 
-    `stream`: the stream that `query`, `key` and `value` belong to: the image (default), or the text
-    alone (`TEXT`, with no `text_qkv`: self-attention within the text stream).
+    `stream`: the stream that `query`, `key` and `value` belong to: the image (default), or any other stream
+    alone, with no `text_qkv` (`TEXT`: self-attention within the text stream; an audio stream's own).
     """
 
     kind = "joint"
@@ -255,8 +260,8 @@ class JointAttention(nn.Module):
         super().__init__()
         if text_position not in ("front", "rear"):
             raise ValueError(f"text_position must be 'front' or 'rear', got {text_position!r}")
-        if stream not in (IMAGE, TEXT):
-            raise ValueError(f"stream must be {IMAGE!r} or {TEXT!r}, got {stream!r}")
+        if not stream:
+            raise ValueError("stream must name the token stream the queries belong to")
         self.text_position = text_position
         self.stream = stream
 
@@ -282,8 +287,11 @@ class JointAttention(nn.Module):
             raise ValueError("text_blocks needs a text stream joined in front of the image, and no kv-only streams")
         streams: dict[str, tuple] = {self.stream: (query, key, value)}
         if text_qkv is not None:
-            if self.stream == TEXT:
-                raise ValueError("text_qkv joins a text stream to the image stream; this layer attends within the text")
+            if self.stream != IMAGE:
+                raise ValueError(
+                    f"text_qkv joins a text stream to the image stream; this layer attends within the "
+                    f"{self.stream} stream"
+                )
             streams[TEXT] = text_qkv
         if text_qkv is None:
             order = [self.stream]
@@ -419,9 +427,84 @@ class CrossAttention(nn.Module):
     kind = "cross"
 
     @torch.compiler.disable  # like JointAttention: the kernel choice stays outside compiled blocks
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`key_mask`: an additive [B or 1, 1, 1, keys] bias the model gives for its own masked keys (a prompt's
+        padding), None: every key counts."""
         # Every query row attends to the same whole keys, so a rank's rows need nothing from its peers;
-        # there is no key padding to hide (the keys are not sharded), hence the dense kernel in every mode.
+        # there is no SP padding to hide (the keys are not sharded), hence the dense kernel in every mode.
         # Exact even under a lossy backend: a rank's query shard would give FP8 scales unlike U1's, and the
         # few keys (a padded prompt's few hundred tokens) make it a small share of the attention time.
-        return resolve_attention_backend(needs_mask=False, allow_low_precision=False)(query, key, value)
+        backend = resolve_attention_backend(needs_mask=key_mask is not None, allow_low_precision=False)
+        return backend(query, key, value, key_mask)
+
+
+class StreamCrossAttention(nn.Module):
+    """Queries of one sharded stream over the keys and values of another sharded stream (see the module doc).
+
+    `query_stream` and `kv_stream` name the streams as `shard_with_auto_pad` recorded them; `query` is the rank's
+    shard of the first, `key` and `value` of the second ([B, S_local, H, D] each, the same heads).
+    """
+
+    kind = "stream_cross"
+
+    def __init__(self, query_stream: str, kv_stream: str) -> None:
+        super().__init__()
+        if query_stream == kv_stream:
+            raise ValueError("a stream attending to itself is a JointAttention")
+        self.query_stream, self.kv_stream = query_stream, kv_stream
+
+    @torch.compiler.disable  # like JointAttention: the all-to-alls and the layout stay outside compiled blocks
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx = get_sp_context()
+        if ctx is None or not ctx.enabled:
+            # One process: the key stream's filler, if it has any, is cut as in a joint attention.
+            shard = ctx.streams.get(self.kv_stream) if ctx is not None else None
+            if shard is not None and shard.filler_len and key.shape[1] == shard.seq_len:
+                key, value = key[:, : shard.original_seq_len], value[:, : shard.original_seq_len]
+            return resolve_attention_backend(needs_mask=False)(query, key, value)
+        return self._attend_ulysses(ctx, query, key, value)
+
+    def _attend_ulysses(
+        self, ctx: SequenceParallelContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        world = ctx.world_size
+        batch, n_q, heads, head_dim = query.shape
+        n_kv = key.shape[1]
+        if heads % world or key.shape[2] != heads:
+            raise ValueError(
+                f"ulysses_degree={world} must divide the number of attention heads ({heads}), the same for keys "
+                f"({key.shape[2]})"
+            )
+        # The layout of [keys, queries], the key stream kv-only: its span is what the queries may see.
+        layout = ctx.joint_layout([self.kv_stream, self.query_stream], query.device, query.dtype, [self.kv_stream])
+        if any(slot.shard.row_lens is not None for slot in layout.slots):
+            raise ValueError("rows of different true lengths share no cross-stream attention")
+        kv_slot, q_slot = layout.slots
+        if (kv_slot.shard.local_seq_len, q_slot.shard.local_seq_len) != (n_kv, n_q):
+            raise ValueError(
+                f"{self.query_stream} / {self.kv_stream} streams have {n_q} / {n_kv} local tokens, expected "
+                f"{q_slot.shard.local_seq_len} / {kv_slot.shard.local_seq_len}: shard them with shard_with_auto_pad"
+            )
+        local_heads = heads // world
+        # One exchange: [q rows, k rows, v rows] of this rank, head group p to rank p.
+        send = query.new_empty(world, batch, n_q + 2 * n_kv, local_heads, head_dim)
+        for start, tensor in ((0, query), (n_q, key), (n_q + n_kv, value)):
+            rows = tensor.shape[1]
+            send[:, :, start : start + rows].copy_(
+                tensor.reshape(batch, rows, world, local_heads, head_dim).permute(2, 0, 1, 3, 4)
+            )
+        recv = all_to_all(send, ctx.group)
+
+        def whole(start: int, rows: int) -> torch.Tensor:  # every rank's rows in order: the padded stream
+            return recv[:, :, start : start + rows].transpose(0, 1).reshape(batch, world * rows, local_heads, head_dim)
+
+        kv_end = layout.slots[1].joint_offset  # the key stream's true length (trim), else its padded length
+        q_all, k_all, v_all = whole(0, n_q), whole(n_q, n_kv)[:, :kv_end], whole(n_q + n_kv, n_kv)[:, :kv_end]
+        mask = None
+        if layout.key_mask is not None and kv_slot.shard.pad_size:  # mask mode, keys with padding
+            mask = layout.key_mask[..., :kv_end]
+        out = resolve_attention_backend(needs_mask=mask is not None)(q_all, k_all, v_all, mask)
+        back = all_to_all(out.view(batch, world, n_q, local_heads, head_dim).transpose(0, 1).contiguous(), ctx.group)
+        return back.permute(1, 2, 0, 3, 4).reshape(batch, n_q, heads, head_dim)
