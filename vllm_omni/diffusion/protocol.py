@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from vllm_omni.diffusion.config import MAX_NUM_SEQS, Envelope
-from vllm_omni.diffusion.request import RequestError
+from vllm_omni.diffusion.request import Audio, RequestError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -132,9 +132,11 @@ class Stats(RequestReport):
 
 @dataclass(frozen=True)
 class Done(RequestReport):
-    """The request finished on this rank; `images` are rank 0's (uint8 or float32 array), None elsewhere."""
+    """The request finished on this rank; `images` are rank 0's (uint8 or float32 array), None elsewhere, and so is
+    `audio`, the videos' sound where the model makes some."""
 
     images: np.ndarray | None = None
+    audio: Audio | None = None
 
 
 # Where a request was when its rank ran out of memory: encoding its text, denoising, decoding.

@@ -112,12 +112,23 @@ class DiffusionRequest:
         return [min(rows, self.num_images - start) for start in range(0, self.num_images, rows)]
 
 
+@dataclass(frozen=True)
+class Audio:
+    """The sound of a pipeline call's videos, where its model makes some: `samples` [n, channels, length], float32
+    in [-1, 1], one waveform per video in the order of the frames, at `sample_rate` Hz."""
+
+    samples: Any  # a numpy array (this module imports nothing)
+    sample_rate: int
+
+
 @dataclass
 class DiffusionOutput:
     """What the engine returns and how it was made.
 
     `images` holds one entry per image or video: a PIL image (a video: a list of PIL frames), or an
-    array ([H, W, 3], a video [F, H, W, 3]; float32 in [0, 1] for "np", uint8 for "uint8").
+    array ([H, W, 3], a video [F, H, W, 3]; float32 in [0, 1] for "np", uint8 for "uint8"). A model that
+    makes sound with its videos gives `audio`, one float32 [channels, length] waveform per video, at
+    `audio_sample_rate` Hz (None: silent videos).
     """
 
     request_id: str
@@ -132,6 +143,8 @@ class DiffusionOutput:
     step_cache: dict[str, Any] | None = None  # step_cache_report: forwards computed and skipped; None: no cache
     cfg_one_pass_steps: int = 0  # denoising steps whose CFG branches ran as one forward (worker/cfg_batch.py)
     seeds: list[int] = field(default_factory=list)  # each image's own seed (DiffusionRequest.image_seeds)
+    audio: list[Any] | None = None  # videos with sound: each one's waveform, float32 [channels, length]
+    audio_sample_rate: int | None = None
 
 
 class RequestError(ValueError):

@@ -413,12 +413,16 @@ class DiffusionEngine:
             for request_id in ids:
                 self._cancel_tokens.pop(request_id, None)
         waited = time.perf_counter()
+        audio = self.executor.request_audio  # the videos' sound, where the model makes some
         # The rows in request order: a request's n images, then the next request's.
         starts = np.cumsum([0] + [row.num_images for row in request.rows])
         outputs = [
             self.postprocess(row, images[start:end], row.output_type)
             for row, start, end in zip(request.rows, starts[:-1], starts[1:])
         ]
+        if audio is not None:
+            for output, start, end in zip(outputs, starts[:-1], starts[1:]):
+                output.audio, output.audio_sample_rate = list(audio.samples[start:end]), audio.sample_rate
         done = time.perf_counter()
         timings = {
             "preprocess": request.preprocess_ms,

@@ -33,7 +33,7 @@ from typing import Any
 
 from vllm_omni.diffusion.config import Envelope, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.errors import out_of_memory_error
-from vllm_omni.diffusion.executor.flights import Flights
+from vllm_omni.diffusion.executor.flights import Flight, Flights
 from vllm_omni.diffusion.protocol import (
     Cancelled,
     Done,
@@ -47,6 +47,7 @@ from vllm_omni.diffusion.protocol import (
     Stats,
 )
 from vllm_omni.diffusion.request import (
+    Audio,
     DiffusionRequest,
     RequestCancelled,
     RequestError,
@@ -452,8 +453,7 @@ class WorkerGroupExecutor:
         flight = self._flights.send_inside(request, on_progress) if interleave and not self._stopping.is_set() else None
         if flight is not None:
             flight.finished.wait()
-            self._thread.stats = flight.stats
-            return flight.outcome()
+            return self._outcome(flight)
         with self._lock:
             if self._stopping.is_set():
                 raise RequestCancelled(f"request {request.request_id} not run: the engine is shutting down")
@@ -476,6 +476,19 @@ class WorkerGroupExecutor:
         """Each rank's figures for the request this thread's last `execute` ran (`rank_stats` is the group's latest)."""
         return getattr(self._thread, "stats", {})
 
+    @property
+    def request_audio(self) -> Audio | None:
+        """The sound of the videos this thread's last `execute` returned (rank 0's), None where they have none."""
+        return getattr(self._thread, "audio", None)
+
+    def _outcome(self, flight: Flight) -> Any:
+        """Rank 0's images for `flight`'s request (or raise how it ended); its figures and sound kept for this
+        thread (`request_stats`, `request_audio`)."""
+        self._thread.stats = flight.stats
+        done = flight.replies.get(0)
+        self._thread.audio = done.audio if isinstance(done, Done) else None
+        return flight.outcome()
+
     def _collect(self, request: DiffusionRequest, on_progress: ProgressCallback | None) -> Any:
         """Send `request` and read the group's reports (needs self._lock) until it and every request sent to run
         inside it have ended; returns its images or raises how it ended."""
@@ -493,8 +506,7 @@ class WorkerGroupExecutor:
             # It had ended before a request sent to run inside it (too late, so after it) failed the group.
         else:
             self._group_idle = True  # every rank answered every request sent
-        self._thread.stats = flight.stats
-        return flight.outcome()
+        return self._outcome(flight)
 
     def _read_report(self) -> None:
         """One report (or a poll's wait) for the requests in flight, with the group's deadlines checked first."""

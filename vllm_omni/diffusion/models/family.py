@@ -21,6 +21,8 @@ The runner reads nothing else of a family:
 - `uses_cfg(request)`: whether the request runs two forwards per step (cond, uncond), which CFG
   parallel splits between two rank groups; `default_negative_prompt` is what the pipeline uses
   when such a request gives none (the uncond group's prompt).
+- `audio(pipe, result)`: the sound a video pipeline's result carries (`request.Audio`: a waveform per video at
+  its sample rate), which the runner hands on with the frames; None (the default): the videos are silent.
 - `cfg_rows(cond, uncond)`: the keyword arguments of a CFG step's two denoiser calls as one call's, the cond
   rows first (models/branch_rows.py has the helpers), for CFG in one pass (worker/cfg_batch.py); None (the
   default): the family's steps run two forwards.
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
     import torch
 
     from vllm_omni.diffusion.models.spec import PipelineSpec
-    from vllm_omni.diffusion.request import DiffusionRequest
+    from vllm_omni.diffusion.request import Audio, DiffusionRequest
 
 
 class FamilyPipeline(abc.ABC):
@@ -85,6 +87,11 @@ class FamilyPipeline(abc.ABC):
 
     def cfg_rows(self, cond: dict[str, Any], uncond: dict[str, Any]) -> dict[str, Any] | None:
         """A CFG step's cond and uncond denoiser arguments as one forward's rows (cond first); None: two forwards."""
+        return None
+
+    def audio(self, pipe: Any, result: Any) -> Audio | None:
+        """The sound of the videos in `result` (what `pipe(...)` returned with output_type="np"), one waveform per
+        video in the order of its frames; None: silent videos."""
         return None
 
     def encode_text(

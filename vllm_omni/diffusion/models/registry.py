@@ -15,7 +15,7 @@ import importlib
 
 from vllm_omni.diffusion.models.spec import Family, PipelineSpec
 
-FAMILY_PACKAGES = ("qwen_image", "qwen_image21", "flux2", "hunyuan_video_15", "wan22", "glm_image", "z_image")
+FAMILY_PACKAGES = ("qwen_image", "qwen_image21", "flux2", "hunyuan_video_15", "wan22", "glm_image", "z_image", "ltx2")
 FAMILIES: tuple[Family, ...] = tuple(
     importlib.import_module(f"vllm_omni.diffusion.models.{package}.spec").FAMILY for package in FAMILY_PACKAGES
 )

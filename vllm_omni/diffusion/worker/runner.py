@@ -7,7 +7,8 @@ load), decoding the source images, one CPU generator seeded identically on every
 per-step hook (cancellation, progress, the end of a CFG step), and the result as uint8 (images
 [n, H, W, 3], videos [n, F, H, W, 3]) unless the caller asked for float arrays.
 
-A family supplies only what differs, as `FAMILY` in `models/<family>/pipeline.py`.
+A family supplies only what differs, as `FAMILY` in `models/<family>/pipeline.py`; a video family whose
+pipeline makes sound too gives it (`FamilyPipeline.audio`), kept beside the frames (`PipelineRunner.audio`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from vllm_omni.diffusion.images import decode_image
 from vllm_omni.diffusion.models.family import FamilyPipeline, attention_heads, undeclared_denoisers
 from vllm_omni.diffusion.models.spec import PipelineSpec
 from vllm_omni.diffusion.protocol import RunPhase
-from vllm_omni.diffusion.request import DiffusionRequest, LoraRequest, RequestError
+from vllm_omni.diffusion.request import Audio, DiffusionRequest, LoraRequest, RequestError
 from vllm_omni.diffusion.worker.cfg_batch import CFGBatch
 from vllm_omni.diffusion.worker.cfg_parallel import CFGParallel, swap_prompts
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphs, compile_repeated_blocks
@@ -106,6 +107,7 @@ class PipelineRunner:
         self.phase_seconds: dict[str, float] = {}  # the last request's: encode (text once), denoise, decode, onload
         self.step_peak_bytes: int | None = None  # a profile request's measured step (CUDA): its peak activations
         self.phase: RunPhase = "denoise"  # where the current (or last) request is: what an out-of-memory names
+        self.audio: Audio | None = None  # the last request's sound, where the family's videos have some
         self.family: FamilyPipeline = spec.family_pipeline()
         # Straight onto the device, without a random initialisation first (accelerate's meta-device load);
         # offloaded weights load onto the CPU, where they wait between their phases (offload.py).
@@ -235,7 +237,8 @@ class PipelineRunner:
         adapter) are passed here, `cancelled()` telling them whether the request was; what they raise reaches the
         group as an encoding failure, or a failed adapter.
 
-        Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np".
+        Returns uint8 [n, H, W, 3] (video [n, F, H, W, 3]), or float32 in [0, 1] for output_type="np"; the videos'
+        sound, where the family gives some, is in `self.audio` until the next request.
         """
         if request.images:
             # The engine checked the files' headers; they travel compressed and are decoded here, once.
@@ -248,6 +251,8 @@ class PipelineRunner:
         self.cfg_one_pass_steps = 0  # the request's steps whose CFG branches ran as one forward (all its calls)
         self.step_peak_bytes = None
         self.phase_seconds = {}
+        self.audio = None
+        sounds: list[Audio] = []  # each pipeline call's, in order
         # Each image has a generator of its own (its seed, DiffusionRequest.image_seeds): an image does not depend
         # on the batch or the chunk it runs in.
         seeds = [seed for row in request.rows for seed in row.image_seeds]
@@ -259,7 +264,7 @@ class PipelineRunner:
                 step_offset = index * request.num_inference_steps
                 chunk_seeds = seeds if request.batch else seeds[first : first + count]  # a batch is one call
                 calls = (on_step_end, on_decode_tile, on_encode_progress, lambda: self._at("text", request, cancelled))
-                arrays.append(self._call(part, chunk_seeds, step_offset, *calls, embeds))
+                arrays.append(self._call(part, chunk_seeds, step_offset, *calls, embeds, sounds))
                 first += count
         finally:
             if self.model_offload is not None:
@@ -273,6 +278,11 @@ class PipelineRunner:
         array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         if not np.isfinite(array).all():
             raise FloatingPointError("the pipeline produced non-finite pixel values (NaN or Inf)")
+        if sounds:
+            samples = np.concatenate([sound.samples for sound in sounds])
+            if not np.isfinite(samples).all():
+                raise FloatingPointError("the pipeline produced non-finite audio samples (NaN or Inf)")
+            self.audio = Audio(samples, sounds[0].sample_rate)
         if request.output_type == "np":
             return array
         # Pictures and files need only uint8: a 121-frame video crosses the worker pipe at a quarter the size.
@@ -288,10 +298,12 @@ class PipelineRunner:
         on_encode_progress: Callable[[int, int], None] | None,
         on_text_encode: Callable[[], None] | None,
         embeds: list[Any],
+        sounds: list[Audio],
     ) -> np.ndarray | None:
         """One pipeline call of `request`'s rows (a chunk of its images, or a batch), `seeds` one per image; its
         steps reported as `step_offset` + step. `embeds` holds the embeddings the first call encoded once (text
-        once, a family's encode stage), for the calls after it. Adds its phases to `phase_seconds`."""
+        once, a family's encode stage), for the calls after it; the call's sound, if any, is added to `sounds`.
+        Adds its phases to `phase_seconds`."""
         kwargs = self._call_kwargs(request)
         # CPU generators on every rank: identical latents everywhere, on any device.
         generators = [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
@@ -343,9 +355,10 @@ class PipelineRunner:
                 self.phase = "decode"
 
         self._on_decode_tile = on_decode_tile
+        pipe = self.family.pipeline_for(self.pipe, request)
         try:
             with self._per_step_hook(kwargs, step_end), self.grad_mode():
-                result = self.family.pipeline_for(self.pipe, request)(**kwargs)
+                result = pipe(**kwargs)
         finally:
             self._on_decode_tile = None
             set_denoising_step(None)
@@ -359,6 +372,9 @@ class PipelineRunner:
         if request.profile:
             return None
         frames = result.frames if self.spec.modality == "video" else result.images
+        sound = self.family.audio(pipe, result)
+        if sound is not None:
+            sounds.append(sound)
         return np.asarray(frames, dtype=np.float32)
 
     def _at(self, point: HookPoint, request: DiffusionRequest, cancelled: Callable[[], bool]) -> None:

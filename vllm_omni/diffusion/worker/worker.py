@@ -325,7 +325,8 @@ class RankServer:
             extras=extras or {},
         )
         reports.put(stats)
-        reports.put(Done(rank, request.request_id, images if rank == 0 else None))
+        # Rank 0 answers with the result: the frames, and their sound where the model makes some.
+        reports.put(Done(rank, request.request_id, images if rank == 0 else None, runner.audio if rank == 0 else None))
 
     def _cancelled(self, request: DiffusionRequest) -> bool:
         return request.cancel_token in self.cancel_token[:]

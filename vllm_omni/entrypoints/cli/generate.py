@@ -103,12 +103,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     default_output = "output.mp4" if video else "output.png"
     paths = output_paths(args.output or default_output, len(results))
-    for path, result, seed in zip(paths, results, output.seeds, strict=True):  # result i is drawn from seed + i
+    sounds = output.audio or [None] * len(results)  # a model with sound: each video's
+    for path, result, seed, sound in zip(paths, results, output.seeds, sounds, strict=True):  # i: from seed + i
         path.parent.mkdir(parents=True, exist_ok=True)
         if video:
             from vllm_omni.entrypoints.openai.media import encode_mp4
 
-            path.write_bytes(encode_mp4(result, output.fps))
+            path.write_bytes(encode_mp4(result, output.fps, audio=sound, sample_rate=output.audio_sample_rate))
             print(
                 f"Wrote {path} ({output.width}x{output.height}, {output.num_frames} frames at {output.fps} fps, "
                 f"seed {seed})"

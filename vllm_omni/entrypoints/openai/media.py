@@ -1,4 +1,5 @@
-"""Media encoders for what the engine returns: PNG, JPEG and WebP for images, MP4 (H.264) for videos.
+"""Media encoders for what the engine returns: PNG, JPEG and WebP for images, MP4 (H.264, with an AAC track where
+the video has sound) for videos.
 
 Images go through Pillow, videos through PyAV (FFmpeg's libraries, shipped in its wheels):
 maintained encoders; nothing here writes container or codec bytes by hand. Used by the API
@@ -34,8 +35,18 @@ def encode_images_b64(images: list[Any], fmt: str = "png", quality: int | None =
     return [base64.b64encode(encode_image(image, fmt, quality)).decode("ascii") for image in images]
 
 
-def encode_mp4(frames: np.ndarray, fps: int, crf: int = 18) -> bytes:
-    """uint8 frames [F, H, W, 3] -> an MP4 file (H.264, yuv420p, plays everywhere).
+AUDIO_LAYOUTS = {1: "mono", 2: "stereo"}
+
+
+def encode_mp4(
+    frames: np.ndarray,
+    fps: int,
+    crf: int = 18,
+    audio: np.ndarray | None = None,
+    sample_rate: int | None = None,
+) -> bytes:
+    """uint8 frames [F, H, W, 3] -> an MP4 file (H.264, yuv420p, plays everywhere); with `audio` (a float waveform
+    [channels, length] in [-1, 1], mono or stereo, at `sample_rate` Hz), an AAC track beside the video.
 
     yuv420p needs even sides: an odd width or height is padded by one edge pixel.
     """
@@ -43,6 +54,13 @@ def encode_mp4(frames: np.ndarray, fps: int, crf: int = 18) -> bytes:
 
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"expected uint8 frames [F, H, W, 3], got {frames.dtype} {tuple(frames.shape)}")
+    if audio is not None:
+        audio = np.asarray(audio, dtype=np.float32)
+        if audio.ndim != 2 or audio.shape[0] not in AUDIO_LAYOUTS or not sample_rate:
+            raise ValueError(
+                f"expected audio [channels, length] of 1 or 2 channels with its sample rate, got "
+                f"{tuple(audio.shape)} at {sample_rate!r} Hz"
+            )
     pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
     if pad_h or pad_w:
         frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
@@ -55,4 +73,13 @@ def encode_mp4(frames: np.ndarray, fps: int, crf: int = 18) -> bytes:
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())  # flush the encoder
+        if audio is not None:
+            layout = AUDIO_LAYOUTS[audio.shape[0]]
+            sound = container.add_stream("aac", rate=sample_rate)
+            sound.layout = layout
+            # Planar float, as AAC takes it; the encoder cuts it into its own frames.
+            samples = av.AudioFrame.from_ndarray(np.ascontiguousarray(audio.clip(-1, 1)), format="fltp", layout=layout)
+            samples.sample_rate, samples.pts = sample_rate, 0
+            container.mux(sound.encode(samples))
+            container.mux(sound.encode())
     return buffer.getvalue()

@@ -319,7 +319,7 @@ class VideoStore:
             elif job.status == "completed":
                 output = job.result
                 job.result = None  # the frames are held by this task only until they are written
-                record.error = await self._write_video(record, output.images[0], output.fps)
+                record.error = await self._write_video(record, output)
                 if record.error is not None:
                     record.status = "failed"
                 elif not record.deleted:
@@ -349,12 +349,16 @@ class VideoStore:
             logger.info("Video %s %s%s", record.id, record.status, f" ({record.error.code})" if record.error else "")
         self._sweep()
 
-    async def _write_video(self, record: VideoRecord, frames: Any, fps: int) -> JobError | None:
-        """Encode and store the MP4 (in threads: the next job runs meanwhile); the error, if any, for the client."""
+    async def _write_video(self, record: VideoRecord, output: Any) -> JobError | None:
+        """Encode the job's video (and its sound, where the model makes some) into an MP4 and store it (in threads:
+        the next job runs meanwhile); the error, if any, for the client."""
         from vllm_omni.entrypoints.openai import media
 
+        audio = output.audio[0] if output.audio else None
         try:
-            data = await asyncio.to_thread(media.encode_mp4, frames, fps)
+            data = await asyncio.to_thread(
+                media.encode_mp4, output.images[0], output.fps, audio=audio, sample_rate=output.audio_sample_rate
+            )
         except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
             logger.error("Video %s: could not encode the MP4: %s", record.id, exc, exc_info=exc)
             return JobError("server_error", f"encoding the MP4 failed: {one_line(exc)}")
