@@ -165,16 +165,17 @@ def test_yaml_limits_apply_and_limit_flags_override_them(tmp_path):
     [
         ("hunyuan_video_15", "HunyuanVideo15Pipeline", (848, 480, 121), 16),
         ("wan22_t2v_a14b", "WanPipeline", (1280, 720, 81), 40),  # A14B: 40 heads per expert
+        ("ltx2", "LTX2Pipeline", (768, 512, 121), 32),  # 32 heads in the video and in the audio stream
     ],
 )
 def test_the_packaged_video_deploy_defaults_fit_its_limits_and_the_frame_rule(name, pipeline, size, heads):
     deploy = load_deploy_config(name)
     defaults, engine = deploy.default_sampling_params, EngineArgs(name, **deploy.options)
+    spec = REGISTRY[pipeline]
     assert (defaults["width"], defaults["height"], defaults["num_frames"]) == size
-    assert defaults["num_frames"] % 4 == 1 and defaults["num_frames"] <= engine.max_frames
+    assert defaults["num_frames"] % spec.frame_multiple == 1 and defaults["num_frames"] <= engine.max_frames
     assert max(defaults["width"], defaults["height"]) <= engine.max_image_size
     assert heads % engine.ulysses_degree == 0  # the heads split evenly
-    spec = REGISTRY[pipeline]
     assert defaults["width"] % spec.size_multiple == 0 == defaults["height"] % spec.size_multiple
     tokens = spec.tokens_per_step(defaults["width"], defaults["height"], defaults["num_frames"], [])
     assert tokens <= engine.limits.for_model(spec).max_tokens_per_step

@@ -114,6 +114,44 @@ def test_a_completed_job_becomes_an_mp4_and_a_record_that_a_restart_keeps(tmp_pa
     asyncio.run(scenario())
 
 
+def test_a_video_with_sound_becomes_an_mp4_with_an_aac_track_as_long_as_the_video(tmp_path):
+    """A model that makes sound (DiffusionOutput.audio): the MP4 carries it beside the frames."""
+    rate, seconds = 24000, FRAMES / 8
+    t = np.arange(int(rate * seconds)) / rate
+    sound = np.stack([np.sin(2 * np.pi * 440 * t), np.sin(2 * np.pi * 660 * t)]).astype(np.float32) * 0.5
+
+    async def scenario():
+        store = opened(tmp_path)
+        job = new_job(1)
+        record = add(store, job)
+        complete(job)
+        job.result.audio, job.result.audio_sample_rate = [sound], rate
+        await finished(record)
+        assert record.state() == ("completed", 100)
+        with av.open(io.BytesIO((tmp_path / f"{job.id}.mp4").read_bytes())) as container:
+            video, audio = container.streams.video[0], container.streams.audio[0]
+            assert (video.codec_context.name, audio.codec_context.name) == ("h264", "aac")
+            assert (audio.rate, audio.channels) == (rate, 2)
+            assert float(audio.duration * audio.time_base) == pytest.approx(seconds, abs=0.05)
+            assert float(video.duration * video.time_base) == pytest.approx(seconds, abs=0.01)
+            assert len(list(container.decode(video=0))) == FRAMES
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_encode_mp4_takes_mono_or_stereo_sound_and_refuses_other_shapes():
+    frames = np.zeros((3, 16, 32, 3), dtype=np.uint8)
+    mono = media.encode_mp4(frames, 8, audio=np.zeros((1, 3000), np.float32), sample_rate=8000)
+    with av.open(io.BytesIO(mono)) as container:
+        assert container.streams.audio[0].channels == 1
+    with av.open(io.BytesIO(media.encode_mp4(frames, 8))) as container:
+        assert len(container.streams.audio) == 0  # no sound: no audio track
+    for audio, rate in ((np.zeros((3, 100), np.float32), 8000), (np.zeros(100, np.float32), 8000), (mono, None)):
+        with pytest.raises(ValueError, match="expected audio"):
+            media.encode_mp4(frames, 8, audio=np.zeros((1, 10)) if audio is mono else audio, sample_rate=rate)
+
+
 def left_record(number: int, status: str, age_s: float = 10, file_bytes: int = 0) -> VideoRecord:
     """A record as a previous server wrote it, created `age_s` ago (completed ones finished a second later)."""
     created = time.time() - age_s
@@ -261,10 +299,10 @@ def test_a_delete_while_the_mp4_is_written_deletes_the_video_and_its_file_once_w
     encoding, release = threading.Event(), threading.Event()
     real_encode = media.encode_mp4
 
-    def held_encode(frames, fps):
+    def held_encode(frames, fps, **sound):
         encoding.set()
         assert release.wait(WAIT_S), "never released"
-        return real_encode(frames, fps)
+        return real_encode(frames, fps, **sound)
 
     monkeypatch.setattr(media, "encode_mp4", held_encode)
 

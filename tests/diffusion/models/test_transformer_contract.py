@@ -14,6 +14,7 @@ import pytest
 import test_flux2_transformer as flux2_case
 import test_glm_image_transformer as glm_image_case
 import test_hunyuan_video_15_transformer as hunyuan_case
+import test_ltx2_transformer as ltx2_case
 import test_qwen_image21_transformer as qwen_image21_case
 import test_wan22_transformer as wan22_case
 import test_z_image_transformer as z_image_case
@@ -23,6 +24,7 @@ from tiny_qwen_transformer import QWEN_CONFIG, qwen_inputs
 from vllm_omni.diffusion.models.flux2.transformer import Flux2Transformer2DModel
 from vllm_omni.diffusion.models.glm_image.transformer import GlmImageTransformer2DModel
 from vllm_omni.diffusion.models.hunyuan_video_15.transformer import HunyuanVideo15Transformer3DModel
+from vllm_omni.diffusion.models.ltx2.transformer import LTX2VideoTransformer3DModel
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel
 from vllm_omni.diffusion.models.qwen_image21.transformer import QwenImage21Transformer2DModel
 from vllm_omni.diffusion.models.wan22.transformer import WanTransformer3DModel
@@ -49,6 +51,11 @@ FAMILIES = {
         lambda: glm_image_case.make_inputs(glm_image_case.COND),
     ),
     "z_image": (ZImageTransformer2DModel, z_image_case.CONFIG, lambda: z_image_case.make_inputs("cfg")),
+    "ltx2": (
+        LTX2VideoTransformer3DModel,
+        ltx2_case.CONFIGS["2.3"],  # gates, prompt modulation, perturbed self-attention
+        lambda: ltx2_case.make_inputs(ltx2_case.Case("2.3", stg=True, per_token_timestep=True)),
+    ),
 }
 # Families whose diffusers class has no processor API to set (family -> why the test is skipped).
 NO_SET_ATTN_PROCESSOR = {

@@ -70,13 +70,15 @@ def encode_mp4(
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": str(crf)}
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())  # flush the encoder
-        if audio is not None:
+        sound = None
+        if audio is not None:  # every stream is added before the first packet writes the header
             layout = AUDIO_LAYOUTS[audio.shape[0]]
             sound = container.add_stream("aac", rate=sample_rate)
             sound.layout = layout
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())  # flush the encoder
+        if sound is not None:
             # Planar float, as AAC takes it; the encoder cuts it into its own frames.
             samples = av.AudioFrame.from_ndarray(np.ascontiguousarray(audio.clip(-1, 1)), format="fltp", layout=layout)
             samples.sample_rate, samples.pts = sample_rate, 0

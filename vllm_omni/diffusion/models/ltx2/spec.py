@@ -27,6 +27,9 @@ def _ltx2(diffusers_class: str, image_required: bool) -> PipelineSpec:
         size_multiple=32,  # the video VAE's 32x, 1x1 patches (the pipelines refuse other sizes)
         frame_multiple=8,  # the VAE compresses time 8x: 8k + 1 frames
         default_steps=30,
+        # One step is NaN: the released scheduler stretches its sigmas to shift_terminal, dividing by 1 - sigma at
+        # the last step, which is 0 when the first step is the last.
+        min_steps=2,
         default_size=(768, 512),  # both pipelines' height/width defaults
         default_frames=121,
         default_fps=24,  # frame_rate: the audio lasts num_frames / fps seconds
