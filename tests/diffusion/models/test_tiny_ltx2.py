@@ -111,6 +111,24 @@ def test_the_family_call_with_text_encoded_once_gives_the_pipelines_output(folde
     assert sound.sample_rate == 24000 and sound.samples.dtype == np.float32
 
 
+def test_spatio_temporal_guidance_without_perturbed_attention_is_left_out(folders):
+    """LTX-2.0's transformer has no perturbed self-attention: the pipeline's spatio-temporal forward is the prompt's
+    own, its guidance term zero up to rounding. The family's call leaves it out, one forward of three a step."""
+    pipe = _ours(LTX2Pipeline.from_pretrained(folders["tiny/ltx-2"]))
+    assert not pipe.transformer.config.perturbed_attn
+    request = DiffusionRequest(request_id="r", prompt=PROMPT, num_inference_steps=2, fps=24, **SIZE)
+    kwargs = FAMILY.call_kwargs(pipe, request, spec_for("LTX2Pipeline"))
+    assert kwargs["stg_scale"] == kwargs["audio_stg_scale"] == 0.0
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
+    ours = _run(pipe, **kwargs)
+    assert len(calls) == 2 * 2  # CFG (one batched forward) and modality guidance, two steps
+    defaults = _run(pipe, **{k: v for k, v in kwargs.items() if "stg" not in k})  # diffusers' call
+    assert len(calls) == 2 * 2 + 3 * 2
+    for got, want in zip(ours, defaults):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
 def test_the_geometry_is_the_real_models(folders):
     pipe = LTX2Pipeline.from_pretrained(folders["tiny/ltx-2"])
     assert (pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio) == (32, 8)
