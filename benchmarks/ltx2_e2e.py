@@ -259,7 +259,9 @@ FAMILY = VideoFamily(
     text_encoders_text="Gemma 3 (shrunk, see above), then the connectors",
     targets_text="The target: ours at most 0.75x diffusers end to end.",
     not_run_text="Not run yet. On one H100 or H200, one call (the docstring of benchmarks/ltx2_e2e.py gives the "
-    "command line): `--steps 5 --warmup-steps 2 --phase build diffusers ours --variants diffusers-eager ours-default`.",
+    "command line): `--steps 5 --warmup-steps 2 --phase build diffusers ours --variants diffusers-eager ours-default`; "
+    "one forward at U1 and at a simulated U8 rank (trim / none / mask, where the audio stream pads and where both "
+    "streams do): `python benchmarks/ltx2_sp.py --simulate --degree 8`.",
     targets={"ours-default": "<= 0.75"},
 )
 
