@@ -300,6 +300,12 @@ class OmniDiffusionConfig:
     # first runs inside the running one from its next step (engine/scheduler.py, worker.RankServer); 1: never.
     max_num_seqs: int = 1
 
+    @property
+    def cfg_one_pass_allowed(self) -> bool:
+        """Whether a CFG step's two branches may share a forward (worker/cfg_batch.py): not turned off, not split
+        over two groups by CFG parallel, not under the step cache (which decides per branch)."""
+        return self.cfg_one_pass is not False and self.parallel_config.cfg_parallel_size == 1 and self.cache is None
+
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model must be a non-empty model id or path")

@@ -396,9 +396,7 @@ class DiffusionEngine:
         # More images than one forward holds: forwards in a row; CFG branches as rows where they fit (cfg_batch.py).
         config = self.config
         # (Whether a deploy that left it to the engine runs it is the ranks': their placement, worker.py.)
-        one_pass = config.cfg_one_pass is not False and config.parallel_config.cfg_parallel_size == 1
-        one_pass = one_pass and config.cache is None
-        one_pass = one_pass and self.spec.family_pipeline().uses_cfg(request)
+        one_pass = config.cfg_one_pass_allowed and self.spec.family_pipeline().uses_cfg(request)
         request = admission.fit(request, self.envelope, one_pass)
         ids = [row.request_id for row in request.rows]
         with self._id_lock:
