@@ -171,6 +171,31 @@ TINY = {
 PLANNED_ONLY = ("flux2-dev", "wan2.2-t2v-a14b")
 
 
+def glm_image_sampling(partial: Path) -> None:
+    """GLM-Image's AR model samples its prior tokens until its end token; random weights would emit it anywhere.
+    As benchmarks/glm_image.py: the processor's tokenizer at the real codebook (16384 vision ids, then the image
+    start and end ids the config names), and an end token no sample reaches, so every request generates the
+    released count of tokens."""
+    from transformers import GenerationConfig
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from glm_image import REAL_VISION_IDS, SAMPLING
+
+    from vllm_omni.diffusion.models.glm_image.tiny import build_ar_processor, build_ar_tokenizer
+
+    tokenizer = build_ar_tokenizer(REAL_VISION_IDS)
+    shutil.rmtree(partial / "processor", ignore_errors=True)
+    build_ar_processor(tokenizer).save_pretrained(partial / "processor")
+    text = json.loads((partial / "vision_language_encoder" / "config.json").read_text())["text_config"]
+    pad, unsampled = tokenizer.convert_tokens_to_ids("<|endoftext|>"), text["vocab_size"] - 1
+    config = GenerationConfig(do_sample=True, pad_token_id=pad, eos_token_id=unsampled, **SAMPLING)
+    config.save_pretrained(partial / "vision_language_encoder")
+
+
+# What a random-weight checkpoint needs beyond its configs to run a request as the released one does.
+AFTER_BUILD: dict[str, Callable[[Path], None]] = {"glm-image": glm_image_sampling}
+
+
 def build_released(name: str, folder: Path, configs: Path | None = None, device: str = "cuda") -> None:
     """Write a random-weight checkpoint of benchmarks/checkpoints/<name>/ (real dimensions, bf16) into `folder`,
     one component at a time on the GPU; the tokenizers and processors are the tiny model's (TINY)."""
@@ -216,6 +241,8 @@ def build_released(name: str, folder: Path, configs: Path | None = None, device:
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
+    if name in AFTER_BUILD:
+        AFTER_BUILD[name](partial)
     os.sync()
     (partial / BUILD_MARKER).write_text(json.dumps({"scale": name, "bytes": written}) + "\n")
     os.replace(partial, folder)
