@@ -181,12 +181,37 @@ class StepCacheConfig:
             raise ValueError(f"cache_threshold must be a number > 0, got {value!r}")
 
 
+LORA_MODULE_FORMS = "NAME=PATH (a folder or .safetensors file), or NAME=HIGH,LOW (a file per expert of two)"
+
+
+def lora_paths(value: Any) -> tuple[str, ...]:
+    """A LoRA adapter's files: 'PATH' (every denoiser reads it), or 'HIGH,LOW' or a list of one or two paths: two are
+    one per expert of a two-expert model, in the order of its denoisers (the high-noise `transformer`, then the
+    low-noise `transformer_2`). A ValueError saying what is wrong otherwise (its caller names the field)."""
+    items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise ValueError(f"expected a path, HIGH,LOW or a list of two paths, got {value!r}")
+    paths = tuple(item.strip() for item in items)
+    if not all(paths):
+        raise ValueError(f"an empty path in {value!r}")
+    if len(paths) > 2:
+        raise ValueError(
+            f"{len(paths)} paths in {value!r}: give one (every denoiser reads it) or two, HIGH,LOW (one per expert of "
+            "a two-expert model: high noise, low noise)"
+        )
+    return paths
+
+
 def parse_lora_module(item: str) -> tuple[str, str]:
-    """'name=path' (vLLM's --lora-modules form) -> (name, path)."""
+    """'name=path' or 'name=high,low' (vLLM's --lora-modules form, with a file per expert) -> (name, path), the pair
+    as 'high,low'."""
     name, sep, path = item.partition("=") if isinstance(item, str) else ("", "", "")
     if not sep or not name.strip() or not path.strip():
-        raise ValueError(f"a LoRA module is NAME=PATH (a folder or .safetensors file), got {item!r}")
-    return name.strip(), path.strip()
+        raise ValueError(f"a LoRA module is {LORA_MODULE_FORMS}, got {item!r}")
+    try:
+        return name.strip(), ",".join(lora_paths(path))
+    except ValueError as exc:
+        raise ValueError(f"lora_modules {item}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -280,7 +305,8 @@ class OmniDiffusionConfig:
     # What the memory plan must admit and may widen to (worker/memory_plan.py). Set by the engine from its limits
     # and the model's default request; None: the model's cap, one row.
     admission: Admission | None = None
-    # LoRA adapters (engine/adapters.py, worker/lora.py): name -> folder or .safetensors file, served from the start;
+    # LoRA adapters (engine/adapters.py, worker/lora.py): name -> folder or .safetensors file, or 'HIGH,LOW' (a file
+    # per expert of a two-expert model), served from the start;
     # how many keep their factors on each GPU and on the CPU; the largest rank accepted; whether
     # /v1/load_lora_adapter and /v1/unload_lora_adapter may change them while serving.
     lora_modules: dict[str, str] | None = None
@@ -344,9 +370,17 @@ class OmniDiffusionConfig:
             if isinstance(self.lora_modules, (list, tuple)):  # the flag's and a YAML list's name=path items
                 self.lora_modules = dict(parse_lora_module(item) for item in self.lora_modules)
             if not isinstance(self.lora_modules, dict) or not all(
-                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()
+                isinstance(k, str) and k and isinstance(v, (str, list, tuple)) and v
+                for k, v in self.lora_modules.items()
             ):
                 raise ValueError(f"lora_modules must map adapter names to paths, got {self.lora_modules!r}")
+            modules = {}
+            for name, value in self.lora_modules.items():  # a pair, 'high,low' or [high, low]: 'high,low'
+                try:
+                    modules[name] = ",".join(lora_paths(value))
+                except ValueError as exc:
+                    raise ValueError(f"lora_modules {name}: {exc}") from None
+            self.lora_modules = modules
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype is not None:

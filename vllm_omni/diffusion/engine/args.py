@@ -76,6 +76,14 @@ def width_x_height(text: str) -> tuple[int, int]:
     return size
 
 
+def _lora_module_text(value: Any) -> str | None:
+    """A mapping's adapter value as the flag writes it: a path, or a pair's list ([high, low]) as 'high,low'; None
+    for anything else (the config refuses it)."""
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return ",".join(value)
+    return value if isinstance(value, str) else None
+
+
 # ---- declaring an option ----------------------------------------------------------------------
 
 # The config an option feeds -> (its class, its section of a deploy YAML's stage; None: the stage itself).
@@ -296,9 +304,10 @@ class EngineArgs:
     )
     lora_modules: tuple[str, ...] | None = option(
         "engine",
-        "LoRA adapters to serve, as NAME=PATH (a folder or a .safetensors file, in a format diffusers reads); a "
+        "LoRA adapters to serve, as NAME=PATH (a folder or a .safetensors file, in a format diffusers reads; every "
+        "denoiser reads it), or NAME=HIGH,LOW (a file per expert of a two-expert model: high noise, low noise); a "
         'request selects one with `model: NAME` or `lora: {"name": NAME, "scale": 1.0}` (vLLM\'s flag); YAML '
-        "stages[0].lora_modules, a mapping or a list",
+        "stages[0].lora_modules, a mapping (a pair as a list) or a list",
         LORA,
         nargs="+",
         metavar="NAME=PATH",
@@ -473,7 +482,9 @@ class EngineArgs:
         if isinstance(self.warmup_size, list):  # YAML's [width, height]
             object.__setattr__(self, "warmup_size", tuple(self.warmup_size))
         if isinstance(self.lora_modules, dict):  # YAML's mapping; hashable like the flag's list
-            object.__setattr__(self, "lora_modules", tuple(f"{k}={v}" for k, v in self.lora_modules.items()))
+            texts = {k: _lora_module_text(v) for k, v in self.lora_modules.items()}
+            if None not in texts.values():  # else left as given: the config refuses it
+                object.__setattr__(self, "lora_modules", tuple(f"{k}={v}" for k, v in texts.items()))
         elif isinstance(self.lora_modules, (list, str)):
             items = [self.lora_modules] if isinstance(self.lora_modules, str) else self.lora_modules
             object.__setattr__(self, "lora_modules", tuple(items))

@@ -328,9 +328,10 @@ class DiffusionEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Serve the adapter at `path` as `name` from now on (checked first: RequestError naming the field).
-        The workers read it when a request first names it."""
+    def load_lora_adapter(self, name: str, path: str | list[str]) -> None:
+        """Serve the adapter at `path` as `name` from now on (checked first: RequestError naming the field); a file
+        per expert of a two-expert model as "HIGH,LOW" or [HIGH, LOW]. The workers read it when a request first
+        names it."""
         self.adapters.load(name, path)
         logger.info("LoRA adapter %r loaded from %s", name, path)
 
