@@ -244,8 +244,13 @@ class Envelope:
     text_tokens: int
 
     def rows_for(self, tokens: int) -> int:
-        """Rows of `tokens` image tokens each that one forward holds (at least one)."""
-        return max(1, min(self.max_rows, self.forward_tokens // max(1, tokens + self.text_tokens)))
+        """Rows of `tokens` image tokens each that one forward holds (at least one), up to `max_rows` images."""
+        return max(1, min(self.max_rows, self.rows_fitting(tokens)))
+
+    def rows_fitting(self, tokens: int) -> int:
+        """Rows of `tokens` image tokens each that the memory holds in one forward, whatever `max_rows` (the limit
+        on images, --max-n) says: a CFG step's two branches are one image's rows (engine/admission.py `fit`)."""
+        return self.forward_tokens // max(1, tokens + self.text_tokens)
 
     def narrowest(self, other: Envelope | None) -> Envelope:
         """What fits on both (a group's ranks hold different components: the narrowest rank decides)."""

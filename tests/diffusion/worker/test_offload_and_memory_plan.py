@@ -437,6 +437,9 @@ def test_layerwise_keeps_room_for_both_cfg_rows_where_they_fit_so_a_cfg_step_str
     request = DiffusionRequest(request_id="r", prompt="a lighthouse", negative_prompt=" ", tokens=4096)
     assert fit(request, both.envelope, cfg_one_pass=True).cfg_one_pass
     assert not fit(request, one.envelope, cfg_one_pass=True).cfg_one_pass
+    # --max-n 1 limits the images a forward holds, not a CFG step's two rows of one image.
+    single = deploy(64, max_n=1).envelope
+    assert single.rows_for(4096) == 1 and fit(request, single, cfg_one_pass=True).cfg_one_pass
     # Between one row's need and two rows': one row, and the deploy still starts.
     between = deploy((one.plan.need + both.plan.need) / 2 / 0.9 / 2**20)
     assert between.starts and between.envelope.rows_for(4096) == 1
