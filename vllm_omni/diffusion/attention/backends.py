@@ -1,9 +1,11 @@
 """Attention kernels, chosen by name. The parallel strategy (layer.py) never calls torch directly.
 
 A backend takes q [B, Lq, H, D] and k, v [B, Lk, H, D] and returns [B, Lq, H, D].
-Names: ``sdpa`` (dense, cannot mask), ``sdpa_masked`` (takes an additive key mask) and
-``cudnn_fp8`` (cuDNN's FP8 attention, Hopper or newer, lossy: attention/cudnn_fp8.py; its masked
-and causal calls run the exact SDPA kernels). Selection: an explicit name (config /
+Names: ``sdpa`` (dense, cannot mask), ``sdpa_masked`` (takes an additive key mask), and the lossy
+low-precision kernels for Hopper or newer, whose masked and causal calls run the exact SDPA kernels:
+``cudnn_fp8`` (cuDNN's FP8 attention, FP8 output: attention/cudnn_fp8.py), ``triton_fp8`` (INT8 Q.K
+with per-block scales, 16-bit P.V, bf16 output: attention/triton_fp8.py) and ``triton_fp8_pv`` (the
+same with P and V in FP8 too). Selection: an explicit name (config /
 ``--attention-backend``), else the ``VLLM_OMNI_ATTENTION_BACKEND`` environment variable, else
 ``sdpa_masked`` when a mask is needed and ``sdpa`` otherwise. A varlen backend is left out on
 purpose: on an H200, torch's unpad -> varlen -> re-pad measured slower than masked SDPA.
@@ -23,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from vllm_omni import envs
+from vllm_omni.logger import init_logger
 
+logger = init_logger(__name__)
 ENV_VAR = envs.ATTENTION_BACKEND
 
 
@@ -34,6 +38,7 @@ class AttentionBackend:
     low_precision: bool = False  # lossy: the per-step rule gives its full-precision steps to exact SDPA
     requires: tuple[str, str] | None = None  # (module, pip distribution) it imports when called
     min_capability: tuple[int, int] | None = None  # the CUDA compute capability it needs
+    install: str | None = None  # how to install `requires` (None: the fp8 extra)
 
     def __call__(
         self,
@@ -64,6 +69,29 @@ class CudnnFP8Backend(AttentionBackend):
         return cudnn_fp8.attention(q, k, v)
 
 
+@dataclass(frozen=True)
+class TritonFP8Backend(AttentionBackend):
+    """attention/triton_fp8.py's kernel for dense calls of a head dim it is built for; a masked or causal
+    call, or another head dim or dtype, takes the exact SDPA kernel."""
+
+    pv_fp8: bool = False  # P and V in FP8 too (faster, lossier) rather than 16-bit
+
+    def __call__(self, q, k, v, key_mask=None, causal=False):
+        if key_mask is not None or causal:
+            return super().__call__(q, k, v, key_mask, causal)
+        from vllm_omni.diffusion.attention import triton_fp8  # imports triton: only once this backend runs
+
+        if not triton_fp8.supported(q, k, v):
+            logger.warning_once(
+                f"attention backend {self.name!r} has no kernel for {q.dtype} head_dim {q.shape[-1]} on "
+                f"{q.device.type}: those calls run exact SDPA"
+            )
+            return super().__call__(q, k, v)
+        return triton_fp8.attention(q, k, v, pv_fp8=self.pv_fp8)
+
+
+TRITON_INSTALL = "it comes with PyTorch's CUDA wheels on Linux (or pip install triton)"
+
 BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend("sdpa", supports_mask=False),
     "sdpa_masked": AttentionBackend("sdpa_masked", supports_mask=True),
@@ -73,6 +101,23 @@ BACKENDS: dict[str, AttentionBackend] = {
         low_precision=True,
         requires=("cudnn", "nvidia-cudnn-frontend"),
         min_capability=(9, 0),
+    ),
+    "triton_fp8": TritonFP8Backend(
+        "triton_fp8",
+        supports_mask=True,
+        low_precision=True,
+        requires=("triton", "triton"),
+        min_capability=(9, 0),
+        install=TRITON_INSTALL,
+    ),
+    "triton_fp8_pv": TritonFP8Backend(
+        "triton_fp8_pv",
+        supports_mask=True,
+        low_precision=True,
+        requires=("triton", "triton"),
+        min_capability=(9, 0),
+        install=TRITON_INSTALL,
+        pv_fp8=True,
     ),
 }
 
@@ -87,9 +132,10 @@ def check_attention_backend(name: str | None, mask_sp_padding: bool = False) -> 
     backend = _selected(name, needs_mask=mask_sp_padding)
     if backend.requires is not None and importlib.util.find_spec(backend.requires[0]) is None:
         module, package = backend.requires
+        install = backend.install or f"pip install -e '.[fp8]' (or pip install {package})"
         raise ValueError(
             f"attention backend {backend.name!r} needs the {package} package (module {module!r}), which is not "
-            f"installed: pip install -e '.[fp8]' (or pip install {package})"
+            f"installed: {install}; or choose another --attention-backend"
         )
 
 
@@ -116,13 +162,13 @@ def _check_device(backend: AttentionBackend, device: torch.device) -> None:
     if device.type != "cuda":
         raise ValueError(
             f"attention backend {backend.name!r} needs a CUDA GPU of compute capability {need} (Hopper) or newer; "
-            f"this rank runs on {device.type}"
+            f"this rank runs on {device.type}; choose another --attention-backend"
         )
     have = torch.cuda.get_device_capability(device)
     if have < backend.min_capability:
         raise ValueError(
             f"attention backend {backend.name!r} needs a CUDA GPU of compute capability {need} (Hopper) or newer; "
-            f"{torch.cuda.get_device_name(device)} has {have[0]}.{have[1]}"
+            f"{torch.cuda.get_device_name(device)} has {have[0]}.{have[1]}; choose another --attention-backend"
         )
 
 

@@ -344,15 +344,18 @@ class EngineArgs:
     )
     attention_backend: str | None = option(
         "engine",
-        "attention kernel: sdpa (dense), sdpa_masked, or cudnn_fp8 (cuDNN's FP8 attention on Hopper or newer, "
-        "lossy; needs pip install -e '.[fp8]') (default: sdpa_masked when the padding is masked, else sdpa; "
+        "attention kernel: sdpa (dense), sdpa_masked, or a lossy low-precision one on Hopper or newer: cudnn_fp8 "
+        "(cuDNN's FP8 attention, FP8 output; needs pip install -e '.[fp8]'), triton_fp8 (INT8 Q.K, 16-bit P.V, "
+        "bf16 output; Triton) or triton_fp8_pv (P.V in FP8 too) (default: sdpa_masked when the padding is masked, "
+        "else sdpa; "
         f"env {envs.ATTENTION_BACKEND})",
         ENGINE,
         choices=ATTENTION_BACKENDS,
     )
     fp8_attention_full_steps: int = option(
         "engine",
-        "with a lossy attention backend (cudnn_fp8), the first and the last N denoising steps run exact attention",
+        "with a lossy attention backend (cudnn_fp8, triton_fp8, triton_fp8_pv), the first and the last N denoising "
+        "steps run exact attention",
         ENGINE,
         type=non_negative_int,
         metavar="N",
