@@ -1,5 +1,5 @@
 """The low-precision attention backends against bf16 SDPA (the `sdpa` backend) at our shapes, one GPU:
-cuDNN's FP8 attention (`cudnn_fp8`) and the Triton kernel (`triton_fp8`, `triton_fp8_pv`).
+cuDNN's FP8 attention (`cudnn_fp8`) and the Triton kernel (`triton_int8`, `triton_int8_fp8pv`).
 
 cuDNN (`--kernels cudnn`, needs nvidia-cudnn-frontend):
 
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness.reports import add_docs_phase, load_json, replace_section, save_json  # noqa: E402
-from vllm_omni.diffusion.attention import cudnn_fp8, triton_fp8  # noqa: E402
+from vllm_omni.diffusion.attention import cudnn_fp8, triton_int8  # noqa: E402
 from vllm_omni.diffusion.attention.backends import BACKENDS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,16 +64,16 @@ TRITON_CASES = [
     Case("HunyuanVideo 1.5 848x480x121 U1", 49290, 16),
     Case("Qwen-Image 1328x1328 U1", 6889 + 30, 24),
 ]
-TRITON_BACKENDS = ("triton_fp8", "triton_fp8_pv")
+TRITON_BACKENDS = ("triton_int8", "triton_int8_fp8pv")
 TARGET_RATIO, TARGET_ERROR = 0.75, 0.02  # issue 46: <= 0.75x cuDNN bf16's time at <= 0.02 relative L2
 SWEEP = [
-    triton_fp8.KernelConfig(128, 128, 8, 3),
-    triton_fp8.KernelConfig(128, 128, 8, 2),
-    triton_fp8.KernelConfig(128, 64, 8, 3),
-    triton_fp8.KernelConfig(128, 64, 4, 3),
-    triton_fp8.KernelConfig(128, 64, 4, 2),
-    triton_fp8.KernelConfig(64, 128, 4, 2),
-    triton_fp8.KernelConfig(64, 128, 4, 3),
+    triton_int8.KernelConfig(128, 128, 8, 3),
+    triton_int8.KernelConfig(128, 128, 8, 2),
+    triton_int8.KernelConfig(128, 64, 8, 3),
+    triton_int8.KernelConfig(128, 64, 4, 3),
+    triton_int8.KernelConfig(128, 64, 4, 2),
+    triton_int8.KernelConfig(64, 128, 4, 2),
+    triton_int8.KernelConfig(64, 128, 4, 3),
 ]
 
 
@@ -156,16 +156,16 @@ def bench_triton_case(case: Case, iters: int, warmup: int) -> dict:
         row[f"finite_{name}"] = bool(out.isfinite().all())
         row[f"error_{name}"] = _relative_l2(out[:, :, heads], ref)
         row[f"ms_{name}"] = _median_ms(lambda: backend(q, k, v), iters, warmup)  # noqa: B023
-        quantized = triton_fp8.quantize(q, k, v, pv_fp8)
-        row[f"ms_{name}_quantize"] = _median_ms(lambda: triton_fp8.quantize(q, k, v, pv_fp8), iters, warmup)  # noqa: B023
+        quantized = triton_int8.quantize(q, k, v, pv_fp8)
+        row[f"ms_{name}_quantize"] = _median_ms(lambda: triton_int8.quantize(q, k, v, pv_fp8), iters, warmup)  # noqa: B023
         row[f"ms_{name}_kernel"] = _median_ms(
-            lambda: triton_fp8.attention(q, k, v, pv_fp8, quantized=quantized),  # noqa: B023
+            lambda: triton_int8.attention(q, k, v, pv_fp8, quantized=quantized),  # noqa: B023
             iters,
             warmup,
         )
         row[f"ratio_{name}"] = row[f"ms_{name}"] / row["ms_bf16"]
         row[f"tflops_{name}_kernel"] = flops / row[f"ms_{name}_kernel"] / 1e9
-        row[f"config_{name}"] = str(triton_fp8.DEFAULT_CONFIG[pv_fp8])
+        row[f"config_{name}"] = str(triton_int8.DEFAULT_CONFIG[pv_fp8])
 
     return row
 
@@ -176,11 +176,11 @@ def sweep_configs(case: Case, iters: int, warmup: int) -> list[dict]:
     flops = 4 * case.tokens**2 * case.heads * case.head_dim
     results = []
     for pv_fp8 in (False, True):
-        quantized = triton_fp8.quantize(q, k, v, pv_fp8)
+        quantized = triton_int8.quantize(q, k, v, pv_fp8)
         for config in SWEEP:
             try:
                 ms = _median_ms(
-                    lambda: triton_fp8.attention(q, k, v, pv_fp8, config, quantized),  # noqa: B023
+                    lambda: triton_int8.attention(q, k, v, pv_fp8, config, quantized),  # noqa: B023
                     iters,
                     warmup,
                 )
@@ -199,24 +199,26 @@ def _triton_lines(rows: list[dict], device: str) -> list[str]:
         "## Low-precision attention (Triton) against bf16 SDPA",
         "",
         f"One attention call, {device}, Gaussian bf16 q, k, v, head_dim 128 (benchmarks/attention_fp8.py "
-        "--kernels triton). `triton_fp8`: INT8 Q.K with per-token (Q) and per-128-token (K, smoothed) scales, "
-        "fp32 softmax, 16-bit P.V, bf16 output; `triton_fp8_pv`: P and V in FP8 too "
-        "(vllm_omni/diffusion/attention/triton_fp8.py). Whole call (K's mean, quantisation, kernel) and kernel "
+        "--kernels triton). `triton_int8`: INT8 Q.K with per-token (Q) and per-128-token (K, smoothed) scales, "
+        "fp32 softmax, 16-bit P.V, bf16 output; `triton_int8_fp8pv`: P and V in FP8 too "
+        "(vllm_omni/diffusion/attention/triton_int8.py). Whole call (K's mean, quantisation, kernel) and kernel "
         "alone, milliseconds between CUDA events, median of the run; ratio = whole call / bf16 SDPA (issue 46's "
         f"target <= {TARGET_RATIO}). Errors: relative L2 against SDPA in float32 on four of the heads (target <= "
         f"{TARGET_ERROR}).",
         "",
-        "| case | tokens | heads | bf16 ms | triton_fp8 ms | ratio | kernel ms | kernel TFLOP/s | triton_fp8_pv ms "
-        "| ratio | kernel ms | kernel TFLOP/s | error bf16 | error triton_fp8 | error triton_fp8_pv |",
+        "| case | tokens | heads | bf16 ms | triton_int8 ms | ratio | kernel ms | kernel TFLOP/s "
+        "| triton_int8_fp8pv ms "
+        "| ratio | kernel ms | kernel TFLOP/s | error bf16 | error triton_int8 | error triton_int8_fp8pv |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['case']} | {r['tokens']} | {r['heads']} | {r['ms_bf16']:.3f} | {r['ms_triton_fp8']:.3f} | "
-            f"{r['ratio_triton_fp8']:.3f} | {r['ms_triton_fp8_kernel']:.3f} | {r['tflops_triton_fp8_kernel']:.0f} | "
-            f"{r['ms_triton_fp8_pv']:.3f} | {r['ratio_triton_fp8_pv']:.3f} | {r['ms_triton_fp8_pv_kernel']:.3f} | "
-            f"{r['tflops_triton_fp8_pv_kernel']:.0f} | {r['error_bf16']:.4f} | {r['error_triton_fp8']:.4f} | "
-            f"{r['error_triton_fp8_pv']:.4f} |"
+            f"| {r['case']} | {r['tokens']} | {r['heads']} | {r['ms_bf16']:.3f} | {r['ms_triton_int8']:.3f} | "
+            f"{r['ratio_triton_int8']:.3f} | {r['ms_triton_int8_kernel']:.3f} | {r['tflops_triton_int8_kernel']:.0f} | "
+            f"{r['ms_triton_int8_fp8pv']:.3f} | {r['ratio_triton_int8_fp8pv']:.3f} | "
+            f"{r['ms_triton_int8_fp8pv_kernel']:.3f} | "
+            f"{r['tflops_triton_int8_fp8pv_kernel']:.0f} | {r['error_bf16']:.4f} | {r['error_triton_int8']:.4f} | "
+            f"{r['error_triton_int8_fp8pv']:.4f} |"
         )
     sweep = [s for r in rows for s in r.get("sweep", []) if "ms" in s]
     if sweep:
@@ -311,7 +313,7 @@ def main() -> None:
             rows.append(dict(row, device=device))
             torch.cuda.empty_cache()
     if "triton" in kernels:
-        print(f"triton_fp8 default configs: {triton_fp8.DEFAULT_CONFIG}; targets: ratio <= {TARGET_RATIO}, "
+        print(f"triton_int8 default configs: {triton_int8.DEFAULT_CONFIG}; targets: ratio <= {TARGET_RATIO}, "
               f"relative L2 <= {TARGET_ERROR}", flush=True)  # fmt: skip
         cases = [c for c in TRITON_CASES if not wanted or any(w in c.name for w in wanted)]
         for i, case in enumerate(cases):

@@ -153,7 +153,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("fp8",)
 CACHE_POLICIES = ("first_block",)
 # the kernels of attention/backends.py, by name
-ATTENTION_BACKENDS = ("sdpa", "sdpa_masked", "cudnn_fp8", "triton_fp8", "triton_fp8_pv")
+ATTENTION_BACKENDS = ("sdpa", "sdpa_masked", "cudnn_fp8", "triton_int8", "triton_int8_fp8pv")
 # Where the weights wait between their phases, the cheapest first after auto (worker/offload.py): what
 # `cpu_offload="auto"` tries in this order, each the same weights and arithmetic (worker/memory_plan.py).
 PLACEMENTS = ("none", "encoders", "model", "layerwise")
@@ -276,7 +276,7 @@ class OmniDiffusionConfig:
     device: str | None = None  # "cpu" or "cuda"; None picks CUDA when there are enough GPUs
     dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
     attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode
-    # A lossy attention backend (cudnn_fp8, triton_fp8, triton_fp8_pv) runs the first and last this many
+    # A lossy attention backend (cudnn_fp8, triton_int8, triton_int8_fp8pv) runs the first and last this many
     # denoising steps exactly.
     fp8_attention_full_steps: int = 2
     enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)

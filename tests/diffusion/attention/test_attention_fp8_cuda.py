@@ -1,6 +1,6 @@
 """The low-precision attention backends on a Hopper-or-newer GPU (skipped elsewhere): error against an fp32
 reference at our shapes, a Ulysses rank's heads equal to U1's, a CUDA graph replay equal to eager. cuDNN's
-(`cudnn_fp8`, needs nvidia-cudnn-frontend) and the Triton kernel's (`triton_fp8`, `triton_fp8_pv`, needs triton).
+(`cudnn_fp8`, needs nvidia-cudnn-frontend) and the Triton kernel's (`triton_int8`, `triton_int8_fp8pv`, needs triton).
 
     pytest -v -rA tests/diffusion/attention/test_attention_fp8_cuda.py   # -rA prints each case's errors
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_omni.diffusion.attention import cudnn_fp8, triton_fp8
+from vllm_omni.diffusion.attention import cudnn_fp8, triton_int8
 from vllm_omni.diffusion.attention.backends import BACKENDS
 from vllm_omni.diffusion.distributed.sequence_parallel import SequenceParallelContext, use_sp_context
 
@@ -97,7 +97,7 @@ def test_a_cuda_graph_replay_equals_eager():
         assert torch.equal(out, cudnn_fp8.attention(*fresh)), f"seed {seed}"
 
 
-# ---- the Triton kernel (triton_fp8: INT8 Q.K, 16-bit P.V; triton_fp8_pv: FP8 P.V) ---------------------------
+# ---- the Triton kernel (triton_int8: INT8 Q.K, 16-bit P.V; triton_int8_fp8pv: FP8 P.V) ---------------------------
 
 # (tokens, heads) of one forward at U1, head_dim 128: Wan2.2 832x480x81 (21x30x52 video; its text is
 # cross-attention), HunyuanVideo 1.5 848x480x121 (31x30x53 video), Qwen-Image 1328x1328 (83x83 image + text).
@@ -106,7 +106,7 @@ VIDEO_SHAPES = {
     "hunyuan_video_15_848x480x121": (49290, 16),
     "qwen_image_1328": (6919, 24),
 }
-TRITON_BOUNDS = {"triton_fp8": 0.02, "triton_fp8_pv": 0.05}  # issue 46's target; FP8 P.V adds about 0.037
+TRITON_BOUNDS = {"triton_int8": 0.02, "triton_int8_fp8pv": 0.05}  # issue 46's target; FP8 P.V adds about 0.037
 
 
 def _fp32_heads(q, k, v, heads):
@@ -117,7 +117,7 @@ def _fp32_heads(q, k, v, heads):
 @needs_triton
 @pytest.mark.parametrize("name", TRITON_BOUNDS)
 @pytest.mark.parametrize("shape", VIDEO_SHAPES)
-def test_triton_fp8_against_an_fp32_reference_at_the_video_shapes(shape, name):
+def test_triton_int8_against_an_fp32_reference_at_the_video_shapes(shape, name):
     tokens, heads = VIDEO_SHAPES[shape]
     q, k, v = _qkv(tokens, heads)
     out = BACKENDS[name](q, k, v)
@@ -141,14 +141,14 @@ def test_the_triton_kernel_computes_its_torch_reference(dim, pv_fp8):
     kv = torch.randn(2, 2, 2077 + 9, 3, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
     kv[0] = kv[0] * 1.5 + 3 * torch.randn(3, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
     k, v = kv[0, :, :2077], kv[1, :, :2077]
-    ours, theirs = triton_fp8.quantize(q, k, v, pv_fp8), triton_fp8.quantize_reference(q, k, v, pv_fp8)
+    ours, theirs = triton_int8.quantize(q, k, v, pv_fp8), triton_int8.quantize_reference(q, k, v, pv_fp8)
     for name in ("q", "k", "v") if pv_fp8 else ("q", "k"):
         a, b = getattr(ours, name), getattr(theirs, name)
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: {(a.float() != b.float()).sum()} differ"
     for name in ("q_scale", "k_scale") + (("v_scale",) if pv_fp8 else ()):
         torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-6, atol=0)
-    out = triton_fp8.attention(q, k, v, pv_fp8)
-    ref = triton_fp8.reference(q, k, v, pv_fp8)
+    out = triton_int8.attention(q, k, v, pv_fp8)
+    ref = triton_int8.reference(q, k, v, pv_fp8)
     exact = _fp32_heads(q, k, v, range(3))
     assert _relative_l2(out, ref.float()) < (5e-3 if pv_fp8 else 2e-3)
     assert _relative_l2(out, exact) <= (0.05 if pv_fp8 else 0.02)
@@ -187,5 +187,5 @@ def test_triton_a_cuda_graph_replay_equals_eager():
 @needs_triton
 def test_triton_head_dims_without_a_kernel_run_exact_sdpa():
     q, k, v = (torch.randn(1, 300, 2, 80, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    assert not triton_fp8.supported(q, k, v)
-    assert torch.equal(BACKENDS["triton_fp8"](q, k, v), BACKENDS["sdpa"](q, k, v))
+    assert not triton_int8.supported(q, k, v)
+    assert torch.equal(BACKENDS["triton_int8"](q, k, v), BACKENDS["sdpa"](q, k, v))

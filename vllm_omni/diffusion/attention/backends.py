@@ -3,8 +3,8 @@
 A backend takes q [B, Lq, H, D] and k, v [B, Lk, H, D] and returns [B, Lq, H, D].
 Names: ``sdpa`` (dense, cannot mask), ``sdpa_masked`` (takes an additive key mask), and the lossy
 low-precision kernels for Hopper or newer, whose masked and causal calls run the exact SDPA kernels:
-``cudnn_fp8`` (cuDNN's FP8 attention, FP8 output: attention/cudnn_fp8.py), ``triton_fp8`` (INT8 Q.K
-with per-block scales, 16-bit P.V, bf16 output: attention/triton_fp8.py) and ``triton_fp8_pv`` (the
+``cudnn_fp8`` (cuDNN's FP8 attention, FP8 output: attention/cudnn_fp8.py), ``triton_int8`` (INT8 Q.K
+with per-block scales, 16-bit P.V, bf16 output: attention/triton_int8.py) and ``triton_int8_fp8pv`` (the
 same with P and V in FP8 too). Selection: an explicit name (config /
 ``--attention-backend``), else the ``VLLM_OMNI_ATTENTION_BACKEND`` environment variable, else
 ``sdpa_masked`` when a mask is needed and ``sdpa`` otherwise. A varlen backend is left out on
@@ -70,8 +70,8 @@ class CudnnFP8Backend(AttentionBackend):
 
 
 @dataclass(frozen=True)
-class TritonFP8Backend(AttentionBackend):
-    """attention/triton_fp8.py's kernel for dense calls of a head dim it is built for; a masked or causal
+class TritonInt8Backend(AttentionBackend):
+    """attention/triton_int8.py's kernel for dense calls of a head dim it is built for; a masked or causal
     call, or another head dim or dtype, takes the exact SDPA kernel."""
 
     pv_fp8: bool = False  # P and V in FP8 too (faster, lossier) rather than 16-bit
@@ -79,15 +79,15 @@ class TritonFP8Backend(AttentionBackend):
     def __call__(self, q, k, v, key_mask=None, causal=False):
         if key_mask is not None or causal:
             return super().__call__(q, k, v, key_mask, causal)
-        from vllm_omni.diffusion.attention import triton_fp8  # imports triton: only once this backend runs
+        from vllm_omni.diffusion.attention import triton_int8  # imports triton: only once this backend runs
 
-        if not triton_fp8.supported(q, k, v):
+        if not triton_int8.supported(q, k, v):
             logger.warning_once(
                 f"attention backend {self.name!r} has no kernel for {q.dtype} head_dim {q.shape[-1]} on "
                 f"{q.device.type}: those calls run exact SDPA"
             )
             return super().__call__(q, k, v)
-        return triton_fp8.attention(q, k, v, pv_fp8=self.pv_fp8)
+        return triton_int8.attention(q, k, v, pv_fp8=self.pv_fp8)
 
 
 TRITON_INSTALL = "it comes with PyTorch's CUDA wheels on Linux (or pip install triton)"
@@ -102,16 +102,16 @@ BACKENDS: dict[str, AttentionBackend] = {
         requires=("cudnn", "nvidia-cudnn-frontend"),
         min_capability=(9, 0),
     ),
-    "triton_fp8": TritonFP8Backend(
-        "triton_fp8",
+    "triton_int8": TritonInt8Backend(
+        "triton_int8",
         supports_mask=True,
         low_precision=True,
         requires=("triton", "triton"),
         min_capability=(9, 0),
         install=TRITON_INSTALL,
     ),
-    "triton_fp8_pv": TritonFP8Backend(
-        "triton_fp8_pv",
+    "triton_int8_fp8pv": TritonInt8Backend(
+        "triton_int8_fp8pv",
         supports_mask=True,
         low_precision=True,
         requires=("triton", "triton"),

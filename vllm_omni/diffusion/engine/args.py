@@ -345,8 +345,8 @@ class EngineArgs:
     attention_backend: str | None = option(
         "engine",
         "attention kernel: sdpa (dense), sdpa_masked, or a lossy low-precision one on Hopper or newer: cudnn_fp8 "
-        "(cuDNN's FP8 attention, FP8 output; needs pip install -e '.[fp8]'), triton_fp8 (INT8 Q.K, 16-bit P.V, "
-        "bf16 output; Triton) or triton_fp8_pv (P.V in FP8 too) (default: sdpa_masked when the padding is masked, "
+        "(cuDNN's FP8 attention, FP8 output; needs pip install -e '.[fp8]'), triton_int8 (INT8 Q.K, 16-bit P.V, "
+        "bf16 output; Triton) or triton_int8_fp8pv (P.V in FP8 too) (default: sdpa_masked when the padding is masked, "
         "else sdpa; "
         f"env {envs.ATTENTION_BACKEND})",
         ENGINE,
@@ -354,8 +354,8 @@ class EngineArgs:
     )
     fp8_attention_full_steps: int = option(
         "engine",
-        "with a lossy attention backend (cudnn_fp8, triton_fp8, triton_fp8_pv), the first and the last N denoising "
-        "steps run exact attention",
+        "with a lossy attention backend (cudnn_fp8, triton_int8, triton_int8_fp8pv), the first and the last N "
+        "denoising steps run exact attention",
         ENGINE,
         type=non_negative_int,
         metavar="N",

@@ -1,4 +1,4 @@
-"""Low-precision attention with a bf16 output (Triton), for the `triton_fp8` and `triton_fp8_pv` backends'
+"""Low-precision attention with a bf16 output (Triton), for the `triton_int8` and `triton_int8_fp8pv` backends'
 dense calls (backends.py); their masked and causal calls keep the exact SDPA kernels.
 
 SageAttention's scheme (Zhang et al. 2024/2025), forward only:
@@ -7,7 +7,7 @@ SageAttention's scheme (Zhang et al. 2024/2025), forward only:
 - Q and K in INT8 with fp32 scales: per token for Q (absmax over head_dim), per block of `K_BLOCK` (128)
   tokens for K, each per batch row and head. QK^T accumulates in int32, exactly; the scores are scaled to
   fp32 and the softmax (online, in the log2 domain) runs in fp32.
-- P and V: `triton_fp8` keeps them 16-bit (P in V's dtype, fp32 accumulation); `triton_fp8_pv` takes
+- P and V: `triton_int8` keeps them 16-bit (P in V's dtype, fp32 accumulation); `triton_int8_fp8pv` takes
   V to E4M3 with per-channel scales and P to E4M3 (scaled to [0, 448]), each key tile's product summed
   into the fp32 accumulator separately (no long FP8 accumulation chain on Hopper).
 - O leaves the kernel in q's dtype (bf16): there is no FP8 output rounding.
@@ -265,10 +265,10 @@ def attention(
     """softmax(q k^T / sqrt(D)) v: q [B, Lq, H, D], k, v [B, Lk, H, D] (last dim contiguous) -> [B, Lq, H, D]
     in q's dtype. `quantized`: inputs already through `quantize` (the benchmark times the kernel alone)."""
     if triton is None:
-        raise RuntimeError("the triton_fp8 attention backends need Triton (pip install triton)")
+        raise RuntimeError("the triton_int8 attention backends need Triton (pip install triton)")
     if not supported(q, k, v):
         raise ValueError(
-            f"triton_fp8 attention runs CUDA {[str(d) for d in DTYPES]} tensors of head_dim {HEAD_DIMS}; got "
+            f"triton_int8 attention runs CUDA {[str(d) for d in DTYPES]} tensors of head_dim {HEAD_DIMS}; got "
             f"{q.dtype} {tuple(q.shape)} on {q.device}"
         )
     cfg = config or DEFAULT_CONFIG[pv_fp8]

@@ -1,5 +1,5 @@
 """The Triton low-precision attention backends on the CPU: the numerics of their quantisation (the torch
-reference, attention/triton_fp8.py) against exact attention, the properties SP and batching rely on, the kernel
+reference, attention/triton_int8.py) against exact attention, the properties SP and batching rely on, the kernel
 itself under Triton's interpreter, and the backends' selection, fallbacks and refusals."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_omni.diffusion.attention import backends, triton_fp8
+from vllm_omni.diffusion.attention import backends, triton_int8
 from vllm_omni.diffusion.attention.backends import (
     configure_attention_backend,
     resolve_attention_backend,
@@ -23,7 +23,7 @@ from vllm_omni.diffusion.attention.backends import (
 )
 from vllm_omni.diffusion.config import OmniDiffusionConfig
 
-NAMES = ("triton_fp8", "triton_fp8_pv")
+NAMES = ("triton_int8", "triton_int8_fp8pv")
 
 
 @pytest.fixture(autouse=True)
@@ -60,18 +60,18 @@ def test_the_reference_is_within_two_percent_of_exact_attention(dim):
     for kwargs in ({}, {"k_bias": 3.0, "scale": 1.5}):
         q, k, v = _qkv(2, 300, 777, 2, dim, **kwargs, dtype=torch.bfloat16)
         exact = _exact(q, k, v)
-        error = _relative_l2(triton_fp8.reference(q, k, v), exact)
+        error = _relative_l2(triton_int8.reference(q, k, v), exact)
         assert error <= 0.02, f"{kwargs}: relative L2 {error:.4f}"
         # FP8 P and V add about 0.037 of their own (3 mantissa bits each); E4M3 Q and K alone give about as much
-        fp8_pv = _relative_l2(triton_fp8.reference(q, k, v, pv_fp8=True), exact)
+        fp8_pv = _relative_l2(triton_int8.reference(q, k, v, pv_fp8=True), exact)
         assert error < fp8_pv < 0.07, f"{kwargs}: FP8 P.V relative L2 {fp8_pv:.4f}"
-        e4m3_qk = _relative_l2(triton_fp8.reference(q, k, v, qk_format="e4m3"), exact)
+        e4m3_qk = _relative_l2(triton_int8.reference(q, k, v, qk_format="e4m3"), exact)
         assert e4m3_qk > 1.5 * error, f"{kwargs}: E4M3 Q.K relative L2 {e4m3_qk:.4f}, INT8 {error:.4f}"
 
 
 def test_smoothing_k_is_exact_for_softmax_and_the_scales_are_what_the_module_says():
     q, k, v = _qkv(1, 130, 260, 2, 64, k_bias=5.0)
-    x = triton_fp8.quantize_reference(q, k, v)
+    x = triton_int8.quantize_reference(q, k, v)
     assert x.q.dtype == x.k.dtype == torch.int8 and x.q.shape == (1, 2, 256, 64) and x.k.shape == (1, 2, 384, 64)
     assert x.q.abs().amax(-1)[:, :, :130].eq(127).all()  # every token's largest element maps to 127
     assert x.k.view(1, 2, 3, 128, 64).abs().amax((-1, -2)).eq(127).all()  # every K block's too
@@ -84,7 +84,7 @@ def test_smoothing_k_is_exact_for_softmax_and_the_scales_are_what_the_module_say
     shifted = torch.softmax(q.double().transpose(1, 2) @ centred, -1)
     plain = torch.softmax(q.double().transpose(1, 2) @ k.double().permute(0, 2, 3, 1), -1)
     torch.testing.assert_close(shifted, plain, rtol=1e-9, atol=1e-12)
-    q_scale = x.q_scale[:, :, :130] / (1 / math.sqrt(64) * triton_fp8.LOG2E)
+    q_scale = x.q_scale[:, :, :130] / (1 / math.sqrt(64) * triton_int8.LOG2E)
     torch.testing.assert_close(q_scale, q.abs().amax(-1).transpose(1, 2) / 127)
 
 
@@ -93,17 +93,17 @@ def test_a_ulysses_ranks_heads_and_a_batch_row_get_exactly_their_values_alone():
     # mode) computes exactly U1's values for them, and a request's row does not depend on its neighbours.
     q, k, v = _qkv(2, 200, 333, 4, 64, k_bias=2.0, dtype=torch.bfloat16)
     for pv_fp8 in (False, True):
-        whole = triton_fp8.reference(q, k, v, pv_fp8)
+        whole = triton_int8.reference(q, k, v, pv_fp8)
         for heads in (slice(0, 2), slice(2, 4)):
-            part = triton_fp8.reference(q[:, :, heads], k[:, :, heads], v[:, :, heads], pv_fp8)
+            part = triton_int8.reference(q[:, :, heads], k[:, :, heads], v[:, :, heads], pv_fp8)
             assert torch.equal(part, whole[:, :, heads])
-        assert torch.equal(triton_fp8.reference(q[1:], k[1:], v[1:], pv_fp8), whole[1:])
+        assert torch.equal(triton_int8.reference(q[1:], k[1:], v[1:], pv_fp8), whole[1:])
 
 
 INTERPRETED = """
 import torch
-from vllm_omni.diffusion.attention import triton_fp8 as kernel
-from tests.diffusion.attention.test_attention_triton_fp8 import _exact, _qkv, _relative_l2
+from vllm_omni.diffusion.attention import triton_int8 as kernel
+from tests.diffusion.attention.test_attention_triton_int8 import _exact, _qkv, _relative_l2
 
 assert hasattr(kernel._attn_kernel, "fn") and "Interpreted" in type(kernel._attn_kernel).__name__
 for (q_len, k_len, dim), config in (
@@ -144,26 +144,26 @@ def test_the_backends_are_chosen_by_name_and_masked_causal_or_unsupported_calls_
         monkeypatch.setenv(backends.ENV_VAR, name)
         assert resolve_attention_backend(needs_mask=False).name == name
         assert resolve_attention_backend(needs_mask=True).name == name  # it takes a mask, to the masked kernel
-    backend = backends.BACKENDS["triton_fp8"]
-    assert backend.low_precision and not backend.pv_fp8 and backends.BACKENDS["triton_fp8_pv"].pv_fp8
+    backend = backends.BACKENDS["triton_int8"]
+    assert backend.low_precision and not backend.pv_fp8 and backends.BACKENDS["triton_int8_fp8pv"].pv_fp8
     q, k, v = _qkv(1, 5, 5, 2, 16)
     bias = torch.zeros(1, 1, 1, 5).masked_fill_(torch.tensor([False] * 3 + [True] * 2), float("-inf"))
     exact_masked = backends.BACKENDS["sdpa_masked"](q, k, v, bias)
     torch.testing.assert_close(backend(q, k, v, bias), exact_masked, rtol=0, atol=0)
     torch.testing.assert_close(backend(q, k, v, causal=True), backends.BACKENDS["sdpa"](q, k, v, causal=True))
     # no kernel for CPU tensors (outside the interpreter) or this head dim: exact SDPA
-    assert not triton_fp8.supported(q, k, v)
+    assert not triton_int8.supported(q, k, v)
     torch.testing.assert_close(backend(q, k, v), backends.BACKENDS["sdpa"](q, k, v), rtol=0, atol=0)
 
 
 def test_the_per_step_rule_gives_the_first_and_last_steps_to_exact_attention():
-    configure_attention_backend("triton_fp8", full_steps=2)
+    configure_attention_backend("triton_int8", full_steps=2)
     chosen = []
     for step in range(6):
         set_denoising_step(step, 6)
         chosen.append(resolve_attention_backend(needs_mask=False).name)
         assert resolve_attention_backend(needs_mask=False, allow_low_precision=False).name == "sdpa"
-    assert chosen == ["sdpa", "sdpa", "triton_fp8", "triton_fp8", "sdpa", "sdpa"]
+    assert chosen == ["sdpa", "sdpa", "triton_int8", "triton_int8", "sdpa", "sdpa"]
     assert backends.attention_precision() == "exact"  # step 5 of 6
     set_denoising_step(2, 6)
     assert backends.attention_precision() == "low"
@@ -175,14 +175,14 @@ def test_without_triton_or_a_hopper_gpu_the_engine_refuses_naming_the_option(mon
             configure_attention_backend(name, device=torch.device("cpu"))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    words = r"'triton_fp8' needs the triton package .*PyTorch's CUDA wheels.*choose another --attention-backend"
+    words = r"'triton_int8' needs the triton package .*PyTorch's CUDA wheels.*choose another --attention-backend"
     with pytest.raises(ValueError, match=words):
-        configure_attention_backend("triton_fp8")
+        configure_attention_backend("triton_int8")
     from vllm_omni.diffusion.engine.core import DiffusionEngine
 
     with pytest.raises(ValueError, match=words):  # before anything loads or starts
-        DiffusionEngine(OmniDiffusionConfig("tiny/qwen-image", device="cpu", attention_backend="triton_fp8"))
-    monkeypatch.setenv(backends.ENV_VAR, "triton_fp8")
+        DiffusionEngine(OmniDiffusionConfig("tiny/qwen-image", device="cpu", attention_backend="triton_int8"))
+    monkeypatch.setenv(backends.ENV_VAR, "triton_int8")
     with pytest.raises(ValueError, match=words):
         configure_attention_backend(None)
 
