@@ -80,11 +80,12 @@ class SPWorkerPool:
         return results
 
     def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
+        for conn in self.conns:  # every rank first: a rank may wait for its peers as it leaves the group
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
+        for proc in self.procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()

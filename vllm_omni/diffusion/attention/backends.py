@@ -79,8 +79,11 @@ def attention_with_lse(
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt)[:2]
             return out.transpose(1, 2), lse
         bias = None
-        if key_mask is not None:
-            bias = key_mask.to(q.dtype).expand(batch, heads, length, kt.shape[2])
+        if key_mask is not None:  # the kernel reads the bias in rows aligned to 16 elements, as SDPA pads it
+            keys = kt.shape[2]
+            aligned = key_mask.new_empty(*key_mask.shape[:-1], -(-keys // 16) * 16, dtype=q.dtype)
+            aligned[..., :keys] = key_mask
+            bias = aligned[..., :keys].expand(batch, heads, length, keys)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, bias, True)[:2]
         lse = lse[..., :length]  # padded to the kernel's tile of queries
         if key_mask is not None:

@@ -269,11 +269,11 @@ class PartialAttention:
     def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         lse = lse.transpose(1, 2).unsqueeze(-1)
         if self.out is None:
-            self.out, self.lse = out.float(), lse
+            self.out, self.lse = out.to(torch.float32, copy=True), lse
             return
         new = torch.logaddexp(self.lse, lse)
         base = new.masked_fill(torch.isneginf(new), 0)  # rows no block gave a key yet: weights stay 0
-        self.out = self.out * torch.exp(self.lse - base) + out.float() * torch.exp(lse - base)
+        self.out.mul_(torch.exp(self.lse - base)).addcmul_(out, torch.exp(lse - base))
         self.lse = new
 
     def result(self, like: torch.Tensor) -> torch.Tensor:
