@@ -160,23 +160,32 @@ def write_docs(rows: list[dict], path: Path) -> None:
         "a step sends; the last two columns are the link speed that hides a step's send/recv behind its",
         "block, against NVLink (450 GB/s each way) and a 400 Gb/s network (50 GB/s).",
         "",
-        "| case | tokens (image + text) | trim | unpadded | mask | none | trim/unpadded | mask/trim | block ms "
-        "| MB/step | GB/s to hide | NVLink / 400G |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | tokens (image + text) | padding | trim | unpadded | mask | none | trim/unpadded | mask/trim "
+        "| block ms | MB/step | GB/s to hide | NVLink / 400G |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    degrees = {case.name: case.degree for case in CASES}
     for row in rows:
         t = row["ms"]
         need = row["step_bytes"] / 1e9 / (row["block_ms"] / 1e3)
+        degree = degrees[row["case"]]
+        pads = " + ".join(str(-int(n) % degree) for n in row["tokens"].split(" + "))
         lines.append(
-            f"| {row['case']} | {row['tokens']} | {t['trim']:.3f} | {t['unpadded']:.3f} | {t['mask']:.3f} | "
+            f"| {row['case']} | {row['tokens']} | {pads} | {t['trim']:.3f} | {t['unpadded']:.3f} | {t['mask']:.3f} | "
             f"{t['none']:.3f} | {t['trim'] / t['unpadded']:.4f} | {t['mask'] / t['trim']:.3f} | "
             f"{row['block_ms']:.3f} | {row['step_bytes'] / 1e6:.1f} | {need:.0f} | "
             f"{'yes' if need <= NVLINK_GBS else 'no'} / {'yes' if need <= NETWORK_GBS else 'no'} |"
         )
     lines += [
         "",
-        "Needs more than one GPU, not run here: the real ring (NCCL send/recv between GPUs, the overlap "
-        "measured rather than worked out), and Ulysses all-to-alls across GPUs.",
+        "`padding`: the pad tokens of each stream at that SP degree (none: `mask` runs no masked kernel, as in",
+        "HunyuanVideo 1.5 at R2). `unpadded` is a slightly smaller problem (up to 7 fewer keys and 4 fewer query",
+        "rows a rank at degree 8); `none` runs the padded blocks whole, at the same size as trim. Differences of",
+        "about 1% between variants that do the same work are within this run's noise (20 rounds).",
+        "",
+        "Needs more than one GPU, not run here (no machine of several GPUs was lent): the real ring (NCCL",
+        "send/recv between GPUs, the overlap measured rather than worked out on paper), the Ulysses all-to-alls",
+        "across GPUs, and a ring inside a captured CUDA graph.",
     ]
     replace_section(path, "ring_attention", "\n".join(lines))
 
@@ -208,6 +217,7 @@ def main() -> None:
             "device": name,
         }
         rows.append(row)
+        save_json(args.out, rows)  # after each case: a run cut short keeps what it measured
         print(
             f"{case.name:38s} "
             + " ".join(f"{m}={v:.4f}" for m, v in times.items())

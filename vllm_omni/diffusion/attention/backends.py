@@ -86,15 +86,19 @@ def attention_with_lse(
             bias = aligned[..., :keys].expand(batch, heads, length, keys)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, bias, True)[:2]
         lse = lse[..., :length]  # padded to the kernel's tile of queries
+    else:
+        scores = torch.matmul(qt.float(), kt.float().transpose(-1, -2)) * head_dim**-0.5
         if key_mask is not None:
-            out = torch.where(torch.isneginf(lse)[..., None], 0, out)
-        return out.transpose(1, 2), lse
-    scores = torch.matmul(qt.float(), kt.float().transpose(-1, -2)) * head_dim**-0.5
+            scores = scores + key_mask.float()
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0)[..., None])
+        out = torch.matmul(probs, vt.float()).to(q.dtype)
     if key_mask is not None:
-        scores = scores + key_mask.float()
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0)[..., None])  # rows of no key: all zero
-    return torch.matmul(probs, vt.float()).to(q.dtype).transpose(1, 2), lse
+        # A row whose every key is masked: read from the mask, not the kernel (the memory-efficient one gives it
+        # lse 0 on an H100), so every kernel's merge skips it alike.
+        empty = torch.isneginf(key_mask).all(dim=-1, keepdim=True)
+        lse, out = lse.masked_fill(empty[..., 0], float("-inf")), out.masked_fill(empty, 0)
+    return out.transpose(1, 2), lse
 
 
 @dataclass(frozen=True)
