@@ -161,7 +161,7 @@ def sp_generate(name: str, mode: str, request: DiffusionRequest) -> np.ndarray:
         _worker_pipes[name] = _load(name, ours=True)
     state = get_parallel_state()
     flags = {"mask": dict(mask_sp_padding=True), "trim": {}}[mode]
-    config = state.config.replace(mask_sp_padding=False, trim_sp_padding=True, **flags)
+    config = state.config.replace(**{"mask_sp_padding": False, "trim_sp_padding": True, **flags})
     with use_parallel_state(dataclasses.replace(state, config=config)):
         return _run(_worker_pipes[name], request, name)
 
