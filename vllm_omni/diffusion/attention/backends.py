@@ -10,6 +10,11 @@ same with P and V in FP8 too). Selection: an explicit name (config /
 ``sdpa_masked`` when a mask is needed and ``sdpa`` otherwise. A varlen backend is left out on
 purpose: on an H200, torch's unpad -> varlen -> re-pad measured slower than masked SDPA.
 
+Ring attention merges partial results through each block's log-sum-exp: `AttentionBackend.with_lse`
+returns it beside the output (`attention_with_lse`: torch's flash kernel on CUDA for a dense half-precision
+call, its memory-efficient kernel for a masked or fp32 one, a plain math path elsewhere, in fp32). A lossy
+backend's `with_lse` is the exact kernel: cuDNN's FP8 call returns no log-sum-exp here.
+
 A lossy (``low_precision``) backend follows the per-step precision rule: the runner reports each
 denoising step (`set_denoising_step`), and the first and last ``fp8_attention_full_steps`` steps run
 the exact kernel. The rule reads only (step, total steps), which every rank knows alike.
@@ -55,6 +60,50 @@ class AttentionBackend:
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask, is_causal=causal
         )
         return out.transpose(1, 2)
+
+    def with_lse(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output [B, Lq, H, D] and its log-sum-exp [B, H, Lq] (fp32), for ring attention's merge."""
+        if key_mask is not None and not self.supports_mask:
+            raise ValueError(f"attention backend {self.name!r} cannot apply a mask")
+        return attention_with_lse(q, k, v, key_mask)
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of q [B, Lq, H, D] over k, v [B, Lk, H, D] (optional additive `key_mask`, broadcast to
+    [B, H, Lq, Lk]): the output [B, Lq, H, D] in q's dtype and the log-sum-exp of each query's scores [B, H, Lq] in
+    fp32 (-inf for a query the mask hides every key from; its output is then 0)."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    batch, heads, length, head_dim = qt.shape
+    if q.device.type == "cuda":
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        if key_mask is None and half and head_dim <= 256 and head_dim % 8 == 0:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt)[:2]
+            return out.transpose(1, 2), lse
+        bias = None
+        if key_mask is not None:  # the kernel reads the bias in rows aligned to 16 elements, as SDPA pads it
+            keys = kt.shape[2]
+            aligned = key_mask.new_empty(*key_mask.shape[:-1], -(-keys // 16) * 16, dtype=q.dtype)
+            aligned[..., :keys] = key_mask
+            bias = aligned[..., :keys].expand(batch, heads, length, keys)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, bias, True)[:2]
+        lse = lse[..., :length]  # padded to the kernel's tile of queries
+    else:
+        scores = torch.matmul(qt.float(), kt.float().transpose(-1, -2)) * head_dim**-0.5
+        if key_mask is not None:
+            scores = scores + key_mask.float()
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0)[..., None])
+        out = torch.matmul(probs, vt.float()).to(q.dtype)
+    if key_mask is not None:
+        # A row whose every key is masked: read from the mask, not the kernel (the memory-efficient one gives it
+        # lse 0 on an H100), so every kernel's merge skips it alike.
+        empty = torch.isneginf(key_mask).all(dim=-1, keepdim=True)
+        lse, out = lse.masked_fill(empty[..., 0], float("-inf")), out.masked_fill(empty, 0)
+    return out.transpose(1, 2), lse
 
 
 @dataclass(frozen=True)

@@ -188,7 +188,9 @@ class EngineArgs:
     )
     ring_degree: int = option(
         "parallel",
-        "Ring attention degree; Ring attention is not built yet, so values above 1 are refused (default: 1)",
+        "ring attention degree: the SP ranks are ulysses_degree x ring_degree, the Ulysses all-to-all within each "
+        "run of ulysses_degree ranks and key/value blocks passed around a ring across them (USP): SP degrees the "
+        "heads do not divide, and across machines (default: 1)",
         PARALLEL,
         type=positive_int,
         metavar="N",
@@ -214,8 +216,8 @@ class EngineArgs:
     )
     data_parallel_size: int = option(
         "parallel",
-        "replicas: N groups of cfg_parallel_size x ulysses_degree ranks, each on its own GPUs, behind one "
-        "queue; a request runs on an idle replica (default: 1)",
+        "replicas: N groups of cfg_parallel_size x ulysses_degree x ring_degree ranks, each on its own GPUs, "
+        "behind one queue; a request runs on an idle replica (default: 1)",
         PARALLEL,
         server_only=True,
         type=positive_int,
@@ -560,11 +562,6 @@ class EngineArgs:
         `from_kwargs`), so a combination is refused with the same words wherever it was given.
         """
         _ = (self.parallel_config, self.limits, self.batching, self.step_cache, self.engine_config())
-        if self.ring_degree > 1:
-            raise ValueError(
-                f"ring_degree > 1 is not supported yet (Ring attention is not built), got ring_degree="
-                f"{self.ring_degree}: leave it at 1 and split with ulysses_degree (--ulysses-degree) instead"
-            )
         if self.cache_threshold is not None and self.cache is None:
             raise ValueError(
                 "--cache-threshold needs a cache: give --cache first_block (or stages[0].cache, or Omni's "

@@ -114,7 +114,8 @@ class DiffusionEngine:
         self.limits = limits or EngineLimits()
         self.model_path = resolve_model_path(config.model, config.download_dir, config.revision)
         self.spec = read_pipeline_spec(self.model_path)
-        check_ulysses_degree(self.model_path, parallel.ulysses_degree)  # before any GPU loads a weight
+        # before any GPU loads a weight
+        check_ulysses_degree(self.model_path, parallel.ulysses_degree, parallel.ring_degree)
         check_pipeline_options(self.spec, parallel.cfg_parallel_size, config.cache.policy if config.cache else None)
         ray_session = _join_ray(config) if parallel.distributed_executor_backend == "ray" else None
         try:
@@ -152,7 +153,7 @@ class DiffusionEngine:
         self._stopping = False
         logger.info(
             "Starting %d worker(s) for %s (%s) on %s, %s, quantization=%s, cache=%s, cpu_offload=%s, "
-            "ulysses_degree=%d, cfg_parallel_size=%d, padding=%s, executor=%s",
+            "ulysses_degree=%d, ring_degree=%d, cfg_parallel_size=%d, padding=%s, executor=%s",
             parallel.world_size,
             config.model,
             self.spec.diffusers_class,
@@ -163,6 +164,7 @@ class DiffusionEngine:
             config.cpu_offload
             + (" (no CUDA graphs: the weights move)" if config.cpu_offload in ("model", "layerwise") else ""),
             parallel.ulysses_degree,
+            parallel.ring_degree,
             parallel.cfg_parallel_size,
             parallel.padding_mode,
             parallel.distributed_executor_backend,

@@ -536,4 +536,6 @@ def plan_rank(
     degree = parallel.ulysses_degree * 2
     if heads and all(isinstance(h, int) and h % degree == 0 for h in heads):
         alternatives[f"--ulysses-degree {degree}"] = plan(sp=degree * parallel.ring_degree)
+    else:  # the heads allow no more Ulysses: twice the ranks through ring attention
+        alternatives[f"--ring-degree {parallel.ring_degree * 2}"] = plan(sp=parallel.sequence_parallel_size * 2)
     raise ValueError(refusal(chosen, alternatives, admission.required_tokens))
