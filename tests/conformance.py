@@ -6,7 +6,9 @@ Transformers (tests/diffusion/models/test_<family>_transformer.py):
   parameter names (and config);
 - under Ulysses on the gloo pools (tests/sp_pool.py, 2 and 3 ranks): at padded sizes the exact modes (mask, trim)
   equal one process and are silent; what the padding holds never reaches a real token; unmasked padding ("none")
-  is close but not equal and warns once, naming the degree; where nothing pads, "none" is exact.
+  is close but not equal and warns once, naming the degree; where nothing pads, "none" is exact;
+- under ring attention (USP) on the ring pools (ring 2, ring 3, Ulysses 2 x ring 2): the same, in one check
+  (`assert_ring_conformance`), at sizes whose padding lands inside a ring block.
 A family hands the SP checks an `SPForward`: `(mode, random_padding) -> [(output, warnings logged), per rank]`,
 usually `lambda mode, noisy: sp_pool.run(sp_forward, folder, case, mode, random_padding=noisy)`.
 
@@ -143,6 +145,25 @@ def assert_sp_none_mode_exact_without_padding(
         compare(out, expected)
         if silent:
             assert warnings == []
+
+
+def assert_ring_conformance(
+    sp: SPForward,
+    expected,
+    ring_degree: int | None,
+    compare: Callable = assert_close,
+    equal: Callable = torch.equal,
+    part: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> None:
+    """Ring attention at a padded size: mask and trim equal one process (and are silent); random padding gives the
+    same bits as zeros (trim); unmasked padding is close but not equal, and, given the `ring_degree` (the forward
+    records its warnings, and forgets those given once before), warns once naming it."""
+    assert_sp_exact_modes_match(sp, expected, compare, silent=ring_degree is not None)
+    assert_sp_padding_content_never_reaches_real_tokens(sp, "trim", equal)
+    results = assert_sp_unmasked_padding_is_close_but_not_equal(sp, expected, None, part=part)
+    if ring_degree is not None:
+        for _, warnings in results:
+            assert len(warnings) == 1 and f"ring_degree={ring_degree}" in warnings[0], warnings
 
 
 # ---- whole engines ------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """A pool of real processes joined in one gloo process group, for SP tests on the CPU.
 
 `SPWorkerPool(world_size)` starts one process per rank with `initialize_parallel_state`
-(Ulysses degree = world size); `pool.run(fn, *args)` calls the module-level function `fn`
-on every rank and returns the per-rank results, raising with the rank's traceback when
-one fails. Pools are session fixtures (conftest.py) so tests share the startup cost.
+(Ulysses degree = world size; `ring_degree=R` splits it as ulysses x ring, USP);
+`pool.run(fn, *args)` calls the module-level function `fn` on every rank and returns the
+per-rank results, raising with the rank's traceback when one fails. Pools are session fixtures
+(conftest.py) so tests share the startup cost.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
+def _worker_main(rank: int, world_size: int, init_method: str, conn, ring_degree: int = 1) -> None:
     import torch
     import torch.distributed as dist
 
@@ -33,7 +34,8 @@ def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=TIMEOUT_S)
     )
-    initialize_parallel_state(DiffusionParallelConfig(ulysses_degree=world_size), rank, init_method)
+    config = DiffusionParallelConfig(ulysses_degree=world_size // ring_degree, ring_degree=ring_degree)
+    initialize_parallel_state(config, rank, init_method)
     while True:
         message = conn.recv()
         if message is None:
@@ -46,14 +48,17 @@ def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
 
 
 class SPWorkerPool:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, ring_degree: int = 1) -> None:
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.world_size = world_size
+        self.ring_degree = ring_degree
+        self.ulysses_degree = world_size // ring_degree
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, init_method, child), daemon=True)
+            args = (rank, world_size, init_method, child, ring_degree)
+            proc = ctx.Process(target=_worker_main, args=args, daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -75,11 +80,12 @@ class SPWorkerPool:
         return results
 
     def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
+        for conn in self.conns:  # every rank first: a rank may wait for its peers as it leaves the group
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
+        for proc in self.procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()

@@ -62,6 +62,8 @@ COMPARISONS = (
     ("ours-default", "ours-eager"),
     ("ours-fp8-attention", "diffusers-eager"),
     ("ours-fp8-attention", "ours-default"),
+    ("ours-triton-int8-attention", "ours-default"),
+    ("ours-triton-int8-attention-rule", "ours-default"),
     ("ours-fp8-levers", "diffusers-eager"),
     ("ours-fp8-levers", "ours-default"),
     ("ours-fp8-levers-cache", "diffusers-eager"),
@@ -132,6 +134,24 @@ def make_variants(pipeline: str) -> list[Variant]:
             1,
             "Omni(folder, attention_backend='cudnn_fp8', fp8_attention_full_steps=0): FP8 attention in every step",
             {"attention_backend": "cudnn_fp8", "fp8_attention_full_steps": 0},
+        ),
+        # The Triton kernel (INT8 Q.K, bf16 output; issue 46), every timed step in low precision as above; and
+        # under the engine's per-step rule as shipped (the first and last 2 steps exact): a full-length request's
+        # agreement with ours-default (--reference) is what decides whether it may be the default.
+        Variant(
+            "ours-triton-int8-attention",
+            "ours",
+            1,
+            "Omni(folder, attention_backend='triton_int8', fp8_attention_full_steps=0): the Triton kernel in every "
+            "step",
+            {"attention_backend": "triton_int8", "fp8_attention_full_steps": 0},
+        ),
+        Variant(
+            "ours-triton-int8-attention-rule",
+            "ours",
+            1,
+            "Omni(folder, attention_backend='triton_int8'): the Triton kernel, the first and last 2 steps exact",
+            {"attention_backend": "triton_int8"},
         ),
         # The levers together (issue 33), every timed step in FP8 as above. Not the step cache: with 3 measured
         # steps it skips at most a forward or two, which says nothing of a full request's skips (a full run would).

@@ -26,6 +26,20 @@ def test_the_degree_must_divide_every_experts_heads(tmp_path):
         check_ulysses_degree(folder, 3)
 
 
+def test_the_error_names_the_ulysses_and_ring_pairs_the_heads_allow(tmp_path):
+    """Z-Image's 30 heads: no Ulysses 4 or 8; 8 ranks split as Ulysses 2 x ring 4 or ring 8 alone."""
+    index = {"_class_name": "ZImagePipeline", "transformer": ["diffusers", "X"]}
+    folder = _folder(tmp_path, index, {"transformer": 30})
+    check_ulysses_degree(folder, 2, ring_degree=4)
+    with pytest.raises(ValueError) as error:
+        check_ulysses_degree(folder, 8)
+    assert "use one of [1, 2, 3, 5, 6, 10, 15, 30]" in str(error.value)
+    pairs = "--ulysses-degree 2 --ring-degree 4 or --ulysses-degree 1 --ring-degree 8"
+    assert f"for 8 sequence-parallel ranks (ulysses_degree x ring_degree), {pairs}" in str(error.value)
+    with pytest.raises(ValueError, match="for 12 sequence-parallel ranks .*--ulysses-degree 6 --ring-degree 2 or "):
+        check_ulysses_degree(folder, 4, ring_degree=3)
+
+
 def test_an_absent_expert_is_not_checked(tmp_path):
     index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "X"], "transformer_2": [None, None]}
     check_ulysses_degree(_folder(tmp_path, index, {"transformer": 24}), 3)  # 5B: 24 heads, no transformer_2

@@ -218,8 +218,9 @@ def test_dead_worker_is_respawned_idle_and_mid_request(engines):
 def test_start_refuses_what_does_not_exist_yet(monkeypatch):
     from huggingface_hub import constants
 
-    with pytest.raises(ValueError, match="ring_degree > 1 is not supported"):
-        Omni("tiny/qwen-image", ring_degree=2)
+    # tiny/qwen-image has 6 heads: no Ulysses 4; the error names the (Ulysses, ring) splits of 4 ranks
+    with pytest.raises(ValueError, match="--ulysses-degree 2 --ring-degree 2 or --ulysses-degree 1 --ring-degree 4"):
+        Omni("tiny/qwen-image", ulysses_degree=4)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # a hub id not in the cache would be downloaded
     with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache .* cannot be reached"):
         Omni("no-such-org/no-such-model")

@@ -1,5 +1,6 @@
 """LoRA adapters through `Omni` (real worker processes): images equal diffusers' with the same adapter, switching
-is exact, SP and CFG parallel equal one process, and the ranks agree on the adapter before the first step.
+is exact, SP and CFG parallel equal one process, and the ranks agree on the adapter before the first step; Wan2.2
+A14B with a file per expert equals diffusers with each file loaded into its expert.
 
 The adapters are random PEFT adapters made by the tests (tests/lora_files.py). diffusers' reference applies them
 unmerged (`load_lora_weights` + `set_adapters`), the engine merges them into the weights (worker/lora.py): equal
@@ -54,19 +55,24 @@ def adapters(tmp_path_factory):
 
 
 def diffusers_image(
-    model: str, lora: str | None, scale: float, prompt: str = "a cat", only: str | None = None, **fields
+    model: str,
+    lora: str | tuple[str, str] | None,
+    scale: float,
+    prompt: str = "a cat",
+    only: str | None = None,
+    **fields,
 ) -> np.ndarray:
     """The image diffusers' own pipeline (its reference transformer) gives, with `lora` applied unmerged to every
-    denoiser (`only`: to that one)."""
+    denoiser (`only`: to that one); a pair (HIGH, LOW): each file to its expert, in the order of the denoisers."""
     spec = TINY_MODELS[model]
     path = resolve_model_path(model)
     family = spec.family_pipeline()
     pipe = pipeline_class(path).from_pretrained(path, dtype=torch.float32)
     if lora is not None:
-        for name in family.denoisers:
+        for index, name in enumerate(family.denoisers):
             if (path / name).is_dir() and only in (None, name):
                 extra = {"load_into_transformer_2": True} if name == "transformer_2" else {}
-                pipe.load_lora_weights(lora, adapter_name="x", **extra)
+                pipe.load_lora_weights(lora if isinstance(lora, str) else lora[index], adapter_name="x", **extra)
         pipe.set_adapters(["x"], [scale])
     fields.pop("output_type", None)
     # The engine's own checks and defaults (true CFG off without a negative prompt, Wan's frame rule).
@@ -143,6 +149,30 @@ def test_each_family_with_a_diffusers_loader_gives_diffusers_image(model, tmp_pa
     if model.startswith("tiny/wan2.2"):  # both experts carry the adapter: on the first one only, the video differs
         first_only = diffusers_image(model, adapter, 0.5, only="transformer", **fields)
         assert np.abs(images[True] - first_only).max() > 1e-3
+
+
+def test_wan22_a_file_per_expert_gives_diffusers_video_and_a_request_without_it_is_unchanged_after_it(tmp_path):
+    """`lora_modules={"NAME": (HIGH, LOW)}` (Omni's form of --lora-modules NAME=HIGH,LOW): the high-noise expert reads
+    HIGH, the low-noise one LOW, as diffusers' `load_lora_weights(HIGH)` and `load_lora_weights(LOW,
+    load_into_transformer_2=True)` give; the base model's video after it is bit-identical to the one before."""
+    model = "tiny/wan2.2-t2v"
+    path = resolve_model_path(model)
+    high, low = (str(make_adapter(path, tmp_path / name, seed=seed)) for seed, name in ((21, "high"), (22, "low")))
+    fields = dict(FAMILIES[model], num_inference_steps=2, seed=3)
+
+    def video(omni: Omni, lora) -> np.ndarray:
+        return np.asarray(np.stack(omni.generate("a cat", lora=lora, output_type="np", **fields)[0]), np.float32)
+
+    with Omni(model, lora_modules={"pair": (high, low)}) as omni:
+        before = video(omni, None)
+        pair = video(omni, {"name": "pair", "scale": 0.5})
+        after = video(omni, None)
+        assert omni.scheduler.engine.adapters.served() == {"pair": f"{high},{low}"}
+    np.testing.assert_array_equal(after, before)
+    np.testing.assert_allclose(pair, diffusers_image(model, (high, low), 0.5, **fields), atol=ATOL)
+    assert np.abs(pair - before).max() > 1e-3
+    # Each expert read its own file: the high-noise file in both experts is another video.
+    assert np.abs(pair - diffusers_image(model, high, 0.5, **fields)).max() > 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 
 LTX-2 makes its sound with the video: the MP4 the API delivers has an H.264 video stream and an AAC audio stream
 (24 kHz stereo), both as long as the requested `seconds`; an image (`input_reference`) runs image-to-video on the
-same checkpoint, with sound too. 224x160 is 7x5 latent pixels; 1 s at 9 fps is 9 frames (8k + 1), 2 latent frames:
-70 video tokens and 9 audio tokens, the audio stream padded at Ulysses 2.
+same checkpoint, with sound too; POST /v1/videos/sync answers with the same file. 224x160 is 7x5 latent pixels;
+1 s at 9 fps is 9 frames (8k + 1), 2 latent frames: 70 video tokens and 9 audio tokens, the audio stream padded at
+Ulysses 2.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import io
 
 import av
+import httpx
 import numpy as np
 import pytest
 from openai import OpenAI
@@ -26,11 +28,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The Sora API:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-ltx2")
-    server = start_server([MODEL, "--ulysses-degree", "2", "--video-dir", str(root / "videos")], root / "server.log")
-    yield OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
-    server.close()
+    srv = start_server([MODEL, "--ulysses-degree", "2", "--video-dir", str(root / "videos")], root / "server.log")
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
 
 
 def streams(data: bytes) -> dict:
@@ -71,3 +78,16 @@ def test_the_delivered_mp4_has_a_video_and_an_audio_stream_of_the_requested_leng
     # encoder adds its priming frame when decoded.
     assert found["audio_seconds"] == pytest.approx(1.0, abs=0.05)
     assert found["decoded_seconds"] == pytest.approx(1.0, abs=0.1)
+
+
+def test_the_sync_route_answers_the_same_mp4_with_its_sound(server, client):
+    """POST /v1/videos/sync: the bytes the async route stores for the same seed, sound included."""
+    body = dict(BODY, model=MODEL, prompt=PROMPT, size="224x160", seconds="1", seed=11)
+    answer = httpx.post(f"{server.url}/v1/videos/sync", json=body, timeout=HTTP_TIMEOUT_S)
+    assert answer.status_code == 200, answer.text
+    found = streams(answer.content)
+    assert found["audio"] == ("aac", 24000, 2) and found["video"][:2] == ("h264", 9)
+    polled = client.videos.create_and_poll(
+        model=MODEL, prompt=PROMPT, size="224x160", seconds="1", extra_body=dict(BODY, seed=11), poll_interval_ms=50
+    )
+    assert client.videos.download_content(polled.id).read() == answer.content

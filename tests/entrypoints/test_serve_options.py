@@ -108,6 +108,12 @@ def test_v1_needs_the_api_key_and_health_does_not(server):
     response = post(server, headers={})
     assert response.status_code == 401 and "API key" in response.json()["error"]["message"]
     assert response.headers["www-authenticate"] == "Bearer"
+    # The videos routes alike, the synchronous one too; with the key, both answer this image model's 400.
+    for path in ("/v1/videos", "/v1/videos/sync"):
+        assert httpx.post(f"{server.url}{path}", json={"prompt": "a cat"}).status_code == 401
+        response = httpx.post(f"{server.url}{path}", json={"prompt": "a cat"}, headers=AUTH)
+        error = response.json()["error"]
+        assert (response.status_code, error["param"], error["code"]) == (400, "model", "wrong_modality"), error
 
 
 @pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer"])

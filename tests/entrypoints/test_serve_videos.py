@@ -5,7 +5,9 @@ One server process for the module (CPU workers), its videos kept in a test direc
 2 pads them. Covers create_and_poll and download (a real MP4 of the asked frames and size),
 progress, cancellation by DELETE, deleting a finished video (its file goes, then 404), the list
 newest first with its cursor, two jobs at once, JSON bodies, bad input naming the field, and a
-`seconds` over the frame limit saying which lengths fit.
+`seconds` over the frame limit saying which lengths fit. POST /v1/videos/sync on the same server:
+the bytes the async route stores for the same seed, a client that leaves has its job cancelled
+(the request behind it runs next), and hostile bodies answered as the async route answers them.
 Image-to-video runs on a server of its own (test_serve_image_to_video.py); here the upload
 paths are covered by the text-to-video model refusing them.
 """
@@ -14,13 +16,15 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import av
 import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
-from server_process import HTTP_TIMEOUT_S, start_server
+from server_process import HTTP_TIMEOUT_S, open_request, start_server
 
 MODEL = "tiny/hunyuan-video-1.5"
 PROMPT = "A cat walks on the grass, realistic style."
@@ -264,3 +268,95 @@ def test_unknown_videos_and_unsupported_variants_are_answered_in_openai_shape(se
     assert bad_cursor.status_code == 400 and error_of(bad_cursor)["param"] == "after"
     bad_limit = httpx.get(f"{server.url}/v1/videos", params={"limit": "0"})
     assert bad_limit.status_code == 400 and error_of(bad_limit)["param"] == "limit"
+
+
+# ---- POST /v1/videos/sync ---------------------------------------------------------------------------------------
+
+
+def sync(server, **fields) -> httpx.Response:
+    body = dict(FAST, model=MODEL, prompt=PROMPT, size=SIZE, seconds="1", seed=7)
+    body.update(fields)
+    return httpx.post(f"{server.url}/v1/videos/sync", json=body, timeout=HTTP_TIMEOUT_S)
+
+
+def test_sync_answers_the_mp4_the_async_route_stores_for_the_same_seed(server, client):
+    answer = sync(server, seed=11)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"] == "video/mp4"
+    headers = {k: answer.headers[k] for k in ("x-seed", "x-size", "x-num-frames", "x-fps")}
+    assert headers == {"x-seed": "11", "x-size": SIZE, "x-num-frames": "9", "x-fps": "8"}
+    frames, codec, rate = decode_mp4(answer.content)
+    assert (len(frames), frames[0].shape, codec, rate) == (9, (144, 208, 3), "h264", 8)
+
+    video = client.videos.create_and_poll(
+        model=MODEL, prompt=PROMPT, size=SIZE, seconds="1", extra_body=dict(FAST, seed=11), poll_interval_ms=50
+    )
+    assert client.videos.download_content(video.id).read() == answer.content
+    # Nothing is stored for it: its id is no video of the store.
+    job = answer.headers["x-request-id"]
+    assert re.fullmatch(r"video-[0-9a-f]{16}", job) and job not in [v.id for v in client.videos.list(limit=100).data]
+    assert httpx.get(f"{server.url}/v1/videos/{job}").status_code == 404
+
+
+def test_sync_a_client_that_disconnects_has_its_job_cancelled_and_the_request_behind_it_runs_next(server):
+    start = server.log_size()
+    body = dict(FAST, model=MODEL, prompt=PROMPT, size=SIZE, seconds="1", seed=7, num_inference_steps=SLOW_STEPS)
+    leaving = open_request(server.url, "/v1/videos/sync", body)
+    queued = rf"Request (video-\w+) queued: size={SIZE}, frames=9, steps={{}},"
+    slow = server.wait_for_log(queued.format(SLOW_STEPS), start).group(1)
+    server.wait_for_log(rf"Request {slow} running", start)
+    with ThreadPoolExecutor(1) as pool:
+        behind = pool.submit(sync, server, seed=12)  # queued behind the slow job
+        waiting = server.wait_for_log(queued.format(FAST["num_inference_steps"]), start).group(1)
+        leaving.close()  # the client goes away
+        server.wait_for_log(rf"Request {slow}: client disconnected, cancelling", start)
+        stopped = int(server.wait_for_log(rf"request {slow} cancelled at step (\d+)", start).group(1))
+        answer = behind.result(timeout=HTTP_TIMEOUT_S)
+    assert stopped < SLOW_STEPS // 2  # stopped at a step, not run to its end
+    assert answer.status_code == 200 and answer.headers["x-request-id"] == waiting, answer.text
+    # The job behind it started when the cancelled one ended: the engine ran nothing between them.
+    log = server.log(start)
+    ended = log.index(f"Request {slow} cancelled")
+    assert ended < log.index(f"Request {waiting} running")
+    assert re.findall(r"Request (video-\w+) running", log) == [slow, waiting]
+
+
+def _error(response: httpx.Response) -> tuple:
+    error = response.json()["error"]
+    return response.status_code, error["type"], error["param"], error["code"]
+
+
+JSON = {"Content-Type": "application/json"}
+HOSTILE = {
+    "not json": dict(content=b'{"prompt": "a cat", ', headers=JSON),
+    "a json list": dict(content=b'["a cat"]', headers=JSON),
+    "no content type": dict(content=b'{"prompt": "a cat"}'),
+    "plain text": dict(content=b"a cat", headers={"Content-Type": "text/plain"}),
+    "no prompt": dict(json={"size": SIZE}),
+    "a prompt that is an object": dict(json={"prompt": {"text": PROMPT}}),
+    "an unknown field": dict(json={"prompt": PROMPT, "num_stepz": 2}),
+    "n": dict(json={"prompt": PROMPT, "n": 2}),
+    "a seed that is a list": dict(json={"prompt": PROMPT, "seed": [1]}),
+    "a huge size": dict(json={"prompt": PROMPT, "size": "99999x99999"}),
+    "too many frames": dict(json={"prompt": PROMPT, "num_frames": 10**9}),
+    "too many steps": dict(json={"prompt": PROMPT, "num_inference_steps": 10**9}),
+    "seconds not a number": dict(json={"prompt": PROMPT, "seconds": "NaN"}),
+    "a prompt over the token limit": dict(json={"prompt": "cat " * 100_000}),
+    "a model not served": dict(json={"prompt": PROMPT, "model": "sora-2"}),
+    "an adapter by path": dict(json={"prompt": PROMPT, "lora": {"name": "x", "path": "/etc/passwd"}}),
+    "a remote reference": dict(json={"prompt": PROMPT, "input_reference": {"image_url": "http://127.0.0.1/x.png"}}),
+    "a form with a stray file": dict(data={"prompt": PROMPT}, files={"other": ("x.png", b"\x89PNG", "image/png")}),
+}
+
+
+@pytest.mark.parametrize("request_kwargs", HOSTILE.values(), ids=HOSTILE.keys())
+def test_sync_answers_a_hostile_body_as_the_async_route_does(server, request_kwargs):
+    answers = [
+        httpx.post(f"{server.url}{path}", timeout=HTTP_TIMEOUT_S, **request_kwargs)
+        for path in ("/v1/videos", "/v1/videos/sync")
+    ]
+    assert 400 <= answers[0].status_code < 500, answers[0].text
+    assert _error(answers[1]) == _error(answers[0]), (answers[0].text, answers[1].text)
+    # The same words too, but for the route's own path where a message names it.
+    asynchronous, synchronous = (answer.json()["error"]["message"] for answer in answers)
+    assert synchronous == asynchronous.replace("/v1/videos ", "/v1/videos/sync "), (asynchronous, synchronous)

@@ -4,19 +4,26 @@ sharded) and `tiny/wan2.2-i2v`, with the `openai` client.
 80x112 at 17 frames is 5 x 7 tokens x 5 latent frames = 175 video tokens: Ulysses 2 pads them.
 Text-to-video runs through `create_and_poll`; the MP4 decodes (PyAV) to the frames and size
 asked, at the model's 16 fps. Image-to-video takes the image as `input_reference`, and without a
-size keeps its aspect ratio.
+size keeps its aspect ratio. The text-to-video server allows run-time adapters: a file per expert
+(HIGH,LOW) loads through `/v1/load_lora_adapter` and serves by name (its exactness against diffusers:
+tests/entrypoints/test_omni_lora.py).
 """
 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+from lora_files import make_adapter
 from openai import BadRequestError, OpenAI
 from PIL import Image
 from server_process import HTTP_TIMEOUT_S, start_server
 from test_serve_videos import decode_mp4, finished, poll_until
+
+from vllm_omni.diffusion.model_source import resolve_model_path
 
 PROMPT = "A paper boat drifts across a pond at dawn."
 STEPS = {"num_inference_steps": 2, "seed": 3}
@@ -32,7 +39,8 @@ def _client(root, model: str, *flags: str):
 
 @pytest.fixture(scope="module")
 def t2v(tmp_path_factory):
-    server, client = _client(tmp_path_factory.mktemp("serve-wan-t2v"), "tiny/wan2.2-t2v", "--ulysses-degree", "2")
+    root = tmp_path_factory.mktemp("serve-wan-t2v")
+    server, client = _client(root, "tiny/wan2.2-t2v", "--ulysses-degree", "2", "--allow-runtime-lora")
     yield client
     server.close()
 
@@ -82,3 +90,36 @@ def test_image_to_video_with_input_reference(i2v):
     with pytest.raises(BadRequestError) as info:
         i2v.videos.create(model="tiny/wan2.2-i2v", prompt=PROMPT, size="128x64", seconds="0.5")
     assert info.value.body["param"] in ("image", "input_reference")
+
+
+def test_a_file_per_expert_loads_at_run_time_serves_by_name_and_leaves_the_base_model_unchanged(t2v, tmp_path):
+    url = str(t2v.base_url).rstrip("/")
+    model = resolve_model_path("tiny/wan2.2-t2v")
+    high, low = (make_adapter(model, tmp_path / name, seed=seed) for seed, name in ((21, "high"), (22, "low")))
+
+    def load(name: str, path) -> httpx.Response:
+        return httpx.post(f"{url}/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=30)
+
+    def video(model: str) -> bytes:
+        body = {"model": model, "prompt": PROMPT, "size": "112x80", "num_frames": 5, **STEPS}
+        response = httpx.post(f"{url}/videos/sync", json=body, timeout=HTTP_TIMEOUT_S)
+        assert response.status_code == 200, response.text
+        return response.content
+
+    missing = tmp_path / "nope.safetensors"
+    for path, words in [
+        (f"{high},{low},{high}", "3 paths in"),
+        ([str(high), str(missing)], f"adapter 'bad' (its low-noise file, for transformer_2): {missing} does not exist"),
+    ]:
+        response = load("bad", path)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "lora_path" and words in error["message"], error
+    assert load("pair", f"{high},{low}").status_code == 200  # vLLM's body, HIGH,LOW in its lora_path
+    assert load("listed", [str(low), str(high)]).status_code == 200  # or a list
+    roots = {card["id"]: card.get("root") for card in httpx.get(f"{url}/models").json()["data"]}
+    assert roots["pair"] == f"{Path(high).resolve()},{Path(low).resolve()}" and "bad" not in roots
+
+    base = video("tiny/wan2.2-t2v")
+    pair, listed = video("pair"), video("listed")
+    assert len({base, pair, listed}) == 3  # each file in its own expert: swapped, another video
+    assert video("tiny/wan2.2-t2v") == base  # a request without the adapter is unchanged after one with it

@@ -152,7 +152,8 @@ class DiffusionParallelConfig:
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("fp8",)
 CACHE_POLICIES = ("first_block",)
-ATTENTION_BACKENDS = ("sdpa", "sdpa_masked", "cudnn_fp8")  # the kernels of attention/backends.py, by name
+# the kernels of attention/backends.py, by name
+ATTENTION_BACKENDS = ("sdpa", "sdpa_masked", "cudnn_fp8", "triton_int8", "triton_int8_fp8pv")
 # Where the weights wait between their phases, the cheapest first after auto (worker/offload.py): what
 # `cpu_offload="auto"` tries in this order, each the same weights and arithmetic (worker/memory_plan.py).
 PLACEMENTS = ("none", "encoders", "model", "layerwise")
@@ -181,12 +182,37 @@ class StepCacheConfig:
             raise ValueError(f"cache_threshold must be a number > 0, got {value!r}")
 
 
+LORA_MODULE_FORMS = "NAME=PATH (a folder or .safetensors file), or NAME=HIGH,LOW (a file per expert of two)"
+
+
+def lora_paths(value: Any) -> tuple[str, ...]:
+    """A LoRA adapter's files: 'PATH' (every denoiser reads it), or 'HIGH,LOW' or a list of one or two paths: two are
+    one per expert of a two-expert model, in the order of its denoisers (the high-noise `transformer`, then the
+    low-noise `transformer_2`). A ValueError saying what is wrong otherwise (its caller names the field)."""
+    items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise ValueError(f"expected a path, HIGH,LOW or a list of two paths, got {value!r}")
+    paths = tuple(item.strip() for item in items)
+    if not all(paths):
+        raise ValueError(f"an empty path in {value!r}")
+    if len(paths) > 2:
+        raise ValueError(
+            f"{len(paths)} paths in {value!r}: give one (every denoiser reads it) or two, HIGH,LOW (one per expert of "
+            "a two-expert model: high noise, low noise)"
+        )
+    return paths
+
+
 def parse_lora_module(item: str) -> tuple[str, str]:
-    """'name=path' (vLLM's --lora-modules form) -> (name, path)."""
+    """'name=path' or 'name=high,low' (vLLM's --lora-modules form, with a file per expert) -> (name, path), the pair
+    as 'high,low'."""
     name, sep, path = item.partition("=") if isinstance(item, str) else ("", "", "")
     if not sep or not name.strip() or not path.strip():
-        raise ValueError(f"a LoRA module is NAME=PATH (a folder or .safetensors file), got {item!r}")
-    return name.strip(), path.strip()
+        raise ValueError(f"a LoRA module is {LORA_MODULE_FORMS}, got {item!r}")
+    try:
+        return name.strip(), ",".join(lora_paths(path))
+    except ValueError as exc:
+        raise ValueError(f"lora_modules {item}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -219,8 +245,13 @@ class Envelope:
     text_tokens: int
 
     def rows_for(self, tokens: int) -> int:
-        """Rows of `tokens` image tokens each that one forward holds (at least one)."""
-        return max(1, min(self.max_rows, self.forward_tokens // max(1, tokens + self.text_tokens)))
+        """Rows of `tokens` image tokens each that one forward holds (at least one), up to `max_rows` images."""
+        return max(1, min(self.max_rows, self.rows_fitting(tokens)))
+
+    def rows_fitting(self, tokens: int) -> int:
+        """Rows of `tokens` image tokens each that the memory holds in one forward, whatever `max_rows` (the limit
+        on images, --max-n) says: a CFG step's two branches are one image's rows (engine/admission.py `fit`)."""
+        return self.forward_tokens // max(1, tokens + self.text_tokens)
 
     def narrowest(self, other: Envelope | None) -> Envelope:
         """What fits on both (a group's ranks hold different components: the narrowest rank decides)."""
@@ -245,7 +276,8 @@ class OmniDiffusionConfig:
     device: str | None = None  # "cpu" or "cuda"; None picks CUDA when there are enough GPUs
     dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
     attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode
-    # A lossy attention backend (cudnn_fp8) runs the first and last this many denoising steps exactly.
+    # A lossy attention backend (cudnn_fp8, triton_int8, triton_int8_fp8pv) runs the first and last this many
+    # denoising steps exactly.
     fp8_attention_full_steps: int = 2
     enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)
     # A CFG step's two branches as the rows of one forward where both fit (worker/cfg_batch.py); False: two forwards;
@@ -280,7 +312,8 @@ class OmniDiffusionConfig:
     # What the memory plan must admit and may widen to (worker/memory_plan.py). Set by the engine from its limits
     # and the model's default request; None: the model's cap, one row.
     admission: Admission | None = None
-    # LoRA adapters (engine/adapters.py, worker/lora.py): name -> folder or .safetensors file, served from the start;
+    # LoRA adapters (engine/adapters.py, worker/lora.py): name -> folder or .safetensors file, or 'HIGH,LOW' (a file
+    # per expert of a two-expert model), served from the start;
     # how many keep their factors on each GPU and on the CPU; the largest rank accepted; whether
     # /v1/load_lora_adapter and /v1/unload_lora_adapter may change them while serving.
     lora_modules: dict[str, str] | None = None
@@ -299,6 +332,12 @@ class OmniDiffusionConfig:
     # Requests in flight on one worker group at once: with fair or priority, a queued request that the policy puts
     # first runs inside the running one from its next step (engine/scheduler.py, worker.RankServer); 1: never.
     max_num_seqs: int = 1
+
+    @property
+    def cfg_one_pass_allowed(self) -> bool:
+        """Whether a CFG step's two branches may share a forward (worker/cfg_batch.py): not turned off, not split
+        over two groups by CFG parallel, not under the step cache (which decides per branch)."""
+        return self.cfg_one_pass is not False and self.parallel_config.cfg_parallel_size == 1 and self.cache is None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -338,9 +377,17 @@ class OmniDiffusionConfig:
             if isinstance(self.lora_modules, (list, tuple)):  # the flag's and a YAML list's name=path items
                 self.lora_modules = dict(parse_lora_module(item) for item in self.lora_modules)
             if not isinstance(self.lora_modules, dict) or not all(
-                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()
+                isinstance(k, str) and k and isinstance(v, (str, list, tuple)) and v
+                for k, v in self.lora_modules.items()
             ):
                 raise ValueError(f"lora_modules must map adapter names to paths, got {self.lora_modules!r}")
+            modules = {}
+            for name, value in self.lora_modules.items():  # a pair, 'high,low' or [high, low]: 'high,low'
+                try:
+                    modules[name] = ",".join(lora_paths(value))
+                except ValueError as exc:
+                    raise ValueError(f"lora_modules {name}: {exc}") from None
+            self.lora_modules = modules
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype is not None:

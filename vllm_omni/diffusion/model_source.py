@@ -140,10 +140,11 @@ def read_pipeline_spec(path: Path) -> PipelineSpec:
     return spec_for(class_name, index)
 
 
-def check_ulysses_degree(path: Path, ulysses_degree: int) -> None:
+def check_ulysses_degree(path: Path, ulysses_degree: int, ring_degree: int = 1) -> None:
     """ValueError when `ulysses_degree` does not divide the attention heads of a denoiser (read from
     the config.json of every transformer* component, before any worker loads; the workers check the
-    loaded models again)."""
+    loaded models again). The error names the (Ulysses, ring) pairs that split the same SP degree
+    (`ulysses_degree` x `ring_degree`) and that the heads allow."""
     try:
         index = json.loads((path / MODEL_INDEX).read_text())
     except (OSError, ValueError):
@@ -156,7 +157,7 @@ def check_ulysses_degree(path: Path, ulysses_degree: int) -> None:
         except (OSError, ValueError, TypeError):
             continue  # no readable config here: the workers' check still applies
         if isinstance(heads, int) and heads >= 1 and heads % ulysses_degree:
-            raise ValueError(ulysses_degree_error(ulysses_degree, heads))
+            raise ValueError(ulysses_degree_error(ulysses_degree, heads, ring_degree))
 
 
 def check_pipeline_options(spec: PipelineSpec, cfg_parallel_size: int, cache_policy: str | None) -> None:
@@ -170,6 +171,17 @@ def check_pipeline_options(spec: PipelineSpec, cfg_parallel_size: int, cache_pol
         raise ValueError(f"cache={cache_policy}: {spec.diffusers_class} {spec.step_cache_refusal}")
 
 
-def ulysses_degree_error(ulysses_degree: int, heads: int) -> str:
+def usp_pairs(heads: int, sp: int) -> list[tuple[int, int]]:
+    """The (ulysses_degree, ring_degree) pairs of `sp` ranks whose Ulysses degree divides `heads`, most Ulysses
+    first (the all-to-all inside a node is the cheaper exchange; ring takes the rest)."""
+    return [(u, sp // u) for u in range(min(heads, sp), 0, -1) if heads % u == 0 and sp % u == 0]
+
+
+def ulysses_degree_error(ulysses_degree: int, heads: int, ring_degree: int = 1) -> str:
     divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-    return f"ulysses_degree={ulysses_degree} does not divide the model's {heads} attention heads; use one of {divisors}"
+    sp = ulysses_degree * ring_degree
+    pairs = " or ".join(f"--ulysses-degree {u} --ring-degree {r}" for u, r in usp_pairs(heads, sp))
+    return (
+        f"ulysses_degree={ulysses_degree} does not divide the model's {heads} attention heads; use one of {divisors}, "
+        f"and ring attention for the rest: for {sp} sequence-parallel ranks (ulysses_degree x ring_degree), {pairs}"
+    )

@@ -16,9 +16,19 @@ class LoraRequest:
     folder, and the scale its update is multiplied by."""
 
     name: str
-    path: str
+    path: str  # every denoiser's file; with `path_2`, the first denoiser's only (of two experts: the high-noise one)
     scale: float = 1.0
     version: int = 0  # the registry's load count for this name: a reload under the same name and path is read anew
+    path_2: str | None = None  # the second denoiser's own file (transformer_2, the low-noise expert); None: `path`
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Its files: one for every denoiser, or one per expert (high noise, low noise)."""
+        return (self.path,) if self.path_2 is None else (self.path, self.path_2)
+
+    def path_for(self, denoiser: str) -> str:
+        """The file `denoiser` ('transformer', 'transformer_2') reads."""
+        return self.path_2 if denoiser == "transformer_2" and self.path_2 is not None else self.path
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """All ranks of a Ulysses group simulated in one process, for degrees the gloo tests do not reach
 (4, 8) and, on a GPU, for the CUDA kernels in bf16. The all-to-all is done by indexing:
-rank r receives chunk r of every rank's send buffer.
+rank r receives chunk r of every rank's send buffer. Ring attention (USP) likewise: every rank's
+key/value block is built first, and each ring step hands a rank the block of the ring rank it would
+receive from (ring 4, Ulysses 2 x ring 4, and on a GPU in bf16).
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_omni.diffusion.attention import layer
 from vllm_omni.diffusion.attention.backends import resolve_attention_backend
-from vllm_omni.diffusion.attention.layer import attend_joint, pack_streams, unpack_streams
+from vllm_omni.diffusion.attention.layer import attend_joint, attend_ring, pack_streams, unpack_streams
+from vllm_omni.diffusion.distributed.comm import RingPass, SimulatedGroup
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
     TEXT,
@@ -55,6 +59,70 @@ def simulated_ulysses(image, text, world, mode, order, pad_noise=None, text_vali
         full = torch.cat([o[slot.name] for o in outs], dim=1)
         gathered[slot.name] = full[:, : slot.shard.original_seq_len]
     return gathered[IMAGE], gathered[TEXT]
+
+
+def simulated_ring(image, text, ulysses, ring, mode, order, monkeypatch, pad_noise=None):
+    """Every rank of a Ulysses x ring group in turn; the gathered (image, text) outputs without padding."""
+    world = ulysses * ring
+    ctxs = [SequenceParallelContext(None, world, rank, ulysses, ring, mode) for rank in range(world)]
+    sends, layouts = [], []
+    for ctx in ctxs:
+        with use_sp_context(ctx):
+            streams = {
+                IMAGE: [shard_with_auto_pad(t, 1, IMAGE) for t in image],
+                TEXT: [shard_with_auto_pad(t, 1, TEXT) for t in text],
+            }
+        if pad_noise is not None:
+            for name, tensors in streams.items():
+                shard = ctx.streams[name]
+                n_real = max(0, min(shard.local_seq_len, shard.original_seq_len - ctx.rank * shard.local_seq_len))
+                for t in tensors:
+                    t[:, n_real:] = torch.randn(t[:, n_real:].shape, generator=pad_noise, dtype=torch.float32).to(t)
+        layouts.append(ctx.ring_layout(order, image[0].device, image[0].dtype))
+        sends.append(pack_streams(layouts[-1].own, streams))
+    # The Ulysses all-to-all within each run of `ulysses` ranks: rank r*U + u receives chunk u of its group's sends.
+    recvs = [
+        torch.stack([sends[rank - rank % ulysses + peer][rank % ulysses] for peer in range(ulysses)])
+        for rank in range(world)
+    ]
+    blocks = [layer._joint_buffer(recv, lay.own, None, lay.buffer_len)[1:] for recv, lay in zip(recvs, layouts)]
+    steps = {}
+
+    def ring_pass(send, recv, group, ring_rank):  # the block of the ring rank `step + 1` places before
+        rank = current[0]
+        steps[rank] = steps.get(rank, 0) + 1
+        recv.copy_(blocks[((ring_rank - steps[rank]) % ring) * ulysses + rank % ulysses])
+        return RingPass([])
+
+    monkeypatch.setattr(layer, "ring_pass", ring_pass)
+    backs, current = [], [0]
+    for rank, (recv, lay) in enumerate(zip(recvs, layouts)):
+        current[0] = rank
+        backend = resolve_attention_backend(needs_mask=lay.needs_mask)
+        backs.append(attend_ring(recv, lay, backend, SimulatedGroup(ring)))
+    backs = [
+        torch.stack([backs[rank - rank % ulysses + peer][rank % ulysses] for peer in range(ulysses)])
+        for rank in range(world)
+    ]
+    outs = [dict(zip([s.name for s in lay.own.slots], unpack_streams(lay.own, b))) for lay, b in zip(layouts, backs)]
+    gathered = {}
+    for slot in layouts[0].own.slots:
+        full = torch.cat([o[slot.name] for o in outs], dim=1)
+        gathered[slot.name] = full[:, : ctxs[0].streams[slot.name].original_seq_len]
+    return gathered[IMAGE], gathered[TEXT]
+
+
+@pytest.mark.parametrize("ulysses,ring", [(1, 4), (2, 4)], ids=["r4", "u2r4"])
+@pytest.mark.parametrize("order", [[TEXT, IMAGE], [IMAGE, TEXT]], ids=["front", "rear"])
+def test_simulated_ring_4_and_ulysses_2_by_ring_4_match_reference(ulysses, ring, order, monkeypatch):
+    """Padding inside a block (83 tokens: blocks of 21 or 22 rows), whole blocks of padding (5 and 1 tokens)."""
+    for image_len, text_len in [(83, 30), (64, 16), (5, 3), (1, 9)]:
+        image, text = _inputs(image_len, text_len, "cpu", torch.float32, batch=2)
+        ref_img, ref_txt = reference(image, text, order)
+        for mode in ("mask", "trim"):
+            img, txt = simulated_ring(image, text, ulysses, ring, mode, order, monkeypatch)
+            torch.testing.assert_close(img, ref_img, rtol=0, atol=1e-5)
+            torch.testing.assert_close(txt, ref_txt, rtol=0, atol=1e-5)
 
 
 def reference(image, text, order):
@@ -111,4 +179,20 @@ def test_cuda_bf16_kernels_are_exact_and_pad_invariant(mode):
     torch.testing.assert_close(img.float(), ref_img, rtol=0, atol=2e-2)
     torch.testing.assert_close(txt.float(), ref_txt, rtol=0, atol=2e-2)
     noisy_img, noisy_txt = simulated_ulysses(image, text, 8, mode, order, pad_noise=torch.Generator().manual_seed(3))
+    assert torch.equal(noisy_img, img) and torch.equal(noisy_txt, txt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["mask", "trim"])
+def test_cuda_bf16_ring_kernels_are_exact_and_pad_invariant(mode, monkeypatch):
+    """Qwen-Image 1328x1328 at Ulysses 2 x ring 4 on the GPU: flash (trim) and memory-efficient (masked block)
+    kernels with their log-sum-exp, merged in fp32, against an fp32 reference at bf16 resolution."""
+    order = [TEXT, IMAGE]
+    image, text = _inputs(6889, 30, "cuda", torch.bfloat16)
+    ref_img, ref_txt = reference([t.float() for t in image], [t.float() for t in text], order)
+    img, txt = simulated_ring(image, text, 2, 4, mode, order, monkeypatch)
+    torch.testing.assert_close(img.float(), ref_img, rtol=0, atol=2e-2)
+    torch.testing.assert_close(txt.float(), ref_txt, rtol=0, atol=2e-2)
+    noise = torch.Generator().manual_seed(3)
+    noisy_img, noisy_txt = simulated_ring(image, text, 2, 4, mode, order, monkeypatch, pad_noise=noise)
     assert torch.equal(noisy_img, img) and torch.equal(noisy_txt, txt)

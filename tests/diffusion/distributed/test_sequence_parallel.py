@@ -196,9 +196,6 @@ def test_valid_len_errors():
     ctx.record_stream(TEXT, 8)  # a table that travels with the stream: same length, true length known
     with pytest.raises(ValueError, match="must have its length"):
         ctx.record_stream(TEXT, 8, valid_len=6)
-    ring = _ctx("trim", ring_degree=2)
-    with pytest.raises(ValueError, match="ring_degree=1"):
-        ring.record_stream(TEXT, 8, valid_len=5)
 
 
 def test_mask_is_not_built_without_padding():
@@ -207,11 +204,40 @@ def test_mask_is_not_built_without_padding():
     assert ctx.joint_layout([IMAGE], torch.device("cpu"), torch.float32).key_mask is None
 
 
-def test_ring_with_padding_is_refused_with_the_way_out():
-    ctx = _ctx("trim", ring_degree=2)
-    ctx.record_stream(IMAGE, 16)  # divisible: fine
-    with pytest.raises(ValueError, match="ring_degree=1"):
-        ctx.record_stream(TEXT, 5)
+def test_ring_blocks_are_cut_masked_or_kept_whole_per_mode():
+    """Ulysses 2 x ring 2: text of 10 tokens, 6 real (filler 4, padded to 12: blocks of 6 rows), in front of 13
+    image tokens (padded to 16: blocks of 8). Ring rank 0's block is whole; rank 1's holds the text's filler and
+    padding (all of it) and the image's 3 pad rows (trim cuts them, mask masks them, none keeps the image's)."""
+    cpu = torch.device("cpu")
+    for mode in ("mask", "trim", "none"):
+        ctx = _ctx(mode, ring_degree=2)
+        ctx.record_stream(TEXT, 10, valid_len=6)
+        ctx.record_stream(IMAGE, 13)
+        ring = ctx.ring_layout([TEXT, IMAGE], cpu, torch.float32)
+        assert ring.rank == 0 and ring.own is ring.blocks[0]
+        assert ctx.ring_layout([TEXT, IMAGE], cpu, torch.float32) is ring  # once per forward
+        whole, tail = ring.blocks
+        assert [s.shard for s in whole.slots] == [StreamShard(6, 0, 2), StreamShard(8, 0, 2)]
+        assert [s.shard for s in tail.slots] == [StreamShard(0, 6, 2, filler_len=4), StreamShard(5, 3, 2)]
+        assert [s.local_start for s in tail.slots] == [s.local_start for s in whole.slots] == [0, 3]
+        assert (whole.kv_len, whole.query_len, whole.key_mask) == (14, 14, None)
+        if mode == "trim":
+            assert [s.joint_offset for s in tail.slots] == [0, 0] and (tail.kv_len, tail.visible_keys) == (5, 5)
+        elif mode == "mask":
+            assert [s.joint_offset for s in tail.slots] == [0, 6] and (tail.kv_len, tail.visible_keys) == (14, 5)
+            assert (tail.key_mask.view(-1) == 0).tolist() == [False] * 6 + [True] * 5 + [False] * 3
+        else:  # the text's filler is cut (and its SP padding with it); the image's padding stays, unmasked
+            assert [s.joint_offset for s in tail.slots] == [0, 0] and (tail.kv_len, tail.visible_keys) == (8, 8)
+        assert ring.buffer_len == 14 and ring.needs_mask == (mode == "mask")
+
+
+def test_a_ring_block_of_padding_only_gives_no_keys():
+    """One image token at ring 3 (Ulysses 1): blocks 1 and 2 hold padding only; the kernel skips them."""
+    for mode in ("mask", "trim"):
+        ctx = SequenceParallelContext(None, 3, 2, 1, 3, mode)
+        ctx.record_stream(IMAGE, 1)
+        ring = ctx.ring_layout([IMAGE], torch.device("cpu"), torch.float32)
+        assert ring.rank == 2 and [block.visible_keys for block in ring.blocks] == [1, 0, 0]
 
 
 def test_stream_length_mismatch_is_an_error():

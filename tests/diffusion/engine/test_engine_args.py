@@ -140,12 +140,11 @@ def test_one_value_given_by_flag_yaml_or_keyword_makes_the_same_engine_args(tmp_
 @pytest.mark.parametrize(
     "values,words",
     [
-        ({"ring_degree": 2}, "ring_degree > 1 is not supported yet"),
         ({"cache": "first_block", "max_batch_size": 4}, "a batch's rows would share one step cache"),
         ({"lora_modules": "a=/adapters/a", "quantization": "fp8"}, "which FP8 holds in 8 bits"),
         ({"lora_modules": "a=/adapters/a", "cpu_offload": "model"}, "offload moves between devices"),
     ],
-    ids=["ring", "cache-and-batching", "lora-and-fp8", "lora-and-offload"],
+    ids=["cache-and-batching", "lora-and-fp8", "lora-and-offload"],
 )
 def test_a_check_across_options_fires_with_the_same_words_from_cli_yaml_and_omni(tmp_path, values, words):
     flags = []

@@ -46,7 +46,7 @@ def sp_mode(mode: str, random_padding: bool = False, reset_warnings: bool = Fals
 
     `reset_warnings` forgets the warnings already given once, so this run logs them again."""
     state = get_parallel_state()
-    config = MODES[mode].replace(ulysses_degree=state.config.ulysses_degree)
+    config = MODES[mode].replace(ulysses_degree=state.config.ulysses_degree, ring_degree=state.config.ring_degree)
     warnings, root = _Warnings(), logging.getLogger("vllm_omni")
     if reset_warnings:
         reset_warning_once()

@@ -279,3 +279,19 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, c
     case = Case(grid=GRIDS["divisible"], prompt_valid=(7,), glyph_valid=(5,))
     expected = run(ours, make_inputs(case))
     conformance.assert_sp_none_mode_exact_without_padding(on_pool(sp_pool, checkpoint, case), expected, silent=True)
+
+
+# ---- under ring attention (USP: ring_pool) ------------------------------------------------------------
+
+
+def test_ring_matches_single_process_at_padded_sizes(ring_pool, models, checkpoint):
+    """175 video tokens pad inside a ring block at ring 2, ring 3 and Ulysses 2 x ring 2 ([video, text]: the
+    text behind), its text compacted to 13 valid tokens in a bucket of 64 (filler in the last blocks); rows whose
+    prompts and glyphs differ in length each see their own text."""
+    _, ours = models
+    case = SP_CASES["t2v_glyph"]
+    expected = run(ours, make_inputs(case))
+    conformance.assert_ring_conformance(on_pool(ring_pool, checkpoint, case, 64), expected, ring_pool.ring_degree)
+    case = SP_CASES["i2v_rows"]
+    expected = run(ours, make_inputs(case))
+    conformance.assert_sp_exact_modes_match(on_pool(ring_pool, checkpoint, case), expected)

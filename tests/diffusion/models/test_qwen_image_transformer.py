@@ -204,6 +204,31 @@ def test_sp_unmasked_padding_is_close_but_not_equal(sp_pool, models, checkpoints
     conformance.assert_sp_none_mode_exact_without_padding(sp, expected, silent=False)
 
 
+# ---- under ring attention (USP: ring_pool) ------------------------------------------------------------
+
+
+def test_ring_matches_single_process_at_padded_sizes(ring_pool, models, checkpoints):
+    """35 image and 11 text tokens pad inside a ring block at ring 2, ring 3 and Ulysses 2 x ring 2; the
+    Edit-Plus layout's modulation index travels with the image; rows with prompts of 8 and 5 tokens (the
+    text's filler and each row's tail in other blocks than the padding) equal the reference."""
+    _, ours = models[False]
+    with torch.no_grad():
+        expected = ours(**make_inputs(CASES["generate"][0], 1, 11))[0]
+    conformance.assert_ring_conformance(on_pool(ring_pool, checkpoints[False], "generate", 1, 11), expected, None)
+    inputs = make_inputs(CASES["edit_plus"][0], 2, 7)
+    with torch.no_grad():
+        expected = models[True][1](**inputs)[0]
+    for out in ring_pool.run(sp_forward, checkpoints[True], "edit_plus", "trim", 2, 7):
+        conformance.assert_close(out, expected)
+    ref, _ = models[False]
+    inputs = make_inputs(CASES["generate"][0], 2, 11)
+    with torch.no_grad():
+        expected = ref(**inputs, encoder_hidden_states_mask=torch.tensor(RAGGED_MASK))[0]
+    for mode in ("mask", "trim"):
+        for out in ring_pool.run(sp_forward, checkpoints[False], "generate", mode, 2, 11, mask_rows=RAGGED_MASK):
+            conformance.assert_close(out, expected)
+
+
 # ---- text longer than diffusers' rotary table ------------------------------------------------------
 
 LONG_TEXT = 4100  # diffusers' table has 4096 positions; the 5x7 grid's text starts at position 3

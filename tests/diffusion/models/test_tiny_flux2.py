@@ -18,7 +18,6 @@ from diffusers import Flux2Pipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.flux2 import pipeline as flux2_pipeline
 from vllm_omni.diffusion.models.flux2.tiny import TINY_MODELS, build_tiny_model, tiny_model_path
@@ -158,7 +157,7 @@ def sp_generate(folder: str, request: DiffusionRequest) -> np.ndarray:
     if folder not in _worker_pipes:
         _worker_pipes[folder] = _load(pathlib.Path(folder), ours=True)
     state = get_parallel_state()
-    config = DiffusionParallelConfig(ulysses_degree=state.config.ulysses_degree)
+    config = state.config.replace(mask_sp_padding=False, trim_sp_padding=True)
     with use_parallel_state(dataclasses.replace(state, config=config)):
         return _run(_worker_pipes[folder], request)
 

@@ -16,7 +16,6 @@ import torch
 from diffusers import Flux2KleinKVPipeline, Flux2KleinPipeline
 from PIL import Image
 
-from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state
 from vllm_omni.diffusion.models.flux2 import pipeline as flux2_pipeline
 from vllm_omni.diffusion.models.flux2.tiny import tiny_model_path
@@ -162,7 +161,7 @@ def sp_generate(name: str, mode: str, request: DiffusionRequest) -> np.ndarray:
         _worker_pipes[name] = _load(name, ours=True)
     state = get_parallel_state()
     flags = {"mask": dict(mask_sp_padding=True), "trim": {}}[mode]
-    config = DiffusionParallelConfig(ulysses_degree=state.config.ulysses_degree, **flags)
+    config = state.config.replace(**{"mask_sp_padding": False, "trim_sp_padding": True, **flags})
     with use_parallel_state(dataclasses.replace(state, config=config)):
         return _run(_worker_pipes[name], request, name)
 

@@ -204,3 +204,19 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns(sp_pool, models, c
     case = Case(grid=GRIDS["divisible"])
     expected = run(models["a14b"][1], make_inputs(case))
     conformance.assert_sp_none_mode_exact_without_padding(on_pool(sp_pool, checkpoints, case), expected, silent=True)
+
+
+# ---- under ring attention (USP: ring_pool) ------------------------------------------------------------
+
+
+def test_ring_matches_single_process_at_padded_sizes(ring_pool, models, checkpoints):
+    """175 video tokens pad inside a ring block at ring 2, ring 3 and Ulysses 2 x ring 2: self-attention goes
+    around the ring, cross-attention keeps the rank's query rows against the whole text; the 5B's per-token
+    timesteps travel with the video."""
+    case = SP_CASES["a14b"]
+    expected = run(models["a14b"][1], make_inputs(case))
+    conformance.assert_ring_conformance(on_pool(ring_pool, checkpoints, case), expected, ring_pool.ring_degree)
+    case = SP_CASES["5b"]
+    expected = run(models["5b"][1], make_inputs(case))
+    for out, _ in ring_pool.run(sp_forward, checkpoints["5b"], case, "trim"):
+        conformance.assert_close(out, expected)

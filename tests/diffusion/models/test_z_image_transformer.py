@@ -13,6 +13,7 @@ import torch
 from diffusers import ZImageTransformer2DModel as ReferenceTransformer
 from diffusers.models.transformers import transformer_z_image as reference
 from sp_cases import sp_mode, worker_model
+from sp_pool import SPWorkerPool
 
 from vllm_omni.diffusion.config import DiffusionParallelConfig
 from vllm_omni.diffusion.distributed.comm import SimulatedGroup
@@ -207,3 +208,41 @@ def test_sp_unmasked_padding_is_close_but_not_equal_and_warns_once(sp_pool, mode
         return
     results = conformance.assert_sp_unmasked_padding_is_close_but_not_equal(sp, expected, sp_pool.world_size, once=True)
     conformance.assert_sp_padding_hook_changes_unmasked_output(sp, clean=results)
+
+
+# ---- under ring attention (USP: ring_pool, and Ulysses 3 x ring 2 for its 30 heads' sake) ----------------
+
+
+@pytest.fixture(scope="module")
+def u3r2_pool():
+    """Z-Image's 30 heads take no Ulysses 4 or 8: its SP degrees past 6 are Ulysses x ring. Ulysses 3 x ring 2
+    (the tiny model's 6 heads allow it) pads both streams (64 -> 66 image tokens, 32 -> 36 caption tokens)."""
+    pool = SPWorkerPool(6, ring_degree=2)
+    yield pool
+    pool.close()
+
+
+def _ring_checks(pool, models, checkpoint) -> None:
+    _, ours = models
+    with torch.no_grad():
+        expected = ours(**make_inputs("one"))[0][0]
+    pool.run(reset_warning_once)
+    padded = pool.world_size in (3, 6)  # 2 and 4 ranks divide both streams (64 and 32 tokens)
+    sp = on_pool(pool, checkpoint, "one", sample=True)
+    if padded:
+        conformance.assert_ring_conformance(sp, expected, pool.ring_degree)
+    else:
+        conformance.assert_sp_exact_modes_match(sp, expected)
+        conformance.assert_sp_none_mode_exact_without_padding(sp, expected, silent=True)
+    with torch.no_grad():  # a CFG step's prompt and negative prompt: rows of different caption lengths
+        expected = ours(**make_inputs("cfg", controlnet=True))[0]
+    sp = on_pool(pool, checkpoint, "cfg", controlnet=True)
+    conformance.assert_sp_exact_modes_match(sp, expected, compare=assert_samples_close)
+
+
+def test_ring_matches_single_process(ring_pool, models, checkpoint):
+    _ring_checks(ring_pool, models, checkpoint)
+
+
+def test_ulysses_3_by_ring_2_matches_single_process(u3r2_pool, models, checkpoint):
+    _ring_checks(u3r2_pool, models, checkpoint)

@@ -1,9 +1,13 @@
 """Decisions that change what a rank executes are taken by the whole group, over the CPU control group.
 
-Runs in the 2- and 3-rank gloo pools (sp_pool, one SP group): the agreement primitives, and the
-CUDA-graph fallback through the simulated graphs (VLLM_OMNI_TEST_CUDA_GRAPHS' code path), with a
-capture that fails on one rank. The CFG-parallel case, two SP groups that must not meet in the
-capture decision, runs through whole engines in tests/entrypoints/test_omni_graph_decisions.py.
+Runs in the 2- and 3-rank gloo pools (sp_pool, one SP group) and the ring pools (ring_pool: ring 2,
+ring 3, Ulysses 2 x ring 2, whose SP group holds two Ulysses groups and two rings): the agreement
+primitives, and the CUDA-graph fallback through the simulated graphs (VLLM_OMNI_TEST_CUDA_GRAPHS' code
+path), with a capture that fails on one rank. Under USP the failing rank is the last, in the other
+Ulysses group than rank 0 and on the other ring rank: were the decision taken over the Ulysses group
+or the ring alone, rank 0 would replay a graph whose ring passes its peer never joins. The CFG-parallel
+case, two SP groups that must not meet in the capture decision, runs through whole engines in
+tests/entrypoints/test_omni_graph_decisions.py.
 """
 
 from __future__ import annotations
@@ -59,3 +63,14 @@ def test_graphs_replay_when_every_rank_captured(sp_pool):
     for disabled, failures, calls, correct in sp_pool.run(run_graphed_forward_twice, None):
         # A capture (1 run) and a replay of it per call (2 runs): the replay reads the new input.
         assert (disabled, failures, len(calls), correct) == (False, 0, 3, [True, True])
+
+
+def test_ring_ranks_agree_with_the_ulysses_ranks(ring_pool):
+    """Cancel (any_rank over the world) and the graph fallback (every_sp_rank over the SP group) under USP."""
+    n = ring_pool.world_size
+    for flags in ([False] * (n - 1) + [True], [True] + [False] * (n - 1)):
+        assert [(a, e) for a, e, _ in ring_pool.run(agree, flags)] == [(any(flags), all(flags))] * n, flags
+    results = ring_pool.run(run_graphed_forward_twice, n - 1)
+    assert [failures for _, failures, _, _ in results] == [0] * (n - 1) + [1]
+    assert all(disabled and correct == [True, True] for disabled, _, _, correct in results)
+    assert [len(calls) for _, _, calls, _ in results] == [3] * n

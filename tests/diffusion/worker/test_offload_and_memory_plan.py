@@ -418,3 +418,31 @@ def test_auto_takes_the_cheapest_placement_that_fits_and_with_adapters_one_that_
     assert [chosen(b) for b in (62, 56, 30, 20)] == ["none", "encoders", "model", "layerwise"]
     assert chosen(10) == "none"  # nothing fits: the refusal names what would
     assert chosen(56, lora=True) == "encoders" and chosen(30, lora=True) == "none"
+
+
+def test_layerwise_keeps_room_for_both_cfg_rows_where_they_fit_so_a_cfg_step_streams_the_weights_once():
+    """Under layerwise offload every forward streams the blocks to the GPU, so CFG in one pass (worker/cfg_batch.py)
+    halves the copies; the plan keeps room for both rows of the default request (1024x1024: 4096 tokens and 512 of
+    text each) where they fit, at the cost of resident blocks, and one row where only that fits. The envelope's row
+    stays the default request's: the room is for the pair, not for larger images."""
+    from vllm_omni.diffusion.engine.admission import fit, plan_deploy
+
+    def deploy(mib: float, **options):
+        return plan_deploy(EngineArgs(MODEL, device="cpu", cpu_offload="layerwise", **options), int(mib * 2**20))
+
+    one, both = deploy(64, cfg_one_pass=False), deploy(64)
+    assert (one.envelope.rows_for(4096), both.envelope.rows_for(4096)) == (1, 2)
+    assert one.envelope.max_tokens_per_step == both.envelope.max_tokens_per_step == 4096
+    assert both.plan.step_bytes == 2 * one.plan.step_bytes and "up to 2 image(s) of 1024x1024" in both.description
+    request = DiffusionRequest(request_id="r", prompt="a lighthouse", negative_prompt=" ", tokens=4096)
+    assert fit(request, both.envelope, cfg_one_pass=True).cfg_one_pass
+    assert not fit(request, one.envelope, cfg_one_pass=True).cfg_one_pass
+    # --max-n 1 limits the images a forward holds, not a CFG step's two rows of one image.
+    single = deploy(64, max_n=1).envelope
+    assert single.rows_for(4096) == 1 and fit(request, single, cfg_one_pass=True).cfg_one_pass
+    # Between one row's need and two rows': one row, and the deploy still starts.
+    between = deploy((one.plan.need + both.plan.need) / 2 / 0.9 / 2**20)
+    assert between.starts and between.envelope.rows_for(4096) == 1
+    # CFG parallel splits the branches over two groups instead; a deploy that keeps the weights resident widens
+    # its envelope anyway.
+    assert deploy(64, cfg_parallel_size=2).envelope.rows_for(4096) == 1

@@ -38,7 +38,7 @@ from benchmarks.qwen_image21_sp import REAL_CONFIG as QWEN_IMAGE21_REAL  # noqa:
 from benchmarks.qwen_image_sp import REAL_CONFIG as QWEN_IMAGE_REAL  # noqa: E402
 from benchmarks.wan22_sp import REAL_CONFIG as WAN22_REAL  # noqa: E402
 from vllm_omni import Omni  # noqa: E402
-from vllm_omni.diffusion.config import DiffusionParallelConfig, OmniDiffusionConfig  # noqa: E402
+from vllm_omni.diffusion.config import OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.distributed.parallel_state import get_parallel_state, use_parallel_state  # noqa: E402
 from vllm_omni.diffusion.engine import core as engine_module  # noqa: E402
 from vllm_omni.diffusion.engine.args import EngineArgs  # noqa: E402
@@ -364,7 +364,7 @@ def sp_fp8_forward(mask: bool = False, random_padding: bool = False) -> torch.Te
     if "fp8" not in _fp8_models:
         _fp8_models["fp8"] = tiny_transformer(fp8=True)
     state = get_parallel_state()
-    config = DiffusionParallelConfig(ulysses_degree=state.config.ulysses_degree, mask_sp_padding=mask)
+    config = state.config.replace(mask_sp_padding=mask)
     with random_sp_padding(random_padding), use_parallel_state(dataclasses.replace(state, config=config)):
         with torch.no_grad():
             return _fp8_models["fp8"](**make_inputs())[0]

@@ -2,7 +2,8 @@
 
 Each rank holds its shard of a padded image stream, as a Ulysses rank does after `shard_with_auto_pad`.
 The shards are built so that a rank deciding on its own shard, as diffusers' First-Block-Cache does,
-would take the other branch than the group: the group's decision must be the one a single process
+would take the other branch than the group (under USP, the ring pools: a Ulysses group or a ring deciding
+alone would too): the group's decision must be the one a single process
 takes on the whole (unpadded) sequence, on every rank. Whole pipelines under SP, CFG parallel and
 graphs: tests/entrypoints/test_omni_step_cache.py.
 """
@@ -84,6 +85,18 @@ def test_every_rank_takes_the_groups_branch_where_its_own_shard_would_take_the_o
     results = sp_pool.run(decide, expected * 0.99, pad_value)
     assert [r["computed"] for r in results] == [True] * world
     assert all(r["own"] is False for r in results[1:])
+
+
+def test_ring_and_ulysses_ranks_take_the_groups_branch(ring_pool):
+    """The statistic sums over the whole SP group, Ulysses and ring ranks alike: at Ulysses 2 x ring 2, ranks 0
+    and 1 (one Ulysses group, one ring block) alone would compute where the group skips."""
+    world = ring_pool.world_size
+    expected = whole_sequence_change(world)
+    results = ring_pool.run(decide, expected * 1.01, 0.0)
+    assert [r["computed"] for r in results] == [False] * world
+    assert all(r["change"] == pytest.approx(expected, rel=1e-12) for r in results)
+    results = ring_pool.run(decide, expected * 0.99, 1e6)
+    assert [r["computed"] for r in results] == [True] * world
 
 
 def test_the_report_merges_the_ranks_and_names_group_1s_branch():

@@ -1,12 +1,19 @@
 """Attention kernels, chosen by name. The parallel strategy (layer.py) never calls torch directly.
 
 A backend takes q [B, Lq, H, D] and k, v [B, Lk, H, D] and returns [B, Lq, H, D].
-Names: ``sdpa`` (dense, cannot mask), ``sdpa_masked`` (takes an additive key mask) and
-``cudnn_fp8`` (cuDNN's FP8 attention, Hopper or newer, lossy: attention/cudnn_fp8.py; its masked
-and causal calls run the exact SDPA kernels). Selection: an explicit name (config /
+Names: ``sdpa`` (dense, cannot mask), ``sdpa_masked`` (takes an additive key mask), and the lossy
+low-precision kernels for Hopper or newer, whose masked and causal calls run the exact SDPA kernels:
+``cudnn_fp8`` (cuDNN's FP8 attention, FP8 output: attention/cudnn_fp8.py), ``triton_int8`` (INT8 Q.K
+with per-block scales, 16-bit P.V, bf16 output: attention/triton_int8.py) and ``triton_int8_fp8pv`` (the
+same with P and V in FP8 too). Selection: an explicit name (config /
 ``--attention-backend``), else the ``VLLM_OMNI_ATTENTION_BACKEND`` environment variable, else
 ``sdpa_masked`` when a mask is needed and ``sdpa`` otherwise. A varlen backend is left out on
 purpose: on an H200, torch's unpad -> varlen -> re-pad measured slower than masked SDPA.
+
+Ring attention merges partial results through each block's log-sum-exp: `AttentionBackend.with_lse`
+returns it beside the output (`attention_with_lse`: torch's flash kernel on CUDA for a dense half-precision
+call, its memory-efficient kernel for a masked or fp32 one, a plain math path elsewhere, in fp32). A lossy
+backend's `with_lse` is the exact kernel: cuDNN's FP8 call returns no log-sum-exp here.
 
 A lossy (``low_precision``) backend follows the per-step precision rule: the runner reports each
 denoising step (`set_denoising_step`), and the first and last ``fp8_attention_full_steps`` steps run
@@ -23,7 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from vllm_omni import envs
+from vllm_omni.logger import init_logger
 
+logger = init_logger(__name__)
 ENV_VAR = envs.ATTENTION_BACKEND
 
 
@@ -34,6 +43,7 @@ class AttentionBackend:
     low_precision: bool = False  # lossy: the per-step rule gives its full-precision steps to exact SDPA
     requires: tuple[str, str] | None = None  # (module, pip distribution) it imports when called
     min_capability: tuple[int, int] | None = None  # the CUDA compute capability it needs
+    install: str | None = None  # how to install `requires` (None: the fp8 extra)
 
     def __call__(
         self,
@@ -51,6 +61,50 @@ class AttentionBackend:
         )
         return out.transpose(1, 2)
 
+    def with_lse(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output [B, Lq, H, D] and its log-sum-exp [B, H, Lq] (fp32), for ring attention's merge."""
+        if key_mask is not None and not self.supports_mask:
+            raise ValueError(f"attention backend {self.name!r} cannot apply a mask")
+        return attention_with_lse(q, k, v, key_mask)
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of q [B, Lq, H, D] over k, v [B, Lk, H, D] (optional additive `key_mask`, broadcast to
+    [B, H, Lq, Lk]): the output [B, Lq, H, D] in q's dtype and the log-sum-exp of each query's scores [B, H, Lq] in
+    fp32 (-inf for a query the mask hides every key from; its output is then 0)."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    batch, heads, length, head_dim = qt.shape
+    if q.device.type == "cuda":
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        if key_mask is None and half and head_dim <= 256 and head_dim % 8 == 0:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt)[:2]
+            return out.transpose(1, 2), lse
+        bias = None
+        if key_mask is not None:  # the kernel reads the bias in rows aligned to 16 elements, as SDPA pads it
+            keys = kt.shape[2]
+            aligned = key_mask.new_empty(*key_mask.shape[:-1], -(-keys // 16) * 16, dtype=q.dtype)
+            aligned[..., :keys] = key_mask
+            bias = aligned[..., :keys].expand(batch, heads, length, keys)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, bias, True)[:2]
+        lse = lse[..., :length]  # padded to the kernel's tile of queries
+    else:
+        scores = torch.matmul(qt.float(), kt.float().transpose(-1, -2)) * head_dim**-0.5
+        if key_mask is not None:
+            scores = scores + key_mask.float()
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0)[..., None])
+        out = torch.matmul(probs, vt.float()).to(q.dtype)
+    if key_mask is not None:
+        # A row whose every key is masked: read from the mask, not the kernel (the memory-efficient one gives it
+        # lse 0 on an H100), so every kernel's merge skips it alike.
+        empty = torch.isneginf(key_mask).all(dim=-1, keepdim=True)
+        lse, out = lse.masked_fill(empty[..., 0], float("-inf")), out.masked_fill(empty, 0)
+    return out.transpose(1, 2), lse
+
 
 @dataclass(frozen=True)
 class CudnnFP8Backend(AttentionBackend):
@@ -64,6 +118,29 @@ class CudnnFP8Backend(AttentionBackend):
         return cudnn_fp8.attention(q, k, v)
 
 
+@dataclass(frozen=True)
+class TritonInt8Backend(AttentionBackend):
+    """attention/triton_int8.py's kernel for dense calls of a head dim it is built for; a masked or causal
+    call, or another head dim or dtype, takes the exact SDPA kernel."""
+
+    pv_fp8: bool = False  # P and V in FP8 too (faster, lossier) rather than 16-bit
+
+    def __call__(self, q, k, v, key_mask=None, causal=False):
+        if key_mask is not None or causal:
+            return super().__call__(q, k, v, key_mask, causal)
+        from vllm_omni.diffusion.attention import triton_int8  # imports triton: only once this backend runs
+
+        if not triton_int8.supported(q, k, v):
+            logger.warning_once(
+                f"attention backend {self.name!r} has no kernel for {q.dtype} head_dim {q.shape[-1]} on "
+                f"{q.device.type}: those calls run exact SDPA"
+            )
+            return super().__call__(q, k, v)
+        return triton_int8.attention(q, k, v, pv_fp8=self.pv_fp8)
+
+
+TRITON_INSTALL = "it comes with PyTorch's CUDA wheels on Linux (or pip install triton)"
+
 BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend("sdpa", supports_mask=False),
     "sdpa_masked": AttentionBackend("sdpa_masked", supports_mask=True),
@@ -73,6 +150,23 @@ BACKENDS: dict[str, AttentionBackend] = {
         low_precision=True,
         requires=("cudnn", "nvidia-cudnn-frontend"),
         min_capability=(9, 0),
+    ),
+    "triton_int8": TritonInt8Backend(
+        "triton_int8",
+        supports_mask=True,
+        low_precision=True,
+        requires=("triton", "triton"),
+        min_capability=(9, 0),
+        install=TRITON_INSTALL,
+    ),
+    "triton_int8_fp8pv": TritonInt8Backend(
+        "triton_int8_fp8pv",
+        supports_mask=True,
+        low_precision=True,
+        requires=("triton", "triton"),
+        min_capability=(9, 0),
+        install=TRITON_INSTALL,
+        pv_fp8=True,
     ),
 }
 
@@ -87,9 +181,10 @@ def check_attention_backend(name: str | None, mask_sp_padding: bool = False) -> 
     backend = _selected(name, needs_mask=mask_sp_padding)
     if backend.requires is not None and importlib.util.find_spec(backend.requires[0]) is None:
         module, package = backend.requires
+        install = backend.install or f"pip install -e '.[fp8]' (or pip install {package})"
         raise ValueError(
             f"attention backend {backend.name!r} needs the {package} package (module {module!r}), which is not "
-            f"installed: pip install -e '.[fp8]' (or pip install {package})"
+            f"installed: {install}; or choose another --attention-backend"
         )
 
 
@@ -116,13 +211,13 @@ def _check_device(backend: AttentionBackend, device: torch.device) -> None:
     if device.type != "cuda":
         raise ValueError(
             f"attention backend {backend.name!r} needs a CUDA GPU of compute capability {need} (Hopper) or newer; "
-            f"this rank runs on {device.type}"
+            f"this rank runs on {device.type}; choose another --attention-backend"
         )
     have = torch.cuda.get_device_capability(device)
     if have < backend.min_capability:
         raise ValueError(
             f"attention backend {backend.name!r} needs a CUDA GPU of compute capability {need} (Hopper) or newer; "
-            f"{torch.cuda.get_device_name(device)} has {have[0]}.{have[1]}"
+            f"{torch.cuda.get_device_name(device)} has {have[0]}.{have[1]}; choose another --attention-backend"
         )
 
 

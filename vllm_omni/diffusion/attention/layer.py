@@ -22,6 +22,7 @@
   all-to-all carries the query stream's q and the other stream's k and v, one head->seq brings the output back;
   what the queries see of the key stream's padding is the context's `JointLayout` for [keys, queries] with the
   key stream kv-only (trim: cut at its true length; mask: masked; none: seen), as in every joint attention.
+  With ring attention (USP) too, the exchange is one all-to-all over the whole SP group, which must divide the heads.
 
 Models compute q, k, v (after QK-norm and rotary) as [B, S, H, D] and get [B, S, H, D] back;
 the kernel comes from backends.py.
@@ -38,12 +39,13 @@ import torch
 from torch import nn
 
 from vllm_omni.diffusion.attention.backends import AttentionBackend, resolve_attention_backend
-from vllm_omni.diffusion.distributed.comm import all_to_all
+from vllm_omni.diffusion.distributed.comm import all_gather, all_to_all, ring_pass
 from vllm_omni.diffusion.distributed.sequence_parallel import (
     IMAGE,
     REFERENCE,
     TEXT,
     JointLayout,
+    RingLayout,
     SequenceParallelContext,
     get_sp_context,
 )
@@ -168,6 +170,52 @@ def attend_rows(
     return torch.cat(outs)
 
 
+def _joint_buffer(recv: torch.Tensor, layout: JointLayout, reference: ReferenceKV | None, rows: int) -> torch.Tensor:
+    """q, k, v of the joint sequence, [3, B, rows, H/P, D]: each exchanged stream copied from `recv` to its joint
+    offset, in order (a stream's padding and filler rows are copied too and overwritten by the next stream's
+    rows), and a kept stream's keys and values from `reference`."""
+    world, _, batch, _, heads, head_dim = recv.shape
+    joint = recv.new_empty(3, batch, rows, heads, head_dim)
+    for slot in layout.slots:
+        if not slot.exchanged:
+            continue
+        n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset
+        dst = joint[:, :, offset : offset + world * n].view(3, batch, world, n, heads, head_dim)
+        dst.copy_(recv[:, :, :, start : start + n].permute(1, 2, 0, 3, 4, 5))
+    for index, slot in enumerate(layout.slots):
+        if slot.exchanged:
+            continue
+        if reference is None or not reference.filled:
+            raise ValueError(f"the kept {slot.name} stream needs the filled ReferenceKV that holds its keys and values")
+        start, end = layout.span(index)
+        expected = (batch, end - start, heads, head_dim)
+        if tuple(reference.key.shape) != expected:
+            raise ValueError(
+                f"kept reference keys have shape {tuple(reference.key.shape)}, this layout needs {expected}: "
+                "they were kept under another sequence-parallel layout; extract them again"
+            )
+        joint[1, :, start:end] = reference.key
+        joint[2, :, start:end] = reference.value
+    return joint
+
+
+def _send_back(out: torch.Tensor, layout: JointLayout, first: int) -> torch.Tensor:
+    """The head->seq all-to-all's send buffer [P, B, S_local, H/P, D] from the output `out` of the joint rows
+    from `first` on (query streams only; rows past the queries read whatever `out` holds there)."""
+    batch, _, heads, head_dim = out.shape
+    world = layout.world_size
+    if first + out.shape[1] < layout.buffer_len:
+        out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, layout.buffer_len - first - out.shape[1]))
+    send = out.new_empty(world, batch, layout.query_local_len, heads, head_dim)
+    for slot in layout.slots:
+        if slot.kv_only:
+            continue
+        n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset - first
+        src = out[:, offset : offset + world * n].view(batch, world, n, heads, head_dim)
+        send[:, :, start : start + n].copy_(src.permute(1, 0, 2, 3, 4))
+    return send
+
+
 def attend_joint(
     recv: torch.Tensor,
     layout: JointLayout,
@@ -190,33 +238,10 @@ def attend_joint(
     `text_blocks` ([text, image] only): the image rows attend to every key as usual, the text rows
     to the text's own, block-causally.
     """
-    world, _, batch, local_len, heads, head_dim = recv.shape
     if layout.row_keys is not None and (reference is not None or text_blocks is not None):
         raise ValueError("rows with text of different lengths share no forward with a reference stream or text_blocks")
-    exchanged = [slot for slot in layout.slots if slot.exchanged]
-    # A stream's padding and filler rows are copied too and overwritten by the next stream's rows;
-    # where they reach past every real row (text filler longer than a tiny image) the buffer grows.
-    joint_len = max(layout.query_len, *(s.joint_offset + world * s.shard.local_seq_len for s in exchanged))
-    joint = recv.new_empty(3, batch, joint_len, heads, head_dim)
-    for slot in exchanged:
-        n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset
-        dst = joint[:, :, offset : offset + world * n].view(3, batch, world, n, heads, head_dim)
-        dst.copy_(recv[:, :, :, start : start + n].permute(1, 2, 0, 3, 4, 5))
+    joint = _joint_buffer(recv, layout, reference, layout.buffer_len)
     first, reference_out = layout.query_start, None
-    for index, slot in enumerate(layout.slots):
-        if slot.exchanged:
-            continue
-        if reference is None or not reference.filled:
-            raise ValueError(f"the kept {slot.name} stream needs the filled ReferenceKV that holds its keys and values")
-        start, end = layout.span(index)
-        expected = (batch, end - start, heads, head_dim)
-        if tuple(reference.key.shape) != expected:
-            raise ValueError(
-                f"kept reference keys have shape {tuple(reference.key.shape)}, this layout needs {expected}: "
-                "they were kept under another sequence-parallel layout; extract them again"
-            )
-        joint[1, :, start:end] = reference.key
-        joint[2, :, start:end] = reference.value
     if reference is not None and not reference.filled:
         _, first = layout.span(0)  # the reference rows; every later row is a query over all keys
         mask = None if layout.key_mask is None else layout.key_mask[..., :first]
@@ -234,17 +259,141 @@ def attend_joint(
         out = torch.cat([attend_text_blocks(*joint[:, :, :text_end], text_blocks), image_out], dim=1)
     if reference_out is not None:
         out, first = torch.cat([reference_out, out], dim=1), 0
-    if joint_len > layout.query_len:  # rows read back for the dropped tail: any values do
-        out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, joint_len - layout.query_len))
+    return _send_back(out, layout, first)
 
-    send = out.new_empty(world, batch, layout.query_local_len, heads, head_dim)
-    for slot in layout.slots:
-        if slot.kv_only:
+
+class PartialAttention:
+    """Ring attention's running result for a set of query rows: the output so far, in fp32, and its log-sum-exp.
+
+    Each key/value block's (output, lse) is merged in: out = sum_b out_b * exp(lse_b - lse), lse = log sum_b
+    exp(lse_b). A row that a block gave no key (lse -inf, output 0) is left as it was."""
+
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None  # [B, L, H, D] fp32
+        self.lse: torch.Tensor | None = None  # [B, L, H, 1] fp32
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        lse = lse.transpose(1, 2).unsqueeze(-1)
+        if self.out is None:
+            self.out, self.lse = out.to(torch.float32, copy=True), lse
+            return
+        new = torch.logaddexp(self.lse, lse)
+        base = new.masked_fill(torch.isneginf(new), 0)  # rows no block gave a key yet: weights stay 0
+        self.out.mul_(torch.exp(self.lse - base)).addcmul_(out, torch.exp(lse - base))
+        self.lse = new
+
+    def result(self, like: torch.Tensor) -> torch.Tensor:
+        """The merged output in `like`'s dtype and shape (zeros where no block ran: rows past every key)."""
+        return torch.zeros_like(like) if self.out is None else self.out.to(like.dtype)
+
+
+def attend_rows_lse(
+    backend: AttentionBackend,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    row_keys: Sequence[Sequence[tuple[int, int]]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_rows` with the log-sum-exp: each batch row's queries over its own key spans, a row without
+    keys giving output 0 and lse -inf."""
+    if len(row_keys) != query.shape[0]:
+        raise ValueError(f"{len(row_keys)} rows of key spans for a batch of {query.shape[0]}")
+    outs, lses = [], []
+    for row, spans in enumerate(row_keys):
+        q = query[row : row + 1]
+        if not spans:
+            outs.append(torch.zeros_like(q))
+            lses.append(q.new_full((1, q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32))
             continue
-        n, start, offset = slot.shard.local_seq_len, slot.local_start, slot.joint_offset - first
-        src = out[:, offset : offset + world * n].view(batch, world, n, heads, head_dim)
-        send[:, :, start : start + n].copy_(src.permute(1, 0, 2, 3, 4))
-    return send
+        k, v = key[row : row + 1], value[row : row + 1]
+        if len(spans) == 1:
+            ((start, end),) = spans
+            k, v = k[:, start:end], v[:, start:end]
+        else:
+            k = torch.cat([k[:, start:end] for start, end in spans], dim=1)
+            v = torch.cat([v[:, start:end] for start, end in spans], dim=1)
+        out, lse = backend.with_lse(q, k, v)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _attend_block(
+    backend: AttentionBackend, query: torch.Tensor, kv: torch.Tensor, block: JointLayout, end: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`query` over one ring block's keys and values `kv` [2, B, rows, H, D], as the block's layout lets it see
+    them: up to `kv_len` (trim: the valid rows only, a view), with its mask (mask mode), or per row (rows with
+    text of different lengths). `end`: only the keys before that row (a reference stream's own)."""
+    if end is not None:
+        mask = None if block.key_mask is None else block.key_mask[..., :end]
+        return backend.with_lse(query, kv[0, :, :end], kv[1, :, :end], mask)
+    key, value = kv[0, :, : block.kv_len], kv[1, :, : block.kv_len]
+    if block.row_keys is not None:
+        return attend_rows_lse(backend, query, key, value, block.row_keys)
+    return backend.with_lse(query, key, value, block.key_mask)
+
+
+def attend_ring(
+    recv: torch.Tensor,
+    ring: RingLayout,
+    backend: AttentionBackend,
+    group: object,
+    reference: ReferenceKV | None = None,
+    text_blocks: TextBlocks | None = None,
+) -> torch.Tensor:
+    """`attend_joint` under ring attention: a rank's work between the two Ulysses all-to-alls (over its Ulysses
+    group; `recv` as there, P = the Ulysses degree).
+
+    The rank's joint buffer holds its ring block of every stream (`ring.own`): its queries stay; its keys and
+    values go around the ring `group`, one block a step, each step's send/recv started before the block at hand
+    is computed. Each block runs the dense kernel on the rows its layout lets queries see (trim: sliced to the
+    valid rows, so no masked kernel runs), and the partial results merge in fp32 through their log-sum-exp.
+    Every stream's rows, text included, are in exactly one block, so every key counts once.
+
+    A reference stream's queries (first step) merge apart, over each block's reference rows only; a kept one's
+    keys and values are this rank's block of it. `text_blocks`: the text rows attend block-causally to the text
+    alone, which the ring group all-gathers (the text is short; every ring rank computes it whole and keeps its
+    rows); the image rows go around the ring as usual.
+    """
+    layout = ring.own
+    world, _, batch, _, heads, head_dim = recv.shape
+    joint = _joint_buffer(recv, layout, reference, ring.buffer_len)
+    first, ref_query, ref_partial, text_out = layout.query_start, None, None, None
+    if reference is not None and not reference.filled:
+        _, first = layout.span(0)
+        reference.key, reference.value = joint[1:, :, :first].clone().unbind(0)
+        ref_query, ref_partial = joint[0, :, :first], PartialAttention()
+    if text_blocks is not None:
+        text, first = layout.slots[0], layout.slots[1].joint_offset
+        n, start = text.shard.local_seq_len, text.local_start
+        mine = recv[:, :, :, start : start + n].permute(1, 2, 0, 3, 4, 5).reshape(3, batch, world * n, heads, head_dim)
+        whole = torch.cat(all_gather(mine, group), dim=2)  # the text in order, padding at its tail
+        offset = ring.rank * world * n
+        text_out = attend_text_blocks(*whole, text_blocks)[:, offset : offset + first]
+    query = joint[0, :, first : layout.query_len]
+    partial = PartialAttention()
+    kv = joint[1:]
+    spare = torch.empty_like(kv) if len(ring.blocks) > 1 else None
+    for step in range(len(ring.blocks)):
+        source = (ring.rank - step) % len(ring.blocks)
+        block = ring.blocks[source]
+        # Start the next block's send/recv first: it travels while this one is computed.
+        pending = ring_pass(kv, spare, group, ring.rank) if step + 1 < len(ring.blocks) else None
+        if block.visible_keys:
+            partial.add(*_attend_block(backend, query, kv, block))
+        if ref_partial is not None:
+            _, end = block.span(0)
+            if block.slots[0].shard.original_seq_len if block.key_mask is not None else end:
+                ref_partial.add(*_attend_block(backend, ref_query, kv, block, end))
+        if pending is not None:
+            pending.wait()
+            kv, spare = spare, kv
+    out = partial.result(query)
+    if text_out is not None:  # the text's rows come first: the output starts at joint row 0
+        out, first = torch.cat([text_out, out], dim=1), 0
+    if ref_partial is not None:
+        out, first = torch.cat([ref_partial.result(ref_query), out], dim=1), 0
+    return _send_back(out, layout, first)
 
 
 class JointAttention(nn.Module):
@@ -343,7 +492,7 @@ class JointAttention(nn.Module):
         if ctx is None or not ctx.enabled:
             outs = self._attend_single_process(ctx, order, streams, reference, text_blocks)
         else:
-            outs = self._attend_ulysses(ctx, order, streams, reference, text_blocks)
+            outs = self._attend_sequence_parallel(ctx, order, streams, reference, text_blocks)
         return dict(zip(queried, outs))
 
     @staticmethod
@@ -398,26 +547,38 @@ class JointAttention(nn.Module):
         return outs if reference_out is None else [reference_out, *outs]
 
     @staticmethod
-    def _attend_ulysses(
+    def _attend_sequence_parallel(
         ctx: SequenceParallelContext,
         order: list[str],
         streams: dict[str, tuple],
         reference: ReferenceKV | None = None,
         text_blocks: TextBlocks | None = None,
     ) -> list[torch.Tensor]:
+        """Ulysses (`ring_degree` 1): all-to-all over the SP group, `attend_joint`, all-to-all back. USP: the
+        all-to-alls over the Ulysses group (none at Ulysses 1) and `attend_ring` between them."""
         query = next(streams[name][0] for name in order if streams[name][0] is not None)
-        if query.shape[2] % ctx.world_size:
+        if query.shape[2] % ctx.ulysses_degree:
             raise ValueError(
-                f"ulysses_degree={ctx.world_size} must divide the number of attention heads ({query.shape[2]})"
+                f"ulysses_degree={ctx.ulysses_degree} must divide the number of attention heads ({query.shape[2]})"
             )
         # A filled reference is kept: each rank already holds its heads' keys and values; other kv-only
         # streams are this rank's sequence shards, exchanged like the query streams.
         kept = (REFERENCE,) if reference is not None and reference.filled else ()
         kv_only = [name for name in order if streams[name][0] is None and name not in kept]
-        layout = ctx.joint_layout(order, query.device, query.dtype, kv_only, kept)
-        recv = all_to_all(pack_streams(layout, streams), ctx.group)
-        backend = resolve_attention_backend(needs_mask=layout.key_mask is not None)
-        back = all_to_all(attend_joint(recv, layout, backend, reference, text_blocks), ctx.group)
+        if ctx.ring_degree == 1:
+            layout = ctx.joint_layout(order, query.device, query.dtype, kv_only, kept)
+            recv = all_to_all(pack_streams(layout, streams), ctx.group)
+            backend = resolve_attention_backend(needs_mask=layout.key_mask is not None)
+            back = all_to_all(attend_joint(recv, layout, backend, reference, text_blocks), ctx.group)
+            return unpack_streams(layout, back)
+        ring = ctx.ring_layout(order, query.device, query.dtype, kv_only, kept)
+        layout = ring.own
+        send = pack_streams(layout, streams)
+        recv = send if ctx.ulysses_group is None else all_to_all(send, ctx.ulysses_group)
+        backend = resolve_attention_backend(needs_mask=ring.needs_mask)
+        back = attend_ring(recv, ring, backend, ctx.ring_group, reference, text_blocks)
+        if ctx.ulysses_group is not None:
+            back = all_to_all(back, ctx.ulysses_group)
         return unpack_streams(layout, back)
 
 
@@ -473,8 +634,10 @@ class StreamCrossAttention(nn.Module):
         batch, n_q, heads, head_dim = query.shape
         n_kv = key.shape[1]
         if heads % world or key.shape[2] != heads:
+            # Under ring attention too the heads are exchanged over the whole SP group (ulysses x ring ranks).
             raise ValueError(
-                f"ulysses_degree={world} must divide the number of attention heads ({heads}), the same for keys "
+                f"cross-stream attention exchanges heads over all {world} sequence-parallel ranks (ulysses_degree x "
+                f"ring_degree): it must divide the number of attention heads ({heads}), the same for keys "
                 f"({key.shape[2]})"
             )
         # The layout of [keys, queries], the key stream kv-only: its span is what the queries may see.

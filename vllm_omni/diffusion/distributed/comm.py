@@ -4,6 +4,8 @@
 sequence with all heads; after it, the whole sequence for a slice of the heads, and the reverse
 call brings it back. The tensors exchanged are laid out `[world, ...]`: chunk `i` goes to (or
 came from) rank `i`. The attention layer (attention/layer.py) packs and unpacks that layout.
+`ring_pass` is ring attention's step: send a key/value block to the next rank of the ring while
+receiving the previous rank's, asynchronously, so the block at hand is computed meanwhile.
 `all_reduce_max` agrees on FP8 attention's scales. `broadcast_tensors` hands a dict of tensors from one
 rank to its group (the prompt embeddings that one rank encodes for its peers).
 """
@@ -39,6 +41,33 @@ def all_to_all(send: torch.Tensor, group: dist.ProcessGroup | SimulatedGroup) ->
     else:
         dist.all_to_all_single(recv, send.contiguous(), group=group)
     return recv
+
+
+class RingPass:
+    """A ring step in flight (`ring_pass`): `wait()` before reading the received block."""
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
+def ring_pass(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | SimulatedGroup, rank: int) -> RingPass:
+    """Start sending `send` to ring rank `rank + 1` and receiving into `recv` from ring rank `rank - 1` (ranks of
+    `group`, in its order); both run while the caller computes, until `wait()`. A simulated group receives its
+    own `send` (the shapes of a real ring step, not its values)."""
+    if isinstance(group, SimulatedGroup):
+        recv.copy_(send)
+        return RingPass([])
+    size = dist.get_world_size(group)
+    ops = [
+        dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % size),
+        dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % size),
+    ]
+    return RingPass(dist.batch_isend_irecv(ops))
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup | SimulatedGroup) -> list[torch.Tensor]:

@@ -5,14 +5,22 @@ attention layer read the groups through `get_parallel_state()`. Ranks are laid o
 cfg-major: rank = cfg_rank * sequence_parallel_size + sp_rank, so an SP group is a
 run of consecutive ranks (consecutive GPUs, the fastest links).
 
+Inside an SP group of ulysses_degree x ring_degree ranks (USP), the Ulysses groups are runs of
+consecutive ranks and the ring groups stride across them: sp_rank = ring_rank * ulysses_degree +
+ulysses_rank. The all-to-alls stay on the closest GPUs (within a node, where the Ray executor gives a
+node consecutive ranks), and the ring's send/recv crosses the slower links. Since a stream is split
+over the SP group in rank order, a Ulysses group's all-to-all leaves each of its ranks one contiguous
+block of the sequence (the ring's key/value block), for its share of the heads.
+
 A decision that changes what a rank executes next is agreed by exactly the ranks it concerns,
 over a CPU (gloo) control group, so it never waits behind queued GPU work (on CPU runs the
 world and SP groups already are gloo and serve as their own control groups):
 - `any_rank` / `every_rank` over the world: stop at this step (the cancel check, which every
   rank reaches at the end of every denoising step).
 - `every_sp_rank` over the rank's SP group: replay a CUDA graph or run eagerly. A graph holds
-  its SP group's all-to-alls, so only that group must agree; the CFG groups run different
-  prompts, miss their graph caches at different requests, and must not meet in this decision.
+  its SP group's all-to-alls and ring passes, so only that group must agree (its Ulysses and ring
+  ranks alike: the SP group holds both); the CFG groups run different prompts, miss their graph
+  caches at different requests, and must not meet in this decision.
 """
 
 from __future__ import annotations
@@ -38,6 +46,16 @@ class ParallelState:
     cfg_group: dist.ProcessGroup | None
     control_group: dist.ProcessGroup | None = None  # gloo, every rank; None when alone (or simulated)
     sp_control_group: dist.ProcessGroup | None = None  # gloo, this rank's SP group; None when alone in it
+    # Within the SP group: the all-to-all's group and the ring's (None where its degree is 1). With one of the
+    # degrees at 1 the other's group is the SP group itself (filled in when not given).
+    ulysses_group: dist.ProcessGroup | SimulatedGroup | None = None
+    ring_group: dist.ProcessGroup | SimulatedGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.config.ring_degree == 1 and self.ulysses_group is None:
+            self.ulysses_group = self.sp_group
+        if self.config.ulysses_degree == 1 and self.ring_group is None:
+            self.ring_group = self.sp_group
 
     @property
     def sp_world_size(self) -> int:
@@ -46,6 +64,14 @@ class ParallelState:
     @property
     def sp_rank(self) -> int:
         return self.rank % self.sp_world_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.sp_rank % self.config.ulysses_degree
+
+    @property
+    def ring_rank(self) -> int:
+        return self.sp_rank // self.config.ulysses_degree
 
     @property
     def cfg_rank(self) -> int:
@@ -66,7 +92,8 @@ def initialize_parallel_state(
     device: torch.device | str = "cpu",
     timeout: timedelta | None = None,
 ) -> ParallelState:
-    """Join the world (when it has more than one rank) and build the SP, CFG and control groups.
+    """Join the world (when it has more than one rank) and build the SP, CFG and control groups, and within
+    each SP group its Ulysses and ring groups.
 
     `init_method` is a torch.distributed URL such as ``tcp://127.0.0.1:29500``; it may
     be None only for a world of one. `timeout` bounds the rendezvous and every collective
@@ -77,7 +104,7 @@ def initialize_parallel_state(
     world_size = config.world_size
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    sp_group = cfg_group = control_group = sp_control_group = None
+    sp_group = cfg_group = control_group = sp_control_group = ulysses_group = ring_group = None
     if world_size > 1:
         if init_method is None:
             raise ValueError("init_method is required for a world of more than one rank")
@@ -95,6 +122,19 @@ def initialize_parallel_state(
             control = group if gloo or sp == 1 else dist.new_group(ranks, backend="gloo", **bounded)
             if rank in ranks:
                 sp_group, sp_control_group = group, control
+            ulysses, ring = config.ulysses_degree, config.ring_degree
+            if ulysses > 1 and ring > 1:  # USP: one group per run of ulysses ranks, one per stride
+                base = cfg_index * sp
+                for ring_index in range(ring):
+                    ranks = [base + ring_index * ulysses + u for u in range(ulysses)]
+                    group = dist.new_group(ranks, **bounded)
+                    if rank in ranks:
+                        ulysses_group = group
+                for ulysses_index in range(ulysses):
+                    ranks = [base + r * ulysses + ulysses_index for r in range(ring)]
+                    group = dist.new_group(ranks, **bounded)
+                    if rank in ranks:
+                        ring_group = group
         for sp_index in range(sp):
             ranks = [cfg_index * sp + sp_index for cfg_index in range(config.cfg_parallel_size)]
             group = dist.new_group(ranks, **bounded) if len(ranks) > 1 else None
@@ -112,6 +152,8 @@ def initialize_parallel_state(
         cfg_group=cfg_group,
         control_group=control_group,
         sp_control_group=sp_control_group,
+        ulysses_group=ulysses_group,
+        ring_group=ring_group,
     )
     return _STATE
 
@@ -122,7 +164,17 @@ def initialize_simulated_parallel_state(config: DiffusionParallelConfig, rank: i
     if config.cfg_parallel_size != 1:
         raise ValueError("a simulated group covers sequence parallelism only (cfg_parallel_size=1)")
     group = SimulatedGroup(config.sequence_parallel_size) if config.sequence_parallel_size > 1 else None
-    _STATE = ParallelState(config=config, rank=rank, world_size=config.world_size, sp_group=group, cfg_group=None)
+    ulysses = SimulatedGroup(config.ulysses_degree) if config.ulysses_degree > 1 else None
+    ring = SimulatedGroup(config.ring_degree) if config.ring_degree > 1 else None
+    _STATE = ParallelState(
+        config=config,
+        rank=rank,
+        world_size=config.world_size,
+        sp_group=group,
+        cfg_group=None,
+        ulysses_group=ulysses,
+        ring_group=ring,
+    )
     return _STATE
 
 

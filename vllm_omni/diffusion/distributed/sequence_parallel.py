@@ -30,6 +30,16 @@ ways: *exchanged* every forward through the seq->head all-to-all from each rank'
 (a condition image, `kv_only=`), or *kept*: held by attention since an earlier forward's
 all-to-all, as each rank's heads over the whole stream, and not exchanged again (a reference stream's
 reference tokens, `kept=`). Either way the stream sits at the joint offset it had when exchanged.
+
+Ring attention (``ring_degree`` > 1, beside Ulysses: USP) applies the same policy per key/value
+block. A Ulysses group's all-to-all leaves each of its ranks one contiguous block of every stream
+(ring rank r holds rows [r * U * n, (r + 1) * U * n) of a stream whose rank-local length is n, for
+its U-th of the heads); the blocks circulate around the ring. `ring_layout` describes each ring
+rank's block as a `JointLayout` of the streams' rows in that block (its `StreamShard`s clamped to
+the block), built by the same code as the Ulysses layout: in trim mode a block that holds padding
+or filler is cut at its true rows (the padding lands in the last blocks, so most blocks are whole),
+mask mode masks them, none mode keeps the SP padding unmasked and warns once. Every rank knows every
+block's valid rows from host ints, so no lengths travel with the blocks.
 """
 
 from __future__ import annotations
@@ -121,6 +131,20 @@ class JointLayout:
     row_keys: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
+    def buffer_len(self) -> int:
+        """Rows of the joint buffer: the queries' rows, or more where a cut stream's padding copy reaches past
+        them (text filler longer than a tiny image)."""
+        exchanged = (s.joint_offset + self.world_size * s.shard.local_seq_len for s in self.slots if s.exchanged)
+        return max(self.query_len, *exchanged)
+
+    @property
+    def visible_keys(self) -> int:
+        """Key rows that a query may see (0: none; the kernel need not run): `kv_len`, less what the mask hides."""
+        if self.key_mask is None:
+            return self.kv_len
+        return sum(slot.shard.original_seq_len for slot in self.slots)
+
+    @property
     def local_len(self) -> int:
         """Rank-local rows the seq->head all-to-all sends: every stream's shard but the kept ones'."""
         return sum(slot.shard.local_seq_len for slot in self.slots if slot.exchanged)
@@ -139,9 +163,40 @@ class JointLayout:
         return slot.joint_offset, self.kv_len
 
 
+@dataclass(frozen=True)
+class RingLayout:
+    """Ring attention's layout: each ring rank's key/value block as a `JointLayout` over the rows of every stream
+    that block holds (world size: the Ulysses degree), and which block is this rank's.
+
+    A block's layout is what the Ulysses layout would be if the block were the whole sequence: a stream cut at
+    its true rows in the block (trim; and a stream's own filler in none mode), masked there (mask), or kept whole
+    (none). The blocks differ only where padding or filler lands, in the last ring ranks' blocks.
+    """
+
+    blocks: tuple[JointLayout, ...]  # by ring rank
+    rank: int  # this rank's place in the ring
+
+    @property
+    def own(self) -> JointLayout:
+        return self.blocks[self.rank]
+
+    @property
+    def buffer_len(self) -> int:
+        """Rows of every block's key/value buffer: the same on every ring rank, so the send/recv shape is fixed."""
+        return max(block.buffer_len for block in self.blocks)
+
+    @property
+    def needs_mask(self) -> bool:
+        return any(block.key_mask is not None for block in self.blocks)
+
+
 @dataclass
 class SequenceParallelContext:
-    """Per-forward SP state: group, policy, and the streams sharded so far."""
+    """Per-forward SP state: group, policy, and the streams sharded so far.
+
+    `group` is the whole SP group (ulysses_degree x ring_degree ranks: sharding, gathers, sums); attention
+    exchanges heads over `ulysses_group` and passes key/value blocks around `ring_group` (None where that
+    degree is 1; with ring_degree 1 the all-to-all uses `group`)."""
 
     group: Any  # a torch ProcessGroup, a SimulatedGroup, or None for one rank
     world_size: int
@@ -149,12 +204,22 @@ class SequenceParallelContext:
     ulysses_degree: int
     ring_degree: int
     padding_mode: PaddingMode
+    ulysses_group: Any = None
+    ring_group: Any = None
     streams: dict[str, StreamShard] = field(default_factory=dict)
-    _layouts: dict[tuple, JointLayout] = field(default_factory=dict)
+    _layouts: dict[tuple, JointLayout | RingLayout] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def ring_rank(self) -> int:
+        return self.rank // self.ulysses_degree
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.rank % self.ulysses_degree
 
     def record_stream(self, stream: str, seq_len: int, valid_len: int | Sequence[int] | None = None) -> StreamShard:
         """Record a stream of `seq_len` tokens of which the first `valid_len` (default all) are real; a sequence
@@ -172,17 +237,6 @@ class SequenceParallelContext:
         if shard is None:
             padded = math.ceil(seq_len / self.world_size) * self.world_size
             shard = StreamShard(true_len, padded - true_len, self.world_size, seq_len - true_len, row_lens)
-            if (shard.filler_len or shard.row_lens) and self.ring_degree > 1:
-                raise ValueError(
-                    f"Ring attention cannot drop the {shard.filler_len} filler tokens of the {stream} stream "
-                    f"exactly. Use Ulysses only (ring_degree=1)."
-                )
-            if shard.pad_size and self.ring_degree > 1:
-                raise ValueError(
-                    f"Ring attention cannot be exact with SP padding: the {stream} sequence of {seq_len} tokens "
-                    f"is not divisible by sequence_parallel_size={self.world_size}. Use Ulysses only "
-                    f"(ring_degree=1) or a size whose token count the degree divides."
-                )
             self.streams[stream] = shard
             self._layouts.clear()
         elif (
@@ -213,10 +267,67 @@ class SequenceParallelContext:
             self._layouts[key] = layout
         return layout
 
-    def _cut_at_true_length(self, shard: StreamShard) -> bool:
+    def ring_layout(
+        self,
+        order: Sequence[str],
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_only: Sequence[str] = (),
+        kept: Sequence[str] = (),
+    ) -> RingLayout:
+        """`joint_layout`'s counterpart under ring attention: every ring rank's block (see `RingLayout`); once
+        per forward."""
+        key = ("ring", tuple(order), tuple(kv_only), tuple(kept), device, dtype)
+        layout = self._layouts.get(key)
+        if layout is None:
+            kv_only_set, kept_set = frozenset(kv_only) | frozenset(kept), frozenset(kept)
+            blocks = tuple(
+                self._build_layout(
+                    order, device, dtype, kv_only_set, kept_set, self._block_streams(order, block), self.ulysses_degree
+                )
+                for block in range(self.ring_degree)
+            )
+            self._warn_unmasked(order)
+            layout = self._layouts[key] = RingLayout(blocks, self.ring_rank)
+        return layout
+
+    def _block_streams(self, order: Sequence[str], block: int) -> dict[str, StreamShard]:
+        """The streams' rows in ring rank `block`'s block: each stream's shard clamped to them."""
+        streams = {}
+        for name in order:
+            shard = self.streams[name]
+            rows = self.ulysses_degree * shard.local_seq_len
+            start = block * rows
+            true_len = _rows_in(shard.original_seq_len, start, rows)
+            row_lens = None if shard.row_lens is None else tuple(_rows_in(n, start, rows) for n in shard.row_lens)
+            filler = _rows_in(shard.seq_len, start, rows) - true_len
+            streams[name] = StreamShard(true_len, rows - true_len, self.ulysses_degree, filler, row_lens)
+        return streams
+
+    def _cut_at_true_length(self, name: str) -> bool:
         # Trim cuts every stream; "none" still cuts a stream's own filler (a row's too), which is not SP padding.
+        # Decided on the whole stream (a ring block past a stream's filler holds its SP padding alone: cut too).
+        shard = self.streams[name]
         has_filler = shard.filler_len > 0 or shard.row_lens is not None
         return self.padding_mode == "trim" or (self.padding_mode == "none" and has_filler)
+
+    def _warn_unmasked(self, order: Sequence[str]) -> None:
+        """The one-time warning when SP padding reaches attention unmasked (none mode)."""
+        if self.padding_mode != "none":
+            return
+        total_pad = sum(self.streams[name].pad_size for name in order if not self._cut_at_true_length(name))
+        if not total_pad:
+            return
+        ring = f", ring_degree={self.ring_degree}" if self.ring_degree > 1 else ""
+        logger.warning_once(
+            "Attention sees unmasked SP padding: %d pad tokens on a sequence of %d real tokens "
+            "(ulysses_degree=%d%s). Padding is not masked, which may change numerics slightly; set "
+            "mask_sp_padding=True or trim_sp_padding=True for exact results.",
+            total_pad,
+            sum(self.streams[name].original_seq_len for name in order),
+            self.ulysses_degree,
+            ring,
+        )
 
     def _build_layout(
         self,
@@ -225,32 +336,39 @@ class SequenceParallelContext:
         dtype: torch.dtype,
         kv_only: frozenset[str] = frozenset(),
         kept: frozenset[str] = frozenset(),
+        streams: dict[str, StreamShard] | None = None,
+        world_size: int | None = None,
     ) -> JointLayout:
+        """The layout of `streams` (default: the recorded ones; a ring block's, `_block_streams`) joined in `order`
+        after an all-to-all over `world_size` ranks (default: the SP group)."""
+        block = streams is not None
+        streams = self.streams if streams is None else streams
+        world_size = self.world_size if world_size is None else world_size
         flags = [name in kv_only for name in order]
         if flags != sorted(flags, reverse=True) or all(flags):
             raise ValueError(f"streams without queries ({sorted(kv_only)}) must come first, before one with queries")
         for name in order:
-            if name not in self.streams:
+            if name not in streams:
                 raise RuntimeError(f"stream {name!r} reached attention without shard_with_auto_pad")
         # Locally the query streams come first, so the way back is a prefix of the way out; a kept
         # stream takes no local rows (its local_start is where it would be, unused).
         local_starts, local_start = {}, 0
         for name in sorted(order, key=lambda name: name in kv_only):
             local_starts[name] = local_start
-            local_start += 0 if name in kept else self.streams[name].local_seq_len
+            local_start += 0 if name in kept else streams[name].local_seq_len
         slots, joint_offset = [], 0
         for name in order:
-            shard = self.streams[name]
+            shard = streams[name]
             slot = StreamSlot(name, shard, local_starts[name], joint_offset, name in kv_only, name not in kept)
             slots.append(slot)
-            joint_offset += shard.original_seq_len if self._cut_at_true_length(shard) else shard.padded_seq_len
+            joint_offset += shard.original_seq_len if self._cut_at_true_length(name) else shard.padded_seq_len
         query_start = next(slot.joint_offset for slot in slots if not slot.kv_only)
         last = slots[-1]
         query_len = last.joint_offset + last.shard.padded_seq_len
         kv_len = last.joint_offset + (
-            last.shard.original_seq_len if self._cut_at_true_length(last.shard) else last.shard.padded_seq_len
+            last.shard.original_seq_len if self._cut_at_true_length(last.name) else last.shard.padded_seq_len
         )
-        total_pad = sum(slot.shard.pad_size for slot in slots if not self._cut_at_true_length(slot.shard))
+        total_pad = sum(slot.shard.pad_size for slot in slots if not self._cut_at_true_length(slot.name))
         ragged = [slot.shard.row_lens for slot in slots if slot.shard.row_lens is not None]
         batch = len(ragged[0]) if ragged else 1
         if any(len(row_lens) != batch for row_lens in ragged):
@@ -268,17 +386,9 @@ class SequenceParallelContext:
         elif ragged:
             # Trim and none: each row's queries see its own true tokens of a ragged stream, densely.
             row_keys = tuple(self._row_key_spans(slots, row, kv_len) for row in range(batch))
-        if self.padding_mode == "none" and total_pad:
-            true_len = sum(slot.shard.original_seq_len for slot in slots)
-            logger.warning_once(
-                "Attention sees unmasked SP padding: %d pad tokens on a sequence of %d real tokens "
-                "(ulysses_degree=%d). Padding is not masked, which may change numerics slightly; set "
-                "mask_sp_padding=True or trim_sp_padding=True for exact results.",
-                total_pad,
-                true_len,
-                self.ulysses_degree,
-            )
-        return JointLayout(tuple(slots), self.world_size, query_len, kv_len, key_mask, query_start, row_keys)
+        if not block:
+            self._warn_unmasked(order)
+        return JointLayout(tuple(slots), world_size, query_len, kv_len, key_mask, query_start, row_keys)
 
     def _row_key_spans(self, slots: Sequence[StreamSlot], row: int, kv_len: int) -> tuple[tuple[int, int], ...]:
         """The joint key spans batch row `row` sees in a cut mode: each stream to its (row's) true end."""
@@ -290,6 +400,11 @@ class SequenceParallelContext:
                 end = slots[index + 1].joint_offset if index + 1 < len(slots) else kv_len
             spans.append((slot.joint_offset, end))
         return merge_spans(spans)
+
+
+def _rows_in(length: int, start: int, rows: int) -> int:
+    """How many of a stream's first `length` rows fall in the block of `rows` rows from `start`."""
+    return min(max(length - start, 0), rows)
 
 
 def merge_spans(spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -342,6 +457,8 @@ def sequence_parallel_context(
             ulysses_degree=state.config.ulysses_degree,
             ring_degree=state.config.ring_degree,
             padding_mode=config.padding_mode,
+            ulysses_group=state.ulysses_group,
+            ring_group=state.ring_group,
         )
     with use_sp_context(ctx):
         yield ctx

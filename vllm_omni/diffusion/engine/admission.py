@@ -91,9 +91,11 @@ def fit(request: DiffusionRequest, envelope: Envelope | None, cfg_one_pass: bool
     if cfg_one_pass and not request.profile:
         if rows is None:
             return dataclasses.replace(request, cfg_one_pass=True)
+        # The branches' rows count against the memory, not against the images a forward may hold (--max-n).
+        pairs = min(envelope.rows_fitting(request.tokens), 2 * envelope.max_rows) // 2
         images = sum(row.num_images for row in request.rows)
-        if (request.batch and rows >= 2 * images) or (not request.batch and rows >= 2):
-            request, rows = dataclasses.replace(request, cfg_one_pass=True), rows // 2
+        if (request.batch and pairs >= images) or (not request.batch and pairs >= 1):
+            request, rows = dataclasses.replace(request, cfg_one_pass=True), min(rows, pairs)
     if rows is not None and rows < request.num_images:
         request = dataclasses.replace(request, rows_per_forward=rows)
     return request

@@ -76,6 +76,14 @@ def width_x_height(text: str) -> tuple[int, int]:
     return size
 
 
+def _lora_module_text(value: Any) -> str | None:
+    """A mapping's adapter value as the flag writes it: a path, or a pair's list ([high, low]) as 'high,low'; None
+    for anything else (the config refuses it)."""
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return ",".join(value)
+    return value if isinstance(value, str) else None
+
+
 # ---- declaring an option ----------------------------------------------------------------------
 
 # The config an option feeds -> (its class, its section of a deploy YAML's stage; None: the stage itself).
@@ -180,7 +188,9 @@ class EngineArgs:
     )
     ring_degree: int = option(
         "parallel",
-        "Ring attention degree; Ring attention is not built yet, so values above 1 are refused (default: 1)",
+        "ring attention degree: the SP ranks are ulysses_degree x ring_degree, the Ulysses all-to-all within each "
+        "run of ulysses_degree ranks and key/value blocks passed around a ring across them (USP): SP degrees the "
+        "heads do not divide, and across machines (default: 1)",
         PARALLEL,
         type=positive_int,
         metavar="N",
@@ -206,8 +216,8 @@ class EngineArgs:
     )
     data_parallel_size: int = option(
         "parallel",
-        "replicas: N groups of cfg_parallel_size x ulysses_degree ranks, each on its own GPUs, behind one "
-        "queue; a request runs on an idle replica (default: 1)",
+        "replicas: N groups of cfg_parallel_size x ulysses_degree x ring_degree ranks, each on its own GPUs, "
+        "behind one queue; a request runs on an idle replica (default: 1)",
         PARALLEL,
         server_only=True,
         type=positive_int,
@@ -296,9 +306,10 @@ class EngineArgs:
     )
     lora_modules: tuple[str, ...] | None = option(
         "engine",
-        "LoRA adapters to serve, as NAME=PATH (a folder or a .safetensors file, in a format diffusers reads); a "
+        "LoRA adapters to serve, as NAME=PATH (a folder or a .safetensors file, in a format diffusers reads; every "
+        "denoiser reads it), or NAME=HIGH,LOW (a file per expert of a two-expert model: high noise, low noise); a "
         'request selects one with `model: NAME` or `lora: {"name": NAME, "scale": 1.0}` (vLLM\'s flag); YAML '
-        "stages[0].lora_modules, a mapping or a list",
+        "stages[0].lora_modules, a mapping (a pair as a list) or a list",
         LORA,
         nargs="+",
         metavar="NAME=PATH",
@@ -335,15 +346,18 @@ class EngineArgs:
     )
     attention_backend: str | None = option(
         "engine",
-        "attention kernel: sdpa (dense), sdpa_masked, or cudnn_fp8 (cuDNN's FP8 attention on Hopper or newer, "
-        "lossy; needs pip install -e '.[fp8]') (default: sdpa_masked when the padding is masked, else sdpa; "
+        "attention kernel: sdpa (dense), sdpa_masked, or a lossy low-precision one on Hopper or newer: cudnn_fp8 "
+        "(cuDNN's FP8 attention, FP8 output; needs pip install -e '.[fp8]'), triton_int8 (INT8 Q.K, 16-bit P.V, "
+        "bf16 output; Triton) or triton_int8_fp8pv (P.V in FP8 too) (default: sdpa_masked when the padding is masked, "
+        "else sdpa; "
         f"env {envs.ATTENTION_BACKEND})",
         ENGINE,
         choices=ATTENTION_BACKENDS,
     )
     fp8_attention_full_steps: int = option(
         "engine",
-        "with a lossy attention backend (cudnn_fp8), the first and the last N denoising steps run exact attention",
+        "with a lossy attention backend (cudnn_fp8, triton_int8, triton_int8_fp8pv), the first and the last N "
+        "denoising steps run exact attention",
         ENGINE,
         type=non_negative_int,
         metavar="N",
@@ -473,7 +487,9 @@ class EngineArgs:
         if isinstance(self.warmup_size, list):  # YAML's [width, height]
             object.__setattr__(self, "warmup_size", tuple(self.warmup_size))
         if isinstance(self.lora_modules, dict):  # YAML's mapping; hashable like the flag's list
-            object.__setattr__(self, "lora_modules", tuple(f"{k}={v}" for k, v in self.lora_modules.items()))
+            texts = {k: _lora_module_text(v) for k, v in self.lora_modules.items()}
+            if None not in texts.values():  # else left as given: the config refuses it
+                object.__setattr__(self, "lora_modules", tuple(f"{k}={v}" for k, v in texts.items()))
         elif isinstance(self.lora_modules, (list, str)):
             items = [self.lora_modules] if isinstance(self.lora_modules, str) else self.lora_modules
             object.__setattr__(self, "lora_modules", tuple(items))
@@ -546,11 +562,6 @@ class EngineArgs:
         `from_kwargs`), so a combination is refused with the same words wherever it was given.
         """
         _ = (self.parallel_config, self.limits, self.batching, self.step_cache, self.engine_config())
-        if self.ring_degree > 1:
-            raise ValueError(
-                f"ring_degree > 1 is not supported yet (Ring attention is not built), got ring_degree="
-                f"{self.ring_degree}: leave it at 1 and split with ulysses_degree (--ulysses-degree) instead"
-            )
         if self.cache_threshold is not None and self.cache is None:
             raise ValueError(
                 "--cache-threshold needs a cache: give --cache first_block (or stages[0].cache, or Omni's "

@@ -114,7 +114,8 @@ class DiffusionEngine:
         self.limits = limits or EngineLimits()
         self.model_path = resolve_model_path(config.model, config.download_dir, config.revision)
         self.spec = read_pipeline_spec(self.model_path)
-        check_ulysses_degree(self.model_path, parallel.ulysses_degree)  # before any GPU loads a weight
+        # before any GPU loads a weight
+        check_ulysses_degree(self.model_path, parallel.ulysses_degree, parallel.ring_degree)
         check_pipeline_options(self.spec, parallel.cfg_parallel_size, config.cache.policy if config.cache else None)
         ray_session = _join_ray(config) if parallel.distributed_executor_backend == "ray" else None
         try:
@@ -152,7 +153,7 @@ class DiffusionEngine:
         self._stopping = False
         logger.info(
             "Starting %d worker(s) for %s (%s) on %s, %s, quantization=%s, cache=%s, cpu_offload=%s, "
-            "ulysses_degree=%d, cfg_parallel_size=%d, padding=%s, executor=%s",
+            "ulysses_degree=%d, ring_degree=%d, cfg_parallel_size=%d, padding=%s, executor=%s",
             parallel.world_size,
             config.model,
             self.spec.diffusers_class,
@@ -163,6 +164,7 @@ class DiffusionEngine:
             config.cpu_offload
             + (" (no CUDA graphs: the weights move)" if config.cpu_offload in ("model", "layerwise") else ""),
             parallel.ulysses_degree,
+            parallel.ring_degree,
             parallel.cfg_parallel_size,
             parallel.padding_mode,
             parallel.distributed_executor_backend,
@@ -328,9 +330,10 @@ class DiffusionEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Serve the adapter at `path` as `name` from now on (checked first: RequestError naming the field).
-        The workers read it when a request first names it."""
+    def load_lora_adapter(self, name: str, path: str | list[str]) -> None:
+        """Serve the adapter at `path` as `name` from now on (checked first: RequestError naming the field); a file
+        per expert of a two-expert model as "HIGH,LOW" or [HIGH, LOW]. The workers read it when a request first
+        names it."""
         self.adapters.load(name, path)
         logger.info("LoRA adapter %r loaded from %s", name, path)
 
@@ -396,9 +399,7 @@ class DiffusionEngine:
         # More images than one forward holds: forwards in a row; CFG branches as rows where they fit (cfg_batch.py).
         config = self.config
         # (Whether a deploy that left it to the engine runs it is the ranks': their placement, worker.py.)
-        one_pass = config.cfg_one_pass is not False and config.parallel_config.cfg_parallel_size == 1
-        one_pass = one_pass and config.cache is None
-        one_pass = one_pass and self.spec.family_pipeline().uses_cfg(request)
+        one_pass = config.cfg_one_pass_allowed and self.spec.family_pipeline().uses_cfg(request)
         request = admission.fit(request, self.envelope, one_pass)
         ids = [row.request_id for row in request.rows]
         with self._id_lock:

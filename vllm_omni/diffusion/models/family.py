@@ -89,6 +89,12 @@ class FamilyPipeline(abc.ABC):
         """A CFG step's cond and uncond denoiser arguments as one forward's rows (cond first); None: two forwards."""
         return None
 
+    @property
+    def joins_cfg_rows(self) -> bool:
+        """Whether the family may run a CFG step as one forward at all (it defines `cfg_rows`): the memory plan
+        then keeps room for both rows where the weights stream every forward."""
+        return type(self).cfg_rows is not FamilyPipeline.cfg_rows
+
     def audio(self, pipe: Any, result: Any) -> Audio | None:
         """The sound of the videos in `result` (what `pipe(...)` returned with output_type="np"), one waveform per
         video in the order of its frames; None: silent videos."""

@@ -13,7 +13,9 @@ Reading goes through the family pipeline's own diffusers loader (`load_lora_weig
 and key converters diffusers knows, PEFT's ranks and alphas); its PEFT layers live only until their
 factors A, B and scaling s are copied out, then `unload_lora_weights` puts the original linears back.
 Up to `max_loras` adapters keep their factors on the device, more up to `max_cpu_loras` on the CPU
-(least recently used first out); a dropped one is read from its file again when asked for.
+(least recently used first out); a dropped one is read from its file again when asked for. An adapter of two
+files (a two-expert model's few-step pair, `LoraRequest.path_2`) loads each into its own expert: the first into the
+high-noise `transformer`, the second into the low-noise `transformer_2` (`load_into_transformer_2=True`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ Factors = dict[tuple[str, str], LinearFactors]
 
 def read_factors(pipe: Any, denoisers: Mapping[str, torch.nn.Module], lora: LoraRequest) -> Factors:
     """The adapter's factors for every linear of the denoisers it adapts, read with the pipeline's own diffusers
-    loader (into every denoiser: two experts both, as `load_into_transformer_2=True` does for the second).
+    loader into every denoiser (two experts both, as `load_into_transformer_2=True` does for the second): its one
+    file into each, or a pair's file of each expert into that expert.
     """
     from peft.tuners.lora import LoraLayer
 
@@ -56,7 +59,7 @@ def read_factors(pipe: Any, denoisers: Mapping[str, torch.nn.Module], lora: Lora
     try:
         for name in denoisers:
             extra = {"load_into_transformer_2": True} if name == "transformer_2" else {}
-            pipe.load_lora_weights(lora.path, adapter_name=adapter, **extra)
+            pipe.load_lora_weights(lora.path_for(name), adapter_name=adapter, **extra)
         for name, denoiser in denoisers.items():
             for path, module in denoiser.named_modules():
                 if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
@@ -73,7 +76,7 @@ def read_factors(pipe: Any, denoisers: Mapping[str, torch.nn.Module], lora: Lora
     finally:
         pipe.unload_lora_weights()  # the PEFT layers go; the original linears are back in place
     if not factors:
-        raise ValueError(f"adapter {lora.name!r} ({lora.path}) adapts no linear layer of the denoisers")
+        raise ValueError(f"adapter {lora.name!r} ({','.join(lora.paths)}) adapts no linear layer of the denoisers")
     return factors
 
 
@@ -93,8 +96,8 @@ class LoraAdapters:
         self.device = device
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        # (name, path, version) -> factors, least recently used first
-        self.kept: OrderedDict[tuple[str, str, int], Factors] = OrderedDict()
+        # (name, paths, version) -> factors, least recently used first
+        self.kept: OrderedDict[tuple[str, tuple[str, ...], int], Factors] = OrderedDict()
         self.merged: LoraRequest | None = None
         self.originals: dict[tuple[str, str], torch.Tensor] = {}  # W0 of every linear an adapter touched
         self.switch_seconds = 0.0  # the last switch's (merge and restore), for the log and the benchmark
@@ -104,7 +107,7 @@ class LoraAdapters:
 
     def factors(self, lora: LoraRequest) -> Factors:
         """The adapter's factors on the device: kept ones (most recently used last), else read from its file."""
-        key = (lora.name, lora.path, lora.version)
+        key = (lora.name, lora.paths, lora.version)
         factors = self.kept.pop(key, None)
         if factors is None:
             start = time.perf_counter()
@@ -112,7 +115,7 @@ class LoraAdapters:
             logger.info(
                 "LoRA adapter %r read from %s: %d linear layers, in %.2f s",
                 lora.name,
-                lora.path,
+                ",".join(lora.paths),
                 len(factors),
                 time.perf_counter() - start,
             )

@@ -383,6 +383,7 @@ class RankPlan:
     admission: Admission
     text_tokens: int
     plan_at: Callable[..., MemoryPlan]  # (tokens, step_scale=1.0, text_tokens=...) -> the plan at one row of tokens
+    rows: int = 1  # under layerwise offload: rows of the admitted request the plan holds (widest_envelope)
 
     def measured(self, step_bytes: int, tokens: int) -> Envelope:
         """The envelope once a step of `tokens` image tokens (one row, a short prompt) was measured to take
@@ -390,18 +391,25 @@ class RankPlan:
         without text, so the scale errs high), never narrower than the request the deploy must admit."""
         estimate = self.plan_at(tokens, text_tokens=0).step_bytes
         scale = step_bytes / estimate if estimate else 1.0
-        return widest_envelope(self.plan_at, self.admission, self.text_tokens, self.plan.offload, scale)
+        return widest_envelope(self.plan_at, self.admission, self.text_tokens, self.plan.offload, scale, self.rows)
 
 
 def widest_envelope(
-    plan_at: Callable[..., MemoryPlan], admission: Admission, text_tokens: int, offload: str, scale: float = 1.0
+    plan_at: Callable[..., MemoryPlan],
+    admission: Admission,
+    text_tokens: int,
+    offload: str,
+    scale: float = 1.0,
+    rows: int = 1,
 ) -> Envelope:
     """The widest forward that fits: the most tokens one row of a step may have (the model's cap at most), and the
     most tokens all rows together may have (their text allowance counted). A step's activations grow with rows x
     tokens, so one row of the forward's tokens stands for any rows of the same total. Under layerwise offload the
-    memory the admitted request leaves keeps denoiser blocks resident instead (resident_blocks): no wider."""
+    memory the admitted request leaves keeps denoiser blocks resident instead (resident_blocks): no wider than the
+    `rows` of it the plan holds."""
     required = admission.required_tokens
-    most = required
+    most = rows * required + (rows - 1) * text_tokens
+    widest_row = required
     if offload != "layerwise":
         high = admission.max_tokens * admission.max_rows + text_tokens * (admission.max_rows - 1)
         if plan_at(high, scale).fits:
@@ -412,7 +420,8 @@ def widest_envelope(
                 middle = (low + high) // 2
                 low, high = (middle, high) if plan_at(middle, scale).fits else (low, middle)
             most = low
-    per_row = admission.max_tokens if admission.max_tokens_set else max(required, min(most, admission.max_tokens))
+        widest_row = most
+    per_row = admission.max_tokens if admission.max_tokens_set else max(required, min(widest_row, admission.max_tokens))
     return Envelope(per_row, max(most, per_row) + text_tokens, admission.max_rows, text_tokens)
 
 
@@ -475,6 +484,7 @@ def plan_rank(
         fp8: bool = config.quantization == "fp8",
         sp: int = 0,
         seqs: int = in_flight,
+        rows: int = 1,
     ) -> MemoryPlan:
         return plan_for_checkpoint(
             path,
@@ -484,7 +494,7 @@ def plan_rank(
             fp8_reason=FP8_RULE.bf16_reason_by_shape if fp8 else None,
             tokens=tokens,
             text_tokens=text_tokens,
-            rows=1,
+            rows=rows,
             sp=sp or parallel.sequence_parallel_size,
             offload=offload or placement,
             device_total=memory[0],
@@ -501,8 +511,16 @@ def plan_rank(
         placement = cheapest_placement(plan, lora)
     chosen = plan()
     if chosen.fits:
-        envelope = widest_envelope(plan, admission, text_allowance, chosen.offload)
-        return RankPlan(chosen, envelope, admission, text_allowance, plan)
+        rows = 1
+        if chosen.offload == "layerwise" and config.cfg_one_pass_allowed and spec.family_pipeline().joins_cfg_rows:
+            # The weights stream to the GPU every forward: a CFG step's two branches in one forward stream them once
+            # a step, not twice (worker/cfg_batch.py). Room for both rows of the admitted request costs a resident
+            # block or so; where it does not fit, the branches run as two forwards.
+            both = plan(rows=2)
+            if both.fits:
+                chosen, rows = both, 2
+        envelope = widest_envelope(plan, admission, text_allowance, chosen.offload, rows=rows)
+        return RankPlan(chosen, envelope, admission, text_allowance, plan, rows)
     alternatives: dict[str, MemoryPlan] = {}
     fp8 = config.quantization is None and dtype_bytes == 2  # FP8 converts bf16 weights
     if fp8:
@@ -518,4 +536,6 @@ def plan_rank(
     degree = parallel.ulysses_degree * 2
     if heads and all(isinstance(h, int) and h % degree == 0 for h in heads):
         alternatives[f"--ulysses-degree {degree}"] = plan(sp=degree * parallel.ring_degree)
+    else:  # the heads allow no more Ulysses: twice the ranks through ring attention
+        alternatives[f"--ring-degree {parallel.ring_degree * 2}"] = plan(sp=parallel.sequence_parallel_size * 2)
     raise ValueError(refusal(chosen, alternatives, admission.required_tokens))

@@ -214,7 +214,7 @@ def _load(
     )
     for name, heads in runner.attention_heads.items():  # the engine checked the configs; these are the models
         if heads % parallel.ulysses_degree:
-            raise ValueError(f"{name}: {ulysses_degree_error(parallel.ulysses_degree, heads)}")
+            raise ValueError(f"{name}: {ulysses_degree_error(parallel.ulysses_degree, heads, parallel.ring_degree)}")
     logger.info(
         "Worker rank %d loaded %s (%s, %s, pid %d) in %.1f s: %s MiB of weights%s",
         rank,

@@ -36,7 +36,7 @@ def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="start the HTTP server (POST /v1/images/generations, /v1/images/edits, /v1/chat/completions, "
-        "/v1/videos; GET /v1/models, /health, /metrics)",
+        "/v1/videos, /v1/videos/sync; GET /v1/models, /health, /metrics)",
         description="Start the HTTP server. Uvicorn listens at once; /health answers 503 until every "
         "worker has loaded the model.",
     )

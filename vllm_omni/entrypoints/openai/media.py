@@ -38,6 +38,13 @@ def encode_images_b64(images: list[Any], fmt: str = "png", quality: int | None =
 AUDIO_LAYOUTS = {1: "mono", 2: "stereo"}
 
 
+def encode_video_output(output: Any, index: int = 0) -> bytes:
+    """Video `index` of an engine result (`DiffusionOutput`: uint8 frames) as an MP4, at its fps, with its sound
+    where the model makes some (`output.audio`): what both video routes answer with."""
+    audio = output.audio[index] if output.audio else None
+    return encode_mp4(output.images[index], output.fps, audio=audio, sample_rate=output.audio_sample_rate)
+
+
 def encode_mp4(
     frames: np.ndarray,
     fps: int,

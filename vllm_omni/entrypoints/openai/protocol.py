@@ -366,7 +366,7 @@ class AdapterCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "vllm-omni"
-    root: str  # the adapter's file or folder
+    root: str  # the adapter's file or folder; a file per expert: "HIGH,LOW"
     parent: str  # the base model's id
 
 
@@ -377,10 +377,10 @@ class ModelList(BaseModel):
 
 class LoadLoraAdapterRequest(_StrictBody):
     """POST /v1/load_lora_adapter (vLLM's body): serve the adapter at `lora_path` (on the server's machine) as
-    `lora_name`."""
+    `lora_name`. A two-expert model also takes a file per expert: "HIGH,LOW" or ["HIGH", "LOW"]."""
 
     lora_name: str
-    lora_path: str
+    lora_path: str | list[str]
 
 
 class UnloadLoraAdapterRequest(_StrictBody):

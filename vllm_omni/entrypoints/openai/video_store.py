@@ -128,8 +128,8 @@ class VideoDirectoryInUse(ValueError):
 class VideoStore:
     """A video job is a scheduler job (the same queue and engine as images) plus a `VideoRecord`
     that outlives it: `add` starts a task that waits for the job whether or not anyone polls, encodes
-    the frames to an MP4 (media.encode_mp4, in a thread, while the next job already runs) and keeps
-    the file until the video is deleted or evicted.
+    the frames (and their sound) to an MP4 (media.encode_video_output, in a thread, while the next job already
+    runs) and keeps the file until the video is deleted or evicted.
 
     Storage, one directory (`--video-dir`; default a fresh temporary one per server, removed when
     it stops): `<id>.mp4` and `<id>.json` (the record) per video, both written to a temporary name
@@ -354,11 +354,8 @@ class VideoStore:
         the next job runs meanwhile); the error, if any, for the client."""
         from vllm_omni.entrypoints.openai import media
 
-        audio = output.audio[0] if output.audio else None
         try:
-            data = await asyncio.to_thread(
-                media.encode_mp4, output.images[0], output.fps, audio=audio, sample_rate=output.audio_sample_rate
-            )
+            data = await asyncio.to_thread(media.encode_video_output, output)
         except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
             logger.error("Video %s: could not encode the MP4: %s", record.id, exc, exc_info=exc)
             return JobError("server_error", f"encoding the MP4 failed: {one_line(exc)}")

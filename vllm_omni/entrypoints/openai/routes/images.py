@@ -3,8 +3,8 @@
 Also the submit/answer path every image route takes (routes/chat.py too): `image_params` makes a
 request's `GenerationParams` (the deploy's defaults filled in, `size` split into width and height),
 `submit_image_job` queues it on the scheduler (app.state.scheduler), and `finish_image_job` waits
-for the job while watching the connection: a client that goes away has its job cancelled (dropped
-from the queue, or stopped at its next denoising step). Bodies are read by routes/bodies.py (a
+for the job while watching the connection (routes/connection.py): a client that goes away has its job cancelled
+(dropped from the queue, or stopped at its next denoising step). Bodies are read by routes/bodies.py (a
 deadline, a limit per field; a full queue answered before the body is read). A request takes its
 queue place once its body has arrived, in `submit`; images are passed on as compressed bytes.
 """
@@ -46,6 +46,7 @@ from vllm_omni.entrypoints.openai.routes.bodies import (
     read_json_object,
     unread,
 )
+from vllm_omni.entrypoints.openai.routes.connection import wait_watching_client
 from vllm_omni.entrypoints.openai.routes.models import adapter_error, check_model
 
 router = APIRouter()
@@ -155,7 +156,7 @@ async def finish_image_job(
     or its error raised as the answer."""
     scheduler: Scheduler = http.app.state.scheduler
     try:
-        await _wait_watching_client(http, scheduler, job)
+        await wait_watching_client(http, scheduler, job)
     finally:
         scheduler.forget(job.id)  # the answer carries the images; nobody polls an image job
     if job.status != "completed":
@@ -177,26 +178,6 @@ def result_fields(output: DiffusionOutput) -> dict[str, Any]:
         "timings_ms": {k: round(v, 2) for k, v in output.timings_ms.items()},
         "step_cache": output.step_cache,
     }
-
-
-async def _wait_watching_client(http: Request, scheduler: Scheduler, job: Job) -> None:
-    """Until the job ends; a client that disconnects first has it cancelled (and it still ends)."""
-    finished = asyncio.create_task(job.wait())
-    gone = asyncio.create_task(_disconnected(http))
-    try:
-        await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not finished.done():
-            scheduler.cancel(job.id, "client disconnected")
-            await finished
-    finally:
-        gone.cancel()
-        finished.cancel()
-
-
-async def _disconnected(http: Request) -> None:
-    """Returns when the client closes the connection (the body is read: the next message says so)."""
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _read_edit_form(http: Request) -> tuple[ImageEditRequest, list[bytes]]:

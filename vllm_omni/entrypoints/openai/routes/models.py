@@ -102,7 +102,11 @@ def check_model(http: Request, model: str | None, modality: str, lora: Any = Non
     served = engine.spec.modality if engine is not None else None  # None: still starting (submit answers 503)
     if served is not None and served != modality:
         name = settings.served_model_name or settings.engine.model
-        endpoint = "POST /v1/videos" if served == "video" else "POST /v1/images/generations or /v1/images/edits"
+        endpoint = (
+            "POST /v1/videos (or /v1/videos/sync)"
+            if served == "video"
+            else "POST /v1/images/generations or /v1/images/edits"
+        )
         raise ApiError(
             400,
             f"model {name!r} generates {served}s, not {modality}s: use {endpoint}",

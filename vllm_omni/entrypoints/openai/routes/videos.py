@@ -8,8 +8,12 @@
 - GET /v1/videos: OpenAI's cursor page, newest first by default (`after`, `limit`, `order`).
 - DELETE /v1/videos/{id}: cancels a queued or running job, or deletes a finished one and its file
   (also one whose MP4 is being written: the file is discarded once written).
+- POST /v1/videos/sync: the same body, read and checked by the same code (`_checked_request`), queued
+  the same way; it answers with the MP4's bytes once the job is done (upstream vLLM-Omni's route, for
+  clients that do not poll). The job is the connection's: a client that leaves has it cancelled, and
+  nothing is stored (no record, no file: GET /v1/videos does not list it).
 
-Jobs live on without any connection; their records and files are the store's
+Jobs of POST /v1/videos live on without any connection; their records and files are the store's
 (video_store.py, at app.state.videos). The length is `seconds` (a string, as the client sends
 it) times `fps`, rounded to the model's frame rule, unless `num_frames` is given.
 """
@@ -21,8 +25,9 @@ import math
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from vllm_omni.diffusion.engine.job import Job, one_line
 from vllm_omni.diffusion.engine.lifecycle import Unavailable
 from vllm_omni.diffusion.engine.preprocess import check_int
 from vllm_omni.diffusion.engine.queue_admission import InternalError, QueueFull
@@ -30,7 +35,8 @@ from vllm_omni.diffusion.engine.request_fields import SAMPLING_FIELDS
 from vllm_omni.diffusion.engine.scheduler import Scheduler
 from vllm_omni.diffusion.request import GenerationParams, RequestError
 from vllm_omni.entrypoints.deploy_config import apply_sampling_defaults
-from vllm_omni.entrypoints.openai.errors import ApiError, request_error, scheduler_error
+from vllm_omni.entrypoints.openai import media
+from vllm_omni.entrypoints.openai.errors import ApiError, job_error, request_error, scheduler_error
 from vllm_omni.entrypoints.openai.protocol import (
     Video,
     VideoCreateRequest,
@@ -52,9 +58,12 @@ from vllm_omni.entrypoints.openai.routes.bodies import (
     read_json_object,
     unread,
 )
+from vllm_omni.entrypoints.openai.routes.connection import wait_watching_client
 from vllm_omni.entrypoints.openai.routes.models import adapter_error, check_model
 from vllm_omni.entrypoints.openai.video_store import VideoRecord, VideoStore
+from vllm_omni.logger import init_logger
 
+logger = init_logger(__name__)
 router = APIRouter()
 
 DEFAULT_SECONDS = 4.0  # OpenAI's default length, when neither the request nor the deploy gives one
@@ -66,19 +75,8 @@ CLIENT_SECONDS = ("4", "8", "12")  # the lengths the openai client's type allows
 
 @router.post("/v1/videos", response_model=Video)
 async def create(http: Request) -> JSONResponse:
-    scheduler: Scheduler = http.app.state.scheduler
-    # The body is read first (a loading server or a full queue is answered before it is): the
-    # request takes a queue place in `submit`, so a silent upload holds none.
-    fields, reference = await _read_create_body(http)
-    body = parse_fields(VideoCreateRequest, fields)
-    lora = check_model(http, body.model, "video", body.lora)
-    params, seconds = _params(http, body, reference, lora)
-    try:
-        job = await scheduler.submit(params, id_prefix="video")
-    except RequestError as exc:
-        raise _request_error(adapter_error(exc, params), body.size, seconds) from None
-    except (Unavailable, QueueFull, InternalError) as exc:
-        raise scheduler_error(exc) from None
+    body, params, seconds = await _checked_request(http)
+    job = await _submit(http, body, params, seconds)
     settings = http.app.state.settings
     request = job.request
     record = _store(http).add(
@@ -91,6 +89,50 @@ async def create(http: Request) -> JSONResponse:
         fps=request.fps,
     )
     return JSONResponse(_view(record).model_dump(), headers={"X-Request-Id": record.id})
+
+
+@router.post(
+    "/v1/videos/sync",
+    response_class=Response,
+    responses={
+        200: {"content": {"video/mp4": {}}, "description": "the MP4 (H.264; AAC sound where the model makes some)"}
+    },
+)
+async def create_sync(http: Request) -> Response:
+    """The body of POST /v1/videos, answered with the MP4 once the job is done: the same checks, queue and errors
+    (a job that fails is answered as the image routes answer theirs: 400 naming the field, 507 out of memory, 500);
+    a client that disconnects has its job cancelled. Nothing is stored."""
+    body, params, seconds = await _checked_request(http)
+    job = await _submit(http, body, params, seconds)
+    scheduler: Scheduler = http.app.state.scheduler
+    try:
+        await wait_watching_client(http, scheduler, job)
+    finally:
+        scheduler.forget(job.id)  # the answer carries the video; nobody polls a sync job
+    if job.status != "completed":
+        error = job.error
+        if error.code == "invalid_request":  # found in the workers (data that does not decode)
+            raise _request_error(RequestError(error.message, error.param), body.size, seconds)
+        raise job_error(error)
+    output, job.result = job.result, None
+    try:
+        data = await asyncio.to_thread(media.encode_video_output, output)  # with its sound, where it has some
+    except Exception as exc:  # noqa: BLE001 - this request fails, the server goes on
+        logger.error("Video %s: could not encode the MP4: %s", job.id, exc, exc_info=exc)
+        raise ApiError(500, f"encoding the MP4 failed: {one_line(exc)}") from None
+    return Response(
+        data,
+        media_type="video/mp4",
+        headers={
+            "X-Request-Id": job.id,
+            "Content-Disposition": f'inline; filename="{job.id}.mp4"',
+            # What the job object of POST /v1/videos reports, for reproducing it.
+            "X-Seed": str(output.seed),
+            "X-Size": f"{output.width}x{output.height}",
+            "X-Num-Frames": str(output.num_frames),
+            "X-Fps": str(output.fps),
+        },
+    )
 
 
 @router.get("/v1/videos", response_model=VideoList)
@@ -276,6 +318,29 @@ def _frames_for(seconds: float, fps: int, multiple: int, max_frames: int) -> int
     return min(k, (max_frames - 1) // multiple) * multiple + 1
 
 
+async def _checked_request(http: Request) -> tuple[VideoCreateRequest, GenerationParams, float | None]:
+    """The create routes' body (form or JSON), read and checked: the body, its GenerationParams and its length in
+    seconds where that decided the frame count (`_params`). A 4xx naming the field otherwise."""
+    # The body is read first (a loading server or a full queue is answered before it is): the
+    # request takes a queue place in `submit`, so a silent upload holds none.
+    fields, reference = await _read_create_body(http)
+    body = parse_fields(VideoCreateRequest, fields)
+    lora = check_model(http, body.model, "video", body.lora)
+    params, seconds = _params(http, body, reference, lora)
+    return body, params, seconds
+
+
+async def _submit(http: Request, body: VideoCreateRequest, params: GenerationParams, seconds: float | None) -> Job:
+    """The queued job; the engine's checks failing name the field as the body does, the scheduler's refusals are
+    their answers (503, 429)."""
+    try:
+        return await http.app.state.scheduler.submit(params, id_prefix="video")
+    except RequestError as exc:
+        raise _request_error(adapter_error(exc, params), body.size, seconds) from None
+    except (Unavailable, QueueFull, InternalError) as exc:
+        raise scheduler_error(exc) from None
+
+
 def _params(
     http: Request, body: VideoCreateRequest, reference: bytes | None, lora: str | dict | None
 ) -> tuple[GenerationParams, float | None]:
@@ -341,7 +406,9 @@ async def _read_create_body(http: Request) -> tuple[dict[str, Any], bytes | None
             param=REFERENCE,
         )
     if kind not in FORM_TYPES:
-        raise unread(ApiError(400, "POST /v1/videos takes multipart/form-data (as the openai client sends it) or JSON"))
+        raise unread(
+            ApiError(400, f"POST {http.url.path} takes multipart/form-data (as the openai client sends it) or JSON")
+        )
     fields: dict[str, Any] = {}
     reference_fields: dict[str, str] = {}
     reference: bytes | None = None
