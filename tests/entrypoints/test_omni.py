@@ -305,17 +305,6 @@ def test_unmasked_padding_is_close_not_equal_and_warns_once_per_worker(engines, 
     assert err.count("DiffusionEngine.step breakdown: preprocess=") == 3
 
 
-def test_warmup_runs_once_before_ready_and_requests_follow(capfd):
-    """What CUDA engines do by default (compile, capture), forced on the CPU: one short request at
-    the warm-up size before `Omni(...)` returns."""
-    with Omni("tiny/qwen-image", warmup=True) as omni:
-        assert omni.engine.warmup_s is not None and omni.engine.warmup_s > 0
-        err = capfd.readouterr().err
-        # On the CPU nothing compiles: one request at the default size (with compiled blocks, a second one).
-        assert err.count("Warm-up done in") == 1 and "(1 request(s): 1024x1024)" in err
-        assert omni.generate(PROMPT, height=32, width=32, num_inference_steps=2, seed=0)[0].size == (32, 32)
-
-
 def test_data_parallel_replicas_run_calls_from_two_threads_at_once():
     """Omni(data_parallel_size=2): a short call from a second thread finishes on the idle replica
     while a long one still runs on the other (one replica would run it after the long one)."""

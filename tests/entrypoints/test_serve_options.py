@@ -77,7 +77,7 @@ def test_flags_override_the_yaml_and_only_the_flags_given(server):
     assert card["default_sampling_params"] == {"num_inference_steps": 3}
     assert card["cache"] == {"policy": "first_block", "threshold": 0.4}  # the YAML's, its threshold the flag's
     assert "Starting 2 worker(s) for tiny/qwen-image" in server.log()
-    assert "ulysses_degree=2, cfg_parallel_size=1, padding=mask" in server.log()
+    assert "ulysses_degree=2, ring_degree=1, cfg_parallel_size=1, padding=mask" in server.log()
 
 
 def test_served_model_name_is_listed_and_both_names_are_accepted(server):
