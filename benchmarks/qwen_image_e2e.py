@@ -564,6 +564,8 @@ def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold
                             )
                         worker = records[0]
                         run = dict(_split(worker, e2e_s), label=label, seed=seed)
+                        # The steps whose CFG branches shared one forward (the layerwise placement's one pass).
+                        run["cfg_one_pass_steps"] = omni.last_output.cfg_one_pass_steps
                         if omni.last_output.step_cache is not None:
                             report = omni.last_output.step_cache
                             run.update({k: report[k] for k in ("forwards_skipped", "median_change")})
