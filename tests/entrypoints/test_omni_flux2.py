@@ -34,8 +34,7 @@ def _reference_image() -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (96, 128, 3), dtype=np.uint8))
 
 
-@pytest.mark.parametrize("degree", [2, 3])
-@pytest.mark.parametrize("mode", ["trim", "mask"])
+@pytest.mark.parametrize(("degree", "mode"), [(2, "trim"), (3, "trim"), (2, "mask")])
 def test_sp_equals_single_process_at_padded_size(engines, degree, mode):
     expected = _generate(engines(), guidance_scale=3.0)
     np.testing.assert_allclose(_generate(engines(degree, mode), guidance_scale=3.0), expected, rtol=0, atol=1e-5)

@@ -36,7 +36,7 @@ _generate = conformance.generator(
 )
 
 
-@pytest.mark.parametrize(("degree", "mode"), [(2, "trim"), (2, "mask"), (3, "trim")])
+@pytest.mark.parametrize(("degree", "mode"), [(2, "trim"), (3, "trim")])  # mask mode: the transformer's tests
 def test_sp_equals_single_process_at_padded_shape(engines, degree, mode):
     expected = _generate(engines(), negative_prompt="blurry")
     assert expected.shape == (1, FRAMES, HEIGHT, WIDTH, 3)

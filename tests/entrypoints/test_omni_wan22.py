@@ -52,7 +52,6 @@ def _generate(omni: Omni, model: str, **kwargs) -> np.ndarray:
     ("model", "degree", "mode"),
     [
         ("tiny/wan2.2-t2v", 2, "trim"),
-        ("tiny/wan2.2-t2v", 2, "mask"),
         ("tiny/wan2.2-t2v", 3, "trim"),
         ("tiny/wan2.2-ti2v", 2, "trim"),
         ("tiny/wan2.2-ti2v", 3, "mask"),
