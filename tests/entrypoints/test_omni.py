@@ -39,7 +39,7 @@ def _generate(omni: Omni, **kwargs) -> np.ndarray:
     return np.stack(omni.generate(PROMPT, **args))
 
 
-# mask_sp_padding through the engine once (U2); each family's mask mode is its transformer test's (tests/diffusion/models)
+# mask_sp_padding through the engine once (U2); each family's mask mode is its transformer tests' subject
 @pytest.mark.parametrize(("degree", "mode"), [(2, "trim"), (3, "trim"), (2, "mask")])
 def test_sp_generation_equals_single_process_at_padded_size(engines, degree, mode):
     for kwargs in ({}, {"negative_prompt": " ", "true_cfg_scale": 4.0}):
