@@ -16,6 +16,12 @@ from vllm_omni.testing.hooks import FACTORY
 
 torch.set_num_threads(1)
 os.environ[envs.TEST_HOOKS] = FACTORY  # inherited by worker processes and forwarded to Ray actors
+# The engines the tests start in this process fork their workers from one forkserver, which imports torch, diffusers
+# and the families once (executor/multiproc.py): a worker group starts in about a second instead of a worker's
+# imports, most of the suite's time on two cores. Servers and the benchmark scripts start theirs as they ship, with
+# spawn (server_process.server_env). On a GPU the tests keep spawn, the default there too.
+if not torch.cuda.is_available():
+    os.environ.setdefault(envs.WORKER_MULTIPROC_METHOD, "forkserver")
 
 
 # The pools' processes (half a GiB each) end after the last test that uses them, not with the session: the

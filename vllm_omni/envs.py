@@ -15,6 +15,9 @@ CPU_THREADS = "VLLM_OMNI_CPU_THREADS"  # torch threads per CPU worker
 CACHE = "VLLM_OMNI_CACHE"  # where tiny models are built (default ~/.cache/vllm_omni)
 PREFETCH_WEIGHTS = "VLLM_OMNI_PREFETCH_WEIGHTS"  # 0: no read-ahead of the weights while the workers start
 RAY_LOG_TO_DRIVER = "VLLM_OMNI_RAY_LOG_TO_DRIVER"  # 1: Ray's worker output forwarded to the driver too
+# vLLM's own variable, with its meaning: how worker processes start (executor/multiproc.py): spawn (the default) or
+# forkserver (one server process imports torch, diffusers and the families once; each worker is forked from it).
+WORKER_MULTIPROC_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 
 USER_VARIABLES = (
     ATTENTION_BACKEND,

@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
+from vllm_omni import envs
+
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0  # generous: the first run also builds the tiny model
 HTTP_TIMEOUT_S = 180.0
@@ -39,6 +41,7 @@ def server_env(**extra: str) -> dict[str, str]:
     env["VLLM_OMNI_CPU_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.pop("VLLM_API_KEY", None)
+    env[envs.WORKER_MULTIPROC_METHOD] = "spawn"  # a server's workers start as they ship (tests/conftest.py)
     env.update(extra)
     return env
 

@@ -30,7 +30,7 @@ def test_tiny_smoke_run_reports_every_phase_and_keeps_earlier_rows(tmp_path):
     out, docs = tmp_path / "e2e.json", tmp_path / "benchmarks.md"
     earlier = {"variant": "ours-eager", "phase": "ours", "gpus": 1, "what": "an earlier call", "error": "kept"}
     out.write_text(json.dumps({"variants": {"ours-eager": earlier}}))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_OMNI_CPU_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_OMNI_CPU_THREADS="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
     command = [sys.executable, str(SCRIPT), "--tiny", "--phase", "build", "diffusers", "ours"]
     command += ["--variants", "diffusers-eager", "ours-default", "--folder", str(tmp_path / "model")]
     command += ["--out", str(out), "--docs", str(docs)]

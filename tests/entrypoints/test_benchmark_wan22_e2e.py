@@ -30,7 +30,7 @@ def test_tiny_smoke_run_links_the_experts_reports_every_phase_and_keeps_other_si
     earlier = {"variant": "ours-eager", "phase": "ours", "gpus": 1, "what": "an earlier call", "size": "832x480"}
     earlier["error"] = "kept"
     out.write_text(json.dumps({"variants": {"ours-eager 832x480": earlier}}))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_OMNI_CPU_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_OMNI_CPU_THREADS="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
     folder = tmp_path / "model"
     command = [sys.executable, str(SCRIPT), "--tiny", "--phase", "build", "diffusers", "ours"]
     command += ["--variants", "diffusers-eager", "ours-default", "ours-cache", "--folder", str(folder)]

@@ -1,6 +1,7 @@
 """Worker lifetime and deadlines under a real `vllm-omni serve tiny/qwen-image --ulysses-degree 2`.
 
-SIGKILL of the server leaves none of its children (workers, multiprocessing's helper) alive. A
+SIGKILL of the server leaves none of its children (workers, multiprocessing's helpers) alive, whether the workers
+were spawned or forked by a forkserver (VLLM_WORKER_MULTIPROC_METHOD). A
 rank that fails while its peer waits in a collective costs one request (500) and a restart that
 /health reports; an out-of-memory error costs one request (507, naming its size): the group serves
 on where both ranks raised it at one agreed point (the prompt encoding's broadcast), and restarts
@@ -40,14 +41,21 @@ def generate(server, prompt: str) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=HTTP_TIMEOUT_S)
 
 
-def test_sigkill_of_the_server_leaves_no_worker_alive(tmp_path):
-    server = start_server([MODEL, "--ulysses-degree", "2"], tmp_path / "server.log")
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_sigkill_of_the_server_leaves_no_worker_alive(tmp_path, method):
+    server = start_server(
+        [MODEL, "--ulysses-degree", "2"], tmp_path / "server.log", VLLM_WORKER_MULTIPROC_METHOD=method
+    )
     try:
         children = children_of(server.proc.pid)
-        assert len(server.worker_pids()) == 2 and set(server.worker_pids()) <= set(children)
+        grandchildren = [pid for child in children for pid in children_of(child)]
+        if method == "spawn":
+            assert len(server.worker_pids()) == 2 and set(server.worker_pids()) <= set(children)
+        else:  # the workers are the forkserver's children; the signal follows it, and it ends with the server
+            assert len(grandchildren) == 2, grandchildren
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(timeout=30)
-        assert still_alive_after(children, 5) == []
+        assert still_alive_after(children + grandchildren, 5) == []
     finally:
         server.kill()  # its process group: whatever a failure above left behind
         server.close()

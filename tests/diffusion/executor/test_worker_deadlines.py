@@ -118,3 +118,17 @@ def test_shutdown_during_a_hung_request_wins_over_the_deadline_and_restarts_noth
     assert executor.status().state == "shutting_down"
     with pytest.raises(RequestCancelled, match="not run: the engine is shutting down"):
         engine.step(_params())
+
+
+def test_the_start_method_is_spawn_unless_set_and_fork_is_refused(monkeypatch):
+    from vllm_omni.diffusion.executor.multiproc import start_method
+
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    assert start_method() == "spawn"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")
+    assert start_method() == "forkserver"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # the executor's process runs threads
+    with pytest.raises(
+        ValueError, match="VLLM_WORKER_MULTIPROC_METHOD='fork': the workers start with spawn or forkserver"
+    ):
+        start_method()

@@ -59,7 +59,7 @@ def _cpu_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def bind_lifetime_to_parent(parent_pid: int) -> None:
+def bind_lifetime_to_parent(parent_pid: int | None) -> None:
     """Die with the parent process however it dies (SIGKILL included), so no worker keeps a GPU.
 
     Two guards: the kernel's parent-death signal (Linux; it fires even if this process is stuck in
@@ -71,10 +71,14 @@ def bind_lifetime_to_parent(parent_pid: int) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
-    if os.getppid() != parent_pid:
+    # `parent_pid` None: forked by the executor's forkserver, which ends when the executor's process does (the
+    # signal follows it); multiprocessing's pipe below is the executor's whichever way the worker started.
+    if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)  # the parent died before the signal was armed
     parent = multiprocessing.parent_process()
     if parent is not None:
+        if not parent.is_alive():
+            os._exit(1)  # the executor's process died before the watch began
         threading.Thread(target=_exit_when_gone, args=(parent,), name="parent-watch", daemon=True).start()
 
 
@@ -88,13 +92,27 @@ def worker_main(
     config: OmniDiffusionConfig,
     model_path: str,
     init_method: str,
-    parent_pid: int,
+    parent_pid: int | None,
     request_queue: Any,
     result_queue: Any,
     cancel_token: Any,
+    environ: dict[str, str] | None = None,
+    stdio: tuple[Any, Any] | None = None,
 ) -> None:
-    """A worker process of MultiprocExecutor: bound to its parent, then the rank's whole life."""
+    """A worker process of MultiprocExecutor: bound to its parent, then the rank's whole life.
+
+    A forkserver's child inherits the server's environment and output from when the server started; `environ`
+    (the executor's environment) and `stdio` (its stdout and stderr, multiprocessing fd handles) are what they
+    are when the group starts, as a spawned worker inherits them."""
+    if stdio is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, handle in zip((1, 2), stdio):
+            os.dup2(handle.detach(), target)
     bind_lifetime_to_parent(parent_pid)
+    if environ is not None and environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
     # Ctrl-C reaches the terminal's whole process group; the parent decides how its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     gpu = config.replica * config.parallel_config.world_size + rank  # a replica's ranks have GPUs of their own
