@@ -118,7 +118,8 @@ def test_a_dead_actor_is_seen_at_once_while_idle_the_group_restarts_and_shutdown
 
     omni.engine.check_workers()  # what the server's watchdog calls: the whole group goes, a new one loads
     assert executor.status().state == "restarting" and executor.restarts == 1
-    assert _gone_within(old[0].pid, 10)  # the survivor is killed too (under NCCL it would hang)
+    # The survivor is killed too (under NCCL it would hang); Ray kills asynchronously: 30 s is a hang guard, as below
+    assert _gone_within(old[0].pid, 30)
     # (The server test runs a request on a restarted group.) Shutdown while it loads leaves nothing:
     omni.close()
     assert executor.status().state == "shutting_down"
