@@ -97,7 +97,8 @@ class MultiprocExecutor(WorkerGroupExecutor):
                     self._request_queues[rank],
                     self._results,
                     self._cancel_token,
-                    dict(os.environ),
+                    # A spawned worker inherits both as they are now; a forked one, the forkserver's from its start.
+                    dict(os.environ) if self._method == "forkserver" else None,
                     _ExecutorStdio() if self._method == "forkserver" else None,
                 ),
                 daemon=True,
