@@ -36,7 +36,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -45,7 +44,10 @@ from benchmarks.harness.sp_forward import (  # noqa: E402
     DEFAULT,
     MODES,
     CompiledBlocks,
+    add_rank_args,
     build_shared_models,
+    check_heads,
+    end_run,
     forward_tables,
     init_parallel,
     own_block_code,
@@ -172,10 +174,7 @@ def write_docs(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(CONFIGS), default="4b")
-    parser.add_argument("--simulate", action="store_true", help="one GPU: act as rank 0 of a simulated group")
-    parser.add_argument("--degree", type=int, default=None, help="Ulysses degree (default: torchrun's world size; 2)")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_rank_args(parser, iters=10, warmup=2)
     parser.add_argument("--layers", default=None, help="D,S blocks for a smoke run (default: the model's)")
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--eager-only", action="store_true", help="skip ours default and diffusers compiled")
@@ -192,8 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_layers(args.layers, CONFIGS[args.model])
     parallel = init_parallel(args.simulate, args.degree)
     device, degree = parallel.device, parallel.state.config.ulysses_degree
-    if config["num_attention_heads"] % degree:
-        sys.exit(f"Ulysses {degree} does not divide the {config['num_attention_heads']} heads")
+    check_heads(config["num_attention_heads"], degree)
     models = build_models(config, device, compiled=not args.eager_only)
     rows = time_sizes(
         parallel,
@@ -205,12 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         args.iters,
         args.warmup,
     )
-    if parallel.rank == 0:
-        save_json(out, rows)
-        write_docs(rows, args.docs)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_run(parallel, lambda: (save_json(out, rows), write_docs(rows, args.docs)))
 
 
 if __name__ == "__main__":

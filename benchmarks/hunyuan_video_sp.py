@@ -34,7 +34,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,11 +41,13 @@ from benchmarks.harness.reports import add_docs_phase, load_json, replace_sectio
 from benchmarks.harness.sp_forward import (  # noqa: E402
     MODES,
     CompiledBlocks,
+    add_rank_args,
     build_shared_models,
+    end_run,
     forward_tables,
     init_parallel,
-    merge_rows,
     runs_of,
+    save_run,
     switched_on,
     time_sizes,
     with_padding_mode,
@@ -158,10 +159,7 @@ def write_docs(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--simulate", action="store_true", help="one GPU: act as rank 0 of a simulated group")
-    parser.add_argument("--degree", type=int, default=None, help="Ulysses degree (default: torchrun's world size; 2)")
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    add_rank_args(parser, iters=3, warmup=1)
     parser.add_argument("--layers", type=int, default=REAL_CONFIG["num_layers"], help="fewer layers for a smoke run")
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--compile", action="store_true", help="add compiled-block variants (ours, diffusers' own)")
@@ -169,8 +167,9 @@ def main() -> None:
     add_docs_phase(parser)
     args = parser.parse_args()
     out = args.out or ROOT / "benchmarks/results/hunyuan_video_sp.json"
+    run_keys = ("degree", "setup")
     if args.phase == "docs":  # a section per run (degree and setup) the file holds
-        for run in runs_of(load_json(out), ("degree", "setup")):
+        for run in runs_of(load_json(out), run_keys):
             write_docs(run, args.docs)
         return
     if not torch.cuda.is_available():
@@ -190,13 +189,7 @@ def main() -> None:
         args.warmup,
         keep_outputs=not parallel.simulated,
     )
-    if parallel.rank == 0:
-        # One file for every run: rows of other degrees and setups are kept, this run's replaced.
-        merge_rows(out, rows, ("degree", "setup"))
-        write_docs(rows, args.docs)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_run(parallel, lambda: save_run(out, rows, run_keys, write_docs, args.docs))
 
 
 if __name__ == "__main__":

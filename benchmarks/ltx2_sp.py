@@ -39,15 +39,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.harness.reports import add_docs_phase, load_json, replace_section  # noqa: E402
 from benchmarks.harness.sp_forward import (  # noqa: E402
+    add_rank_args,
     build_shared_models,
+    check_heads,
     compiled_forwards,
     compiled_ratios,
     compiled_variants,
+    end_run,
     forward_tables,
     init_parallel,
-    merge_rows,
     own_block_code,
     runs_of,
+    save_run,
     time_sizes,
 )
 from vllm_omni.diffusion.models.ltx2.transformer import LTX2VideoTransformer3DModel  # noqa: E402
@@ -197,10 +200,7 @@ def write_docs(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--simulate", action="store_true", help="one GPU: act as rank 0 of a simulated group")
-    parser.add_argument("--degree", type=int, default=None, help="Ulysses degree (default: torchrun's world size; 2)")
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    add_rank_args(parser, iters=3, warmup=1)
     parser.add_argument("--layers", type=int, default=REAL_CONFIG["num_layers"], help="fewer layers for a smoke run")
     parser.add_argument("--sizes", nargs="+", type=size_label, default=SIZES, help="WIDTHxHEIGHTxFRAMES (%(default)s)")
     parser.add_argument(
@@ -222,8 +222,7 @@ def main() -> None:
 
     parallel = init_parallel(args.simulate, args.degree)
     device, degree = parallel.device, parallel.state.config.ulysses_degree
-    if degree > 1 and REAL_CONFIG["num_attention_heads"] % degree:
-        sys.exit(f"Ulysses {degree} does not divide the {REAL_CONFIG['num_attention_heads']} heads")
+    check_heads(REAL_CONFIG["num_attention_heads"], degree)
     models = build_models(device, args.layers)
     compiled = compiled_forwards(models) if args.compile else None
     rows = time_sizes(
@@ -246,9 +245,7 @@ def main() -> None:
         args.warmup,
         compiled,
     )
-    every = merge_rows(out, rows, (*run_keys, "size"))
-    this_run = (degree, parallel.description, args.layers)
-    write_docs([row for row in every if tuple(row[key] for key in run_keys) == this_run], args.docs)
+    end_run(parallel, lambda: save_run(out, rows, run_keys, write_docs, args.docs))
 
 
 if __name__ == "__main__":

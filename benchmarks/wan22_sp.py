@@ -47,21 +47,23 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.harness.reports import add_docs_phase, load_json, replace_section  # noqa: E402
 from benchmarks.harness.sp_forward import (  # noqa: E402
+    add_rank_args,
     build_shared_models,
+    check_heads,
     compiled_forwards,
     compiled_ratios,
     compiled_variants,
+    end_run,
     forward_tables,
     init_parallel,
-    merge_rows,
     own_block_code,
     runs_of,
+    save_run,
     time_sizes,
 )
 from vllm_omni.diffusion import diffusers_compat  # noqa: E402
@@ -175,10 +177,7 @@ def write_docs(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--simulate", action="store_true", help="one GPU: act as rank 0 of a simulated group")
-    parser.add_argument("--degree", type=int, default=None, help="Ulysses degree (default: torchrun's world size; 2)")
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    add_rank_args(parser, iters=3, warmup=1)
     parser.add_argument("--layers", type=int, default=REAL_CONFIG["num_layers"], help="fewer layers for a smoke run")
     parser.add_argument("--sizes", nargs="+", type=size_label, default=SIZES, help="WIDTHxHEIGHTxFRAMES (%(default)s)")
     parser.add_argument(
@@ -198,8 +197,7 @@ def main() -> None:
 
     parallel = init_parallel(args.simulate, args.degree)
     device, degree = parallel.device, parallel.state.config.ulysses_degree
-    if degree > 1 and REAL_CONFIG["num_attention_heads"] % degree:
-        sys.exit(f"Ulysses {degree} does not divide the {REAL_CONFIG['num_attention_heads']} heads")
+    check_heads(REAL_CONFIG["num_attention_heads"], degree)
     models = build_models(device, args.layers, diffusers_ulysses=not parallel.simulated and degree == 2)
     compiled = compiled_forwards(models) if args.compile else None
     rows = time_sizes(
@@ -217,13 +215,7 @@ def main() -> None:
         args.warmup,
         compiled,
     )
-    if parallel.rank == 0:
-        every = merge_rows(out, rows, (*run_keys, "size"))
-        this_run = (degree, parallel.description, args.layers)
-        write_docs([row for row in every if tuple(row[key] for key in run_keys) == this_run], args.docs)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_run(parallel, lambda: save_run(out, rows, run_keys, write_docs, args.docs))
 
 
 if __name__ == "__main__":

@@ -107,6 +107,29 @@ def init_parallel(simulate: bool, degree: int | None = None) -> ParallelSetup:
     return ParallelSetup(rank, device, state, False, f"{names.get(world, f'{world} GPUs')}, real NCCL all-to-alls")
 
 
+def add_rank_args(parser: argparse.ArgumentParser, iters: int, warmup: int) -> None:
+    """The options every SP-forward script shares: which rank this process is, and how many rounds it times."""
+    parser.add_argument("--simulate", action="store_true", help="one GPU: act as rank 0 of a simulated group")
+    parser.add_argument("--degree", type=int, default=None, help="Ulysses degree (default: torchrun's world size; 2)")
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--warmup", type=int, default=warmup)
+
+
+def check_heads(heads: int, degree: int) -> None:
+    """Ulysses splits the heads over the group: a degree that does not divide them cannot run."""
+    if degree > 1 and heads % degree:
+        sys.exit(f"Ulysses {degree} does not divide the {heads} heads")
+
+
+def end_run(parallel: ParallelSetup, save: Callable[[], None]) -> None:
+    """Rank 0 saves the run (`save`: results file and docs); then every rank leaves the NCCL group together."""
+    if parallel.rank == 0:
+        save()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def with_padding_mode(state: ParallelState, **flags) -> ParallelState:
     """`state` with its config's padding flags replaced (mask_sp_padding / trim_sp_padding)."""
     return dataclasses.replace(state, config=state.config.replace(**flags))
@@ -446,6 +469,14 @@ def merge_rows(path: Path, rows: list[dict[str, Any]], keys: tuple[str, ...]) ->
     return kept + rows
 
 
+def save_run(out: Path, rows: list[dict[str, Any]], run_keys: tuple[str, ...], write_docs, docs: Path) -> None:
+    """This run's rows into the results file (a row of an earlier run is replaced where this run repeats its
+    `run_keys` and size), then the docs section of this run: every row of the file with this run's `run_keys`."""
+    every = merge_rows(out, rows, (*run_keys, "size"))
+    this_run = {tuple(row[key] for key in run_keys) for row in rows}
+    write_docs([row for row in every if tuple(row[key] for key in run_keys) in this_run], docs)
+
+
 def runs_of(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[list[dict[str, Any]]]:
     """The rows of each run (the same values of `keys`), runs in the order the rows first name them."""
     runs: dict[tuple, list[dict[str, Any]]] = {}
@@ -682,18 +713,8 @@ def main(bench: ForwardBenchmark, description: str, argv: list[str] | None = Non
     if not torch.cuda.is_available():
         sys.exit(f"{bench.key}.py needs a CUDA GPU")
 
-    if args.simulate:
-        rank, device = 0, torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        u2_state = initialize_simulated_parallel_state(DiffusionParallelConfig(ulysses_degree=args.degree))
-        setup = f"one GPU, simulated U{args.degree} rank (all-to-alls are local copies: no communication cost)"
-    else:
-        rank = int(os.environ["RANK"])
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=device)
-        u2_state = initialize_parallel_state(DiffusionParallelConfig(ulysses_degree=2), rank, "env://", device)
-        setup = "two GPUs, real NCCL all-to-alls"
+    parallel = init_parallel(args.simulate, args.degree)
+    rank, device, u2_state, setup = parallel.rank, parallel.device, parallel.state, parallel.description
 
     models = bench.build_models(device, args.simulate, overrides)
     name_to_variant = variants(models, u2_state, args.simulate, not args.no_graphs, args.compile)
@@ -725,9 +746,4 @@ def main(bench: ForwardBenchmark, description: str, argv: list[str] | None = Non
                     "layers": layers_label,
                 }
             )
-    if rank == 0:
-        save_json(out, rows)
-        write_docs(bench, rows, args.docs, setup, args.degree)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_run(parallel, lambda: (save_json(out, rows), write_docs(bench, rows, args.docs, setup, args.degree)))
