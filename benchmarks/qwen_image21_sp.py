@@ -41,6 +41,7 @@ from benchmarks.harness.reports import add_docs_phase, load_json, replace_sectio
 from benchmarks.harness.sp_forward import (  # noqa: E402
     ParallelSetup,
     build_shared_models,
+    check_heads,
     compiled_forwards,
     compiled_ratios,
     compiled_variants,
@@ -129,8 +130,7 @@ def make_inputs(size: str, config: dict[str, Any], device: torch.device) -> dict
 def run(args, parallel: ParallelSetup) -> list[dict]:
     device, degree = parallel.device, parallel.state.config.ulysses_degree
     config = model_config(args.tiny, args.layers)
-    if config["num_attention_heads"] % degree:
-        sys.exit(f"Ulysses {degree} does not divide the {config['num_attention_heads']} heads")
+    check_heads(config["num_attention_heads"], degree)
     models = build_models(config, device)
     compiled = compiled_forwards(models) if args.compile else None
     return time_sizes(

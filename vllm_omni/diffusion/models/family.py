@@ -96,7 +96,7 @@ class FamilyPipeline(abc.ABC):
         return type(self).cfg_rows is not FamilyPipeline.cfg_rows
 
     def audio(self, pipe: Any, result: Any) -> Audio | None:
-        """The sound of the videos in `result` (what `pipe(...)` returned with output_type="np"), one waveform per
+        """The sound of the videos in `result` (what `pipe(...)` returned with output_type="pt"), one waveform per
         video in the order of its frames; None: silent videos."""
         return None
 

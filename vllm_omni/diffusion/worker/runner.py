@@ -84,6 +84,32 @@ def skipped_text_encoders(path: Path, family: FamilyPipeline) -> list[str]:
     return [] if shares_text(family)[1] else present_components(path, family.text_encoders)
 
 
+# Elements of one picture chunk converted at a time (float32 on the device: 256 MiB): a long video's frames are
+# not all widened to float32 at once at the end of a request, when the decode may have left little room.
+CONVERT_CHUNK_ELEMENTS = 2**26
+
+
+def frames_to_host(frames: torch.Tensor, as_float: bool) -> np.ndarray:
+    """A pipeline's output_type="pt" frames (images [n, C, H, W], videos [n, F, C, H, W], in [0, 1], on its
+    device) as the worker returns them, channels last: float32 (`as_float`), else uint8, converted on the device
+    (x clipped to [0, 1], times 255, rounded half to even, in float32: the values numpy gave on the host), so a
+    video crosses to the host at a quarter of float32's bytes and the host does no per-pixel work. Raises
+    FloatingPointError on a NaN or Inf value (one check on the device)."""
+    if not bool(torch.isfinite(frames).all()):
+        raise FloatingPointError("the pipeline produced non-finite pixel values (NaN or Inf)")
+    leading, (channels, height, width) = frames.shape[:-3], frames.shape[-3:]
+    pictures = frames.reshape(-1, channels, height, width)
+    if as_float:
+        host = pictures.permute(0, 2, 3, 1).float().cpu()
+    else:
+        host = torch.empty((pictures.shape[0], height, width, channels), dtype=torch.uint8)
+        step = max(1, CONVERT_CHUNK_ELEMENTS // (channels * height * width))
+        for start in range(0, pictures.shape[0], step):
+            chunk = pictures[start : start + step].permute(0, 2, 3, 1).float().clamp(0, 1).mul_(255).round_()
+            host[start : start + step] = chunk.to(torch.uint8).cpu()
+    return host.reshape(*leading, height, width, channels).numpy()
+
+
 class PipelineRunner:
     def __init__(
         self,
@@ -264,7 +290,9 @@ class PipelineRunner:
                 step_offset = index * request.num_inference_steps
                 chunk_seeds = seeds if request.batch else seeds[first : first + count]  # a batch is one call
                 calls = (on_step_end, on_decode_tile, on_encode_progress, lambda: self._at("text", request, cancelled))
-                arrays.append(self._call(part, chunk_seeds, step_offset, *calls, embeds, sounds))
+                frames = self._call(part, chunk_seeds, step_offset, *calls, embeds, sounds)
+                if frames is not None:
+                    arrays.append(frames_to_host(frames, as_float=request.output_type == "np"))
                 first += count
         finally:
             if self.model_offload is not None:
@@ -276,17 +304,12 @@ class PipelineRunner:
         if request.profile:
             return np.zeros((0,), dtype=np.uint8)
         array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        if not np.isfinite(array).all():
-            raise FloatingPointError("the pipeline produced non-finite pixel values (NaN or Inf)")
         if sounds:
             samples = np.concatenate([sound.samples for sound in sounds])
             if not np.isfinite(samples).all():
                 raise FloatingPointError("the pipeline produced non-finite audio samples (NaN or Inf)")
             self.audio = Audio(samples, sounds[0].sample_rate)
-        if request.output_type == "np":
-            return array
-        # Pictures and files need only uint8: a 121-frame video crosses the worker pipe at a quarter the size.
-        return (array.clip(0, 1) * 255).round().astype(np.uint8)
+        return array
 
     def _call(
         self,
@@ -299,7 +322,7 @@ class PipelineRunner:
         on_text_encode: Callable[[], None] | None,
         embeds: list[Any],
         sounds: list[Audio],
-    ) -> np.ndarray | None:
+    ) -> torch.Tensor | None:
         """One pipeline call of `request`'s rows (a chunk of its images, or a batch), `seeds` one per image; its
         steps reported as `step_offset` + step. `embeds` holds the embeddings the first call encoded once (text
         once, a family's encode stage), for the calls after it; the call's sound, if any, is added to `sounds`.
@@ -307,7 +330,8 @@ class PipelineRunner:
         kwargs = self._call_kwargs(request)
         # CPU generators on every rank: identical latents everywhere, on any device.
         generators = [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
-        kwargs.update(generator=generators if len(generators) > 1 else generators[0], output_type="np")
+        # "pt": the frames stay on the device, where frames_to_host converts them (pipelines' "np" is pt_to_numpy).
+        kwargs.update(generator=generators if len(generators) > 1 else generators[0], output_type="pt")
         if request.profile:
             kwargs["output_type"] = "latent"  # the denoising is what is measured
         if self.cfg is not None:
@@ -375,7 +399,7 @@ class PipelineRunner:
         sound = self.family.audio(pipe, result)
         if sound is not None:
             sounds.append(sound)
-        return np.asarray(frames, dtype=np.float32)
+        return frames
 
     def _at(self, point: HookPoint, request: DiffusionRequest, cancelled: Callable[[], bool]) -> None:
         if self.hooks is not None:
