@@ -40,6 +40,21 @@ def test_the_error_names_the_ulysses_and_ring_pairs_the_heads_allow(tmp_path):
         check_ulysses_degree(folder, 4, ring_degree=3)
 
 
+def test_ltx2_s_heads_must_split_over_every_sp_rank_ring_ranks_included(tmp_path):
+    """LTX-2's cross-stream attention exchanges heads over the whole SP group: its spec says so, and Ulysses 2 x
+    ring 3 (6 ranks) is refused for 32 heads though Ulysses 2 divides them; Ulysses 2 x ring 4 runs."""
+    index = {"_class_name": "LTX2Pipeline", "transformer": ["diffusers", "X"]}
+    folder = _folder(tmp_path, index, {"transformer": 32})
+    over_sp_group = read_pipeline_spec(folder).heads_over_sp_group
+    (tmp_path / "z").mkdir()
+    z_image = read_pipeline_spec(_folder(tmp_path / "z", {"_class_name": "ZImagePipeline"}, {}))
+    assert over_sp_group and not z_image.heads_over_sp_group
+    check_ulysses_degree(folder, 2, ring_degree=3)  # Ulysses alone: what every other family needs
+    check_ulysses_degree(folder, 2, ring_degree=4, over_sp_group=over_sp_group)
+    with pytest.raises(ValueError, match=r"all 6 sequence-parallel ranks, .*size of \[1, 2, 4, 8, 16, 32\]"):
+        check_ulysses_degree(folder, 2, ring_degree=3, over_sp_group=over_sp_group)
+
+
 def test_an_absent_expert_is_not_checked(tmp_path):
     index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "X"], "transformer_2": [None, None]}
     check_ulysses_degree(_folder(tmp_path, index, {"transformer": 24}), 3)  # 5B: 24 heads, no transformer_2

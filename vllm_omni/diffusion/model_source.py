@@ -140,10 +140,11 @@ def read_pipeline_spec(path: Path) -> PipelineSpec:
     return spec_for(class_name, index)
 
 
-def check_ulysses_degree(path: Path, ulysses_degree: int, ring_degree: int = 1) -> None:
+def check_ulysses_degree(path: Path, ulysses_degree: int, ring_degree: int = 1, over_sp_group: bool = False) -> None:
     """ValueError when `ulysses_degree` does not divide the attention heads of a denoiser (read from
     the config.json of every transformer* component, before any worker loads; the workers check the
-    loaded models again). The error names the (Ulysses, ring) pairs that split the same SP degree
+    loaded models again), or, `over_sp_group` (PipelineSpec.heads_over_sp_group), when the whole SP degree does
+    not. The error names the (Ulysses, ring) pairs that split the same SP degree
     (`ulysses_degree` x `ring_degree`) and that the heads allow."""
     try:
         index = json.loads((path / MODEL_INDEX).read_text())
@@ -156,8 +157,10 @@ def check_ulysses_degree(path: Path, ulysses_degree: int, ring_degree: int = 1) 
             heads = attention_heads(json.loads((path / name / "config.json").read_text()))
         except (OSError, ValueError, TypeError):
             continue  # no readable config here: the workers' check still applies
-        if isinstance(heads, int) and heads >= 1 and heads % ulysses_degree:
-            raise ValueError(ulysses_degree_error(ulysses_degree, heads, ring_degree))
+        if isinstance(heads, int) and heads >= 1:
+            error = heads_error(heads, ulysses_degree, ring_degree, over_sp_group)
+            if error is not None:
+                raise ValueError(error)
 
 
 def check_pipeline_options(spec: PipelineSpec, cfg_parallel_size: int, cache_policy: str | None) -> None:
@@ -175,6 +178,21 @@ def usp_pairs(heads: int, sp: int) -> list[tuple[int, int]]:
     """The (ulysses_degree, ring_degree) pairs of `sp` ranks whose Ulysses degree divides `heads`, most Ulysses
     first (the all-to-all inside a node is the cheaper exchange; ring takes the rest)."""
     return [(u, sp // u) for u in range(min(heads, sp), 0, -1) if heads % u == 0 and sp % u == 0]
+
+
+def heads_error(heads: int, ulysses_degree: int, ring_degree: int, over_sp_group: bool) -> str | None:
+    """Why a denoiser of `heads` attention heads cannot run at this split (None: it can)."""
+    if heads % ulysses_degree:
+        return ulysses_degree_error(ulysses_degree, heads, ring_degree)
+    sp = ulysses_degree * ring_degree
+    if over_sp_group and heads % sp:
+        sizes = [d for d in range(1, heads + 1) if heads % d == 0]
+        return (
+            f"ulysses_degree={ulysses_degree} x ring_degree={ring_degree}: the model's cross-stream attention "
+            f"exchanges its {heads} attention heads over all {sp} sequence-parallel ranks, ring ranks included, and "
+            f"{sp} does not divide them; use a sequence-parallel size of {sizes}"
+        )
+    return None
 
 
 def ulysses_degree_error(ulysses_degree: int, heads: int, ring_degree: int = 1) -> str:

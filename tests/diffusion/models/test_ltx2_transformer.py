@@ -235,3 +235,21 @@ def test_sp_none_mode_is_exact_and_silent_where_nothing_pads(sp_pool, models, ch
     case = Case(video="even", audio="even")
     expected = run(models[case.config][1], make_inputs(case))
     conformance.assert_sp_none_mode_exact_without_padding(on_pool(sp_pool, checkpoints, case), expected, silent=True)
+
+
+# ---- under ring attention (USP: ring_pool) ------------------------------------------------------------
+
+
+def test_ring_matches_single_process_at_padded_sizes(ring_pool, models, checkpoints):
+    """Both streams pad inside a ring block (175 video tokens, 13 audio): each stream's self-attention goes around
+    the ring, while the cross-stream attentions exchange heads over the whole SP group in one all-to-all, so a
+    group whose size does not divide the 6 heads (Ulysses 2 x ring 2: 4 ranks) is refused on every rank, naming
+    the heads, rather than computing something else."""
+    case = Case()
+    forward = on_pool(ring_pool, checkpoints, case)
+    if HEADS % ring_pool.world_size:
+        with pytest.raises(RuntimeError, match=rf"all {ring_pool.world_size} sequence-parallel ranks .* \({HEADS}\)"):
+            forward("trim", False)
+        return
+    expected = run(models[case.config][1], make_inputs(case))
+    conformance.assert_ring_conformance(forward, expected, ring_pool.ring_degree)

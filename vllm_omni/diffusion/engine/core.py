@@ -115,7 +115,9 @@ class DiffusionEngine:
         self.model_path = resolve_model_path(config.model, config.download_dir, config.revision)
         self.spec = read_pipeline_spec(self.model_path)
         # before any GPU loads a weight
-        check_ulysses_degree(self.model_path, parallel.ulysses_degree, parallel.ring_degree)
+        check_ulysses_degree(
+            self.model_path, parallel.ulysses_degree, parallel.ring_degree, self.spec.heads_over_sp_group
+        )
         check_pipeline_options(self.spec, parallel.cfg_parallel_size, config.cache.policy if config.cache else None)
         ray_session = _join_ray(config) if parallel.distributed_executor_backend == "ray" else None
         try:

@@ -83,6 +83,9 @@ class PipelineSpec:
     batchable: bool = True
     # Why the step cache (diffusion/worker/step_cache.py) cannot run on this pipeline's denoiser; None: it can.
     step_cache_refusal: str | None = None
+    # The denoiser also exchanges heads over every SP rank, ring ranks included (a cross-stream attention that runs one
+    # all-to-all over the whole group): ulysses_degree x ring_degree must divide its heads, not Ulysses alone.
+    heads_over_sp_group: bool = False
 
     def family_module(self, name: str) -> ModuleType:
         """`vllm_omni.diffusion.models.<family>.<name>` (imports torch: workers and tests only)."""

@@ -160,7 +160,7 @@ def _load(
 
     from vllm_omni.diffusion.attention.backends import configure_attention_backend
     from vllm_omni.diffusion.distributed.parallel_state import initialize_parallel_state, most_of_ranks
-    from vllm_omni.diffusion.model_source import read_pipeline_spec, ulysses_degree_error
+    from vllm_omni.diffusion.model_source import heads_error, read_pipeline_spec
     from vllm_omni.diffusion.worker.memory_plan import plan_rank
     from vllm_omni.diffusion.worker.offload import AUTO_PLACEMENT_REASONS
     from vllm_omni.diffusion.worker.runner import PipelineRunner, present_components, skipped_text_encoders
@@ -231,8 +231,9 @@ def _load(
         hooks=hooks,
     )
     for name, heads in runner.attention_heads.items():  # the engine checked the configs; these are the models
-        if heads % parallel.ulysses_degree:
-            raise ValueError(f"{name}: {ulysses_degree_error(parallel.ulysses_degree, heads, parallel.ring_degree)}")
+        error = heads_error(heads, parallel.ulysses_degree, parallel.ring_degree, spec.heads_over_sp_group)
+        if error is not None:
+            raise ValueError(f"{name}: {error}")
     logger.info(
         "Worker rank %d loaded %s (%s, %s, pid %d) in %.1f s: %s MiB of weights%s",
         rank,

@@ -118,8 +118,9 @@ def check_before_start(engine: EngineArgs) -> None:
     # Also before the download; whether an adapter fits the model is the engine's check, once it is loaded.
     check_lora_modules(config.lora_modules or {})
     path = resolve_model_path(config.model, config.download_dir, config.revision)
-    check_ulysses_degree(path, parallel.ulysses_degree, parallel.ring_degree)
-    check_pipeline_options(read_pipeline_spec(path), parallel.cfg_parallel_size, engine.cache)
+    spec = read_pipeline_spec(path)
+    check_ulysses_degree(path, parallel.ulysses_degree, parallel.ring_degree, spec.heads_over_sp_group)
+    check_pipeline_options(spec, parallel.cfg_parallel_size, engine.cache)
     if ray:
         return  # the device is the cluster's: the engine picks it once it has joined
     if config.attention_backend is not None:

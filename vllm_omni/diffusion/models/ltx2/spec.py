@@ -42,6 +42,7 @@ def _ltx2(diffusers_class: str, image_required: bool) -> PipelineSpec:
         # 2**17: admits 3840x2176 x 121 frames (120 x 68 x 16 = 130560 video tokens; the audio adds 126); the
         # released default, 768x512 x 121, is 6144.
         max_tokens_per_step=131072,
+        heads_over_sp_group=True,  # StreamCrossAttention: one all-to-all over every SP rank, ring ranks too
         cfg_parallel_refusal="runs classifier-free guidance as one batched forward per step (the prompt's and the "
         "negative prompt's rows in one call, then spatio-temporal and modality guidance as forwards of their own), "
         "which CFG parallel's exchange of two calls per step cannot split",
