@@ -7,6 +7,7 @@ Modes are interleaved in a new random order each round, each timed as a CUDA-gra
 stream, dense kernel, F.pad the output back) that the library avoids.
 
     python benchmarks/attention_padding.py            # writes results/attention_padding.json + docs table
+    python benchmarks/attention_padding.py --cases LTX-2   # those cases only; the file keeps the others' rows
 """
 
 from __future__ import annotations
@@ -51,18 +52,26 @@ CASES = [
     Case("FLUX.2 1328x1328 U8", 83 * 83, 512, 48, 8),
     Case("FLUX.2 1776x1776 U4", 111 * 111, 512, 48, 4),
     Case("HunyuanVideo-1.5 848x480x121 U8", 53 * 30 * 31, 120, 16, 8, text_position="rear"),
+    # LTX-2's self-attentions are over one stream each (text 0): 800x480x113's 15 x 15 x 25 video tokens (pad 7)
+    # and 121 frames' 126 audio tokens at 64 per head (pad 2). Trim's kernels see 5625 and 126 keys, none's 5632
+    # (44 x 128) and 128: whether a partial last tile costs more than the padded keys it saves.
+    Case("LTX-2 video 800x480x113 U8", 15 * 15 * 25, 0, 32, 8),
+    Case("LTX-2 audio 121 frames U8", 126, 0, 32, 8, head_dim=64),
 ]
 MODES = ["none", "trim", "mask", "unpadded", "slice_pad"]
 
 
 def _context(mode: str, case: Case, image_len: int, text_len: int) -> SequenceParallelContext:
     ctx = SequenceParallelContext(None, case.degree, 0, case.degree, 1, mode)
-    ctx.record_stream(TEXT, text_len)
+    if case.text_len:
+        ctx.record_stream(TEXT, text_len)
     ctx.record_stream(IMAGE, image_len)
     return ctx
 
 
 def _order(case: Case) -> list[str]:
+    if not case.text_len:
+        return [IMAGE]
     return [TEXT, IMAGE] if case.text_position == "front" else [IMAGE, TEXT]
 
 
@@ -161,7 +170,7 @@ def write_docs(rows: list[dict], path: Path) -> None:
         "| slice_pad/none | trim/none eager |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for case in CASES:
+    for case in (case for case in CASES if case.name in by_case):
         t = {mode: by_case[case.name][("graph", mode)] for mode in MODES}
         eager = {mode: by_case[case.name][("eager", mode)] for mode in MODES}
         lines.append(
@@ -177,6 +186,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/attention_padding.json")
+    parser.add_argument("--cases", nargs="+", default=None, help="run the cases whose name has one of these strings")
     add_docs_phase(parser)
     args = parser.parse_args()
     if args.phase == "docs":
@@ -186,8 +196,10 @@ def main() -> None:
         sys.exit("attention_padding.py needs a CUDA GPU")
     device, dtype = torch.device("cuda"), torch.bfloat16
     name = torch.cuda.get_device_name()
-    rows = []
-    for case in CASES:
+    # Rows of the cases not run are kept (one file for every case).
+    cases = [case for case in CASES if args.cases is None or any(text in case.name for text in args.cases)]
+    rows = [row for row in load_json(args.out, []) if row["case"] not in {case.name for case in cases}]
+    for case in cases:
         times = bench_case(case, args.iters, args.warmup, device, dtype)
         pad = math.ceil(case.image_len / case.degree) * case.degree - case.image_len
         for timing in ("graph", "eager"):
