@@ -106,7 +106,7 @@ def frames_to_host(frames: torch.Tensor, as_float: bool) -> np.ndarray:
         step = max(1, CONVERT_CHUNK_ELEMENTS // (channels * height * width))
         for start in range(0, pictures.shape[0], step):
             chunk = pictures[start : start + step].permute(0, 2, 3, 1).float().clamp(0, 1).mul_(255).round_()
-            host[start : start + step] = chunk.to(torch.uint8).cpu()
+            host[start : start + step].copy_(chunk.to(torch.uint8))  # straight from the device into its rows
     return host.reshape(*leading, height, width, channels).numpy()
 
 
