@@ -186,20 +186,24 @@ def heads_error(heads: int, ulysses_degree: int, ring_degree: int, over_sp_group
         return ulysses_degree_error(ulysses_degree, heads, ring_degree)
     sp = ulysses_degree * ring_degree
     if over_sp_group and heads % sp:
-        sizes = [d for d in range(1, heads + 1) if heads % d == 0]
         return (
             f"ulysses_degree={ulysses_degree} x ring_degree={ring_degree}: the model's cross-stream attention "
             f"exchanges its {heads} attention heads over all {sp} sequence-parallel ranks, ring ranks included, and "
-            f"{sp} does not divide them; use a sequence-parallel size of {sizes}"
+            f"{sp} does not divide them; use a sequence-parallel size of {divisors(heads)}"
         )
     return None
 
 
+def divisors(heads: int) -> list[int]:
+    """The group sizes that split `heads` attention heads evenly."""
+    return [d for d in range(1, heads + 1) if heads % d == 0]
+
+
 def ulysses_degree_error(ulysses_degree: int, heads: int, ring_degree: int = 1) -> str:
-    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
     sp = ulysses_degree * ring_degree
     pairs = " or ".join(f"--ulysses-degree {u} --ring-degree {r}" for u, r in usp_pairs(heads, sp))
     return (
-        f"ulysses_degree={ulysses_degree} does not divide the model's {heads} attention heads; use one of {divisors}, "
-        f"and ring attention for the rest: for {sp} sequence-parallel ranks (ulysses_degree x ring_degree), {pairs}"
+        f"ulysses_degree={ulysses_degree} does not divide the model's {heads} attention heads; use one of "
+        f"{divisors(heads)}, and ring attention for the rest: for {sp} sequence-parallel ranks "
+        f"(ulysses_degree x ring_degree), {pairs}"
     )
