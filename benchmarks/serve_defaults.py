@@ -20,7 +20,8 @@ On the device (`.whl` carried: diffusers, fastapi, starlette, uvicorn, pydantic,
     python3 benchmarks/serve_defaults.py --copy-to $OUT --families z-image glm-image
     python3 benchmarks/serve_defaults.py --copy-to $OUT --options "--gpu-memory-utilization 0.6"   # a 48 GiB share
 
-Each family's folder is deleted after its row unless --keep (the disk holds one at a time).
+Each family's folder is deleted after its row unless --keep (the disk holds one at a time). `--phase build` only
+writes the checkpoints, so that a long request (HunyuanVideo 1.5's 50 steps) gets a device call of its own.
 `--phase docs` rewrites the docs section from the JSON (no GPU).
 """  # noqa: E501
 
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "serve_defaults.json"
 DOCS = ROOT / "docs" / "benchmarks.md"
 PORT = 8123
+H100_TOTAL_GIB = 79.18  # torch.cuda.mem_get_info's total on an H100 80GB HBM3
 READY_TIMEOUT_S = 1200
 # The start lines worth keeping: the plan, the measured step, the envelope, the refusal.
 KEPT = re.compile(r"memory plan:|offload chosen|Measured one step|Serving up to|does not fit|Warm-up done|Engine ready")
@@ -148,6 +150,13 @@ def serve_row(
     lines = [line.rstrip() for line in log_path.read_text(errors="replace").splitlines() if KEPT.search(line)]
     row["start_lines"] = [line.split("] ", 1)[-1] for line in lines]
     return row
+
+
+def h100_share() -> float:
+    """The --gpu-memory-utilization that gives this card an H100 80GB's default budget (0.9 of its total)."""
+    import torch
+
+    return 0.9 * H100_TOTAL_GIB * 2**30 / torch.cuda.mem_get_info()[1]
 
 
 def qwen_image(folder: Path) -> tuple[Path, str, dict[str, Any]]:
@@ -322,7 +331,13 @@ def docs_section(results: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
-    parser.add_argument("--phase", choices=["serve", "plan", "docs"], default="serve")
+    parser.add_argument(
+        "--phase",
+        choices=["build", "serve", "plan", "docs"],
+        default="serve",
+        help="build: write the families' checkpoints and keep them (a later serve reuses them); serve: build if "
+        "missing, serve, delete unless --keep",
+    )
     parser.add_argument("--folder-root", type=Path, default=Path("/tmp"))
     parser.add_argument("--copy-to", type=Path)
     parser.add_argument("--keep", action="store_true", help="keep each built checkpoint (default: delete it)")
@@ -332,14 +347,29 @@ def main() -> None:
         help="serve options, one string (e.g. '--gpu-memory-utilization 0.6': a 48 GiB share of an 80 GB card); "
         "a row of its own",
     )
+    parser.add_argument(
+        "--as-h100",
+        action="store_true",
+        help="on a larger card (an H200), serve with --gpu-memory-utilization set so that the budget is an H100 "
+        "80GB's default one (0.9 of 79.18 GiB); the row names both",
+    )
     args = parser.parse_args()
+    options = args.options.split()
+    if args.as_h100 and args.phase == "serve":
+        options += ["--gpu-memory-utilization", f"{h100_share():.4f}"]
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if args.phase == "build":
+        for family in args.families:
+            FAMILIES[family](args.folder_root / f"{family}-e2e")
+        return
     if args.phase == "serve":
         for family in args.families:
             folder, route, request = FAMILIES[family](args.folder_root / f"{family}-e2e")
             log = (args.copy_to or Path("/tmp")) / f"serve-{family}.log"
             key = f"{family} {args.options}".strip()
-            results[key] = row = serve_row(family, folder, route, request, log, args.options.split())
+            results[key] = row = serve_row(family, folder, route, request, log, options)
+            if args.as_h100:
+                row["card"] += f" held to an H100 80GB's budget ({0.9 * H100_TOTAL_GIB:.2f} GiB)"
             if not args.keep and family != "qwen-image":  # the disk holds one checkpoint at a time
                 shutil.rmtree(folder, ignore_errors=True)
             print(json.dumps(row, indent=1), flush=True)
@@ -349,7 +379,7 @@ def main() -> None:
                 shutil.copy(RESULTS, args.copy_to / RESULTS.name)
     if args.phase == "plan":
         for name in PLANNED_ONLY:
-            results[name] = plan_row(name, 79.18)  # torch.cuda.mem_get_info's total on an H100 80GB HBM3
+            results[name] = plan_row(name, H100_TOTAL_GIB)
             print("\n".join(results[name]["start_lines"]), flush=True)
         RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     sys.path.insert(0, str(ROOT))
