@@ -183,8 +183,8 @@ PLANNED_ONLY = ("flux2-dev", "wan2.2-t2v-a14b")
 def glm_image_sampling(partial: Path) -> None:
     """GLM-Image's AR model samples its prior tokens until its end token; random weights would emit it anywhere.
     As benchmarks/glm_image.py: the processor's tokenizer at the real codebook (16384 vision ids, then the image
-    start and end ids the config names), and an end token no sample reaches, so every request generates the
-    released count of tokens."""
+    start and end ids the config names), an end token no sample reaches, so every request generates the
+    released count of tokens, and no sample past the codebook."""
     from transformers import GenerationConfig
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -197,7 +197,12 @@ def glm_image_sampling(partial: Path) -> None:
     build_ar_processor(tokenizer).save_pretrained(partial / "processor")
     text = json.loads((partial / "vision_language_encoder" / "config.json").read_text())["text_config"]
     pad, unsampled = tokenizer.convert_tokens_to_ids("<|endoftext|>"), text["vocab_size"] - 1
-    config = GenerationConfig(do_sample=True, pad_token_id=pad, eos_token_id=unsampled, **SAMPLING)
+    # Its head also scores the image start, end and other specials past the codebook, which a trained model never
+    # samples inside an image and the DiT cannot look up (the engine refuses them): random weights would.
+    beyond = list(range(REAL_VISION_IDS, text["vision_vocab_size"]))
+    config = GenerationConfig(
+        do_sample=True, pad_token_id=pad, eos_token_id=unsampled, suppress_tokens=beyond, **SAMPLING
+    )
     config.save_pretrained(partial / "vision_language_encoder")
 
 

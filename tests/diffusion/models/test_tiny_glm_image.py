@@ -177,3 +177,28 @@ def test_the_ar_reports_every_token_and_stops_when_progress_raises(reference):
     finally:
         hook.remove()
     assert len(calls) == 10  # the prefill (token 1) and 9 decode steps, then no more
+
+
+@pytest.mark.parametrize("fault", ["past the codebook", "an early end"])
+def test_ar_tokens_that_are_not_the_images_fail_the_request_with_a_clear_error(reference, fault):
+    """An id past the DiT's codebook would be a device-side assert in its embedding lookup (the worker's GPU lost),
+    and a short run a shape error far from its cause: both are refused where the AR sampled them."""
+    kwargs = dict(prompt=PROMPT, **SIZE, generator=torch.Generator().manual_seed(0))
+    model = reference.vision_language_encoder
+    sample = model.generate
+    codebook = reference.transformer.config.prior_vq_quantizer_codebook_size
+
+    def faulty(**inputs):
+        outputs = sample(**inputs)
+        if fault == "an early end":
+            return outputs[:, :-3]  # the end token and the last two image tokens never sampled
+        outputs = outputs.clone()
+        outputs[0, -2] = codebook  # the last image token (the end token follows it)
+        return outputs
+
+    with mock.patch.object(model, "generate", faulty), torch.inference_mode():
+        match = "outside the DiT's codebook of" if fault == "past the codebook" else "stopped after 4 of the image's 6"
+        with pytest.raises(RuntimeError, match=match):
+            FAMILY.encode_text(reference, kwargs, reference.device)
+    with torch.inference_mode():  # the same pipeline, as sampled
+        assert FAMILY.encode_text(reference, kwargs, reference.device)["prior_token_ids"].shape == (1, 24)

@@ -100,8 +100,28 @@ def generate_prior_tokens(
     tokens = diffusers_compat.pipeline_method(pipe, "extract_large_image_tokens")(
         outputs, prompt_len, image_offset, token_h * token_w
     )
+    check_image_tokens(pipe, tokens, token_h * token_w)
     upsample = diffusers_compat.pipeline_method(pipe, "upsample_token_ids")
     return {"prior_token_ids": upsample(tokens, token_h, token_w), **out}
+
+
+def check_image_tokens(pipe: Any, tokens: torch.Tensor, expected: int) -> None:
+    """The AR's image tokens must be `expected` codebook ids: a shorter run (an end token sampled early) would fail
+    later with an unclear shape error, and an id past the DiT's codebook (the AR's vocabulary also holds the image
+    start, end and other specials) as a device-side assert in its embedding lookup, which leaves the worker's GPU
+    unusable. Raised here, on the rank that sampled them, the request fails alone (runner._shared_embeddings)."""
+    if tokens.numel() != expected:
+        raise RuntimeError(f"the AR stage stopped after {tokens.numel()} of the image's {expected} prior tokens")
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:  # an AR-only pipeline (benchmarks/glm_image.py): nothing to look the ids up in
+        return
+    codebook = transformer.config.prior_vq_quantizer_codebook_size
+    outside = int(((tokens < 0) | (tokens >= codebook)).sum())  # one small sync a request
+    if outside:
+        raise RuntimeError(
+            f"the AR stage sampled {outside} of the image's {expected} prior tokens outside the DiT's codebook of "
+            f"{codebook} ids (not image tokens: the AR model and the DiT do not match, or the AR model is untrained)"
+        )
 
 
 def _source_tokens(pipe: Any, inputs: Any, images: list[Any]) -> dict[str, torch.Tensor]:
