@@ -64,7 +64,7 @@ TRITON_CASES = [
     Case("HunyuanVideo 1.5 848x480x121 U1", 49290, 16),
     Case("Qwen-Image 1328x1328 U1", 6889 + 30, 24),
 ]
-TRITON_BACKENDS = ("triton_int8", "triton_int8_fp8pv")
+TRITON_BACKENDS = ("triton_int8", "triton_int8_fp8pv", "triton_int8_int8pv")
 TARGET_RATIO, TARGET_ERROR = 0.75, 0.02  # issue 46: <= 0.75x cuDNN bf16's time at <= 0.02 relative L2
 SWEEP = [
     triton_int8.KernelConfig(128, 128, 8, 3),
@@ -151,21 +151,21 @@ def bench_triton_case(case: Case, iters: int, warmup: int) -> dict:
     row["ms_bf16"] = _median_ms(lambda: sdpa(q, k, v), iters, warmup)
     row["tflops_bf16"] = flops / row["ms_bf16"] / 1e9
     for name in TRITON_BACKENDS:
-        backend, pv_fp8 = BACKENDS[name], BACKENDS[name].pv_fp8
+        backend, pv = BACKENDS[name], BACKENDS[name].pv
         out = backend(q, k, v)
         row[f"finite_{name}"] = bool(out.isfinite().all())
         row[f"error_{name}"] = _relative_l2(out[:, :, heads], ref)
         row[f"ms_{name}"] = _median_ms(lambda: backend(q, k, v), iters, warmup)  # noqa: B023
-        quantized = triton_int8.quantize(q, k, v, pv_fp8)
-        row[f"ms_{name}_quantize"] = _median_ms(lambda: triton_int8.quantize(q, k, v, pv_fp8), iters, warmup)  # noqa: B023
+        quantized = triton_int8.quantize(q, k, v, pv)
+        row[f"ms_{name}_quantize"] = _median_ms(lambda: triton_int8.quantize(q, k, v, pv), iters, warmup)  # noqa: B023
         row[f"ms_{name}_kernel"] = _median_ms(
-            lambda: triton_int8.attention(q, k, v, pv_fp8, quantized=quantized),  # noqa: B023
+            lambda: triton_int8.attention(q, k, v, pv, quantized=quantized),  # noqa: B023
             iters,
             warmup,
         )
         row[f"ratio_{name}"] = row[f"ms_{name}"] / row["ms_bf16"]
         row[f"tflops_{name}_kernel"] = flops / row[f"ms_{name}_kernel"] / 1e9
-        row[f"config_{name}"] = str(triton_int8.DEFAULT_CONFIG[pv_fp8])
+        row[f"config_{name}"] = str(triton_int8.DEFAULT_CONFIG[pv])
 
     return row
 
@@ -175,22 +175,20 @@ def sweep_configs(case: Case, iters: int, warmup: int) -> list[dict]:
     q, k, v = _qkv(case)
     flops = 4 * case.tokens**2 * case.heads * case.head_dim
     results = []
-    for pv_fp8 in (False, True):
-        quantized = triton_int8.quantize(q, k, v, pv_fp8)
+    for pv in triton_int8.PV_FORMATS:
+        quantized = triton_int8.quantize(q, k, v, pv)
         for config in SWEEP:
             try:
                 ms = _median_ms(
-                    lambda: triton_int8.attention(q, k, v, pv_fp8, config, quantized),  # noqa: B023
+                    lambda: triton_int8.attention(q, k, v, pv, config, quantized),  # noqa: B023
                     iters,
                     warmup,
                 )
             except Exception as exc:  # a configuration that does not compile or fit: reported, not fatal
-                results.append({"pv_fp8": pv_fp8, "config": str(config), "error": str(exc).splitlines()[0][:200]})
+                results.append({"pv": pv, "config": str(config), "error": str(exc).splitlines()[0][:200]})
                 continue
-            results.append({"pv_fp8": pv_fp8, "config": str(config), "ms": ms, "tflops": flops / ms / 1e9})
-            print(
-                f"  sweep {case.name} pv_fp8={pv_fp8} {config}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s", flush=True
-            )
+            results.append({"pv": pv, "config": str(config), "ms": ms, "tflops": flops / ms / 1e9})
+            print(f"  sweep {case.name} pv={pv} {config}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
     return results
 
 
@@ -200,34 +198,33 @@ def _triton_lines(rows: list[dict], device: str) -> list[str]:
         "",
         f"One attention call, {device}, Gaussian bf16 q, k, v, head_dim 128 (benchmarks/attention_fp8.py "
         "--kernels triton). `triton_int8`: INT8 Q.K with per-token (Q) and per-128-token (K, smoothed) scales, "
-        "fp32 softmax, 16-bit P.V, bf16 output; `triton_int8_fp8pv`: P and V in FP8 too "
+        "fp32 softmax, 16-bit P.V, bf16 output; `triton_int8_fp8pv`: P and V in FP8 too; `triton_int8_int8pv`: "
+        "P (at its key tile's maximum) and V in INT8 "
         "(vllm_omni/diffusion/attention/triton_int8.py). Whole call (K's mean, quantisation, kernel) and kernel "
         "alone, milliseconds between CUDA events, median of the run; ratio = whole call / bf16 SDPA (issue 46's "
         f"target <= {TARGET_RATIO}). Errors: relative L2 against SDPA in float32 on four of the heads (target <= "
-        f"{TARGET_ERROR}).",
+        f"{TARGET_ERROR}; bf16 SDPA's own in brackets).",
         "",
-        "| case | tokens | heads | bf16 ms | triton_int8 ms | ratio | kernel ms | kernel TFLOP/s "
-        "| triton_int8_fp8pv ms "
-        "| ratio | kernel ms | kernel TFLOP/s | error bf16 | error triton_int8 | error triton_int8_fp8pv |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | tokens | heads | bf16 ms | backend | ms | ratio | kernel ms | kernel TFLOP/s | error (bf16) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(
-            f"| {r['case']} | {r['tokens']} | {r['heads']} | {r['ms_bf16']:.3f} | {r['ms_triton_int8']:.3f} | "
-            f"{r['ratio_triton_int8']:.3f} | {r['ms_triton_int8_kernel']:.3f} | {r['tflops_triton_int8_kernel']:.0f} | "
-            f"{r['ms_triton_int8_fp8pv']:.3f} | {r['ratio_triton_int8_fp8pv']:.3f} | "
-            f"{r['ms_triton_int8_fp8pv_kernel']:.3f} | "
-            f"{r['tflops_triton_int8_fp8pv_kernel']:.0f} | {r['error_bf16']:.4f} | {r['error_triton_int8']:.4f} | "
-            f"{r['error_triton_int8_fp8pv']:.4f} |"
-        )
+        for name in TRITON_BACKENDS:
+            if f"ms_{name}" not in r:  # a row from before this backend existed
+                continue
+            lines.append(
+                f"| {r['case']} | {r['tokens']} | {r['heads']} | {r['ms_bf16']:.3f} | `{name}` | "
+                f"{r[f'ms_{name}']:.3f} | {r[f'ratio_{name}']:.3f} | {r[f'ms_{name}_kernel']:.3f} | "
+                f"{r[f'tflops_{name}_kernel']:.0f} | "
+                f"{r[f'error_{name}']:.4f} ({r['error_bf16']:.4f}) |"
+            )
     sweep = [s for r in rows for s in r.get("sweep", []) if "ms" in s]
     if sweep:
         lines += ["", f"Kernel alone by tile configuration, {rows[0]['case']} (`--sweep`):", ""]
         lines += ["| P.V | config | ms | TFLOP/s |", "|---|---|---|---|"]
         for s in sweep:
-            lines.append(
-                f"| {'FP8' if s['pv_fp8'] else '16-bit'} | {s['config']} | {s['ms']:.3f} | {s['tflops']:.0f} |"
-            )
+            pv = s.get("pv") or ("fp8" if s["pv_fp8"] else "16bit")  # rows before INT8 P.V named it by a bool
+            lines.append(f"| {pv} | {s['config']} | {s['ms']:.3f} | {s['tflops']:.0f} |")
     return lines
 
 

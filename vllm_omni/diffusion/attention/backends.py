@@ -4,9 +4,9 @@ A backend takes q [B, Lq, H, D] and k, v [B, Lk, H, D] and returns [B, Lq, H, D]
 Names: ``sdpa`` (dense, cannot mask), ``sdpa_masked`` (takes an additive key mask), and the lossy
 low-precision kernels for Hopper or newer, whose masked and causal calls run the exact SDPA kernels:
 ``cudnn_fp8`` (cuDNN's FP8 attention, FP8 output: attention/cudnn_fp8.py), ``triton_int8`` (INT8 Q.K
-with per-block scales, 16-bit P.V, bf16 output: attention/triton_int8.py) and ``triton_int8_fp8pv`` (the
-same with P and V in FP8 too). Selection: an explicit name (config /
-``--attention-backend``), else the ``VLLM_OMNI_ATTENTION_BACKEND`` environment variable, else
+with per-block scales, 16-bit P.V, bf16 output: attention/triton_int8.py), ``triton_int8_fp8pv`` (the
+same with P and V in FP8 too) and ``triton_int8_int8pv`` (P and V in INT8 instead). Selection: an
+explicit name (config / ``--attention-backend``), else the ``VLLM_OMNI_ATTENTION_BACKEND`` environment variable, else
 ``sdpa_masked`` when a mask is needed and ``sdpa`` otherwise. A varlen backend is left out on
 purpose: on an H200, torch's unpad -> varlen -> re-pad measured slower than masked SDPA.
 
@@ -123,7 +123,7 @@ class TritonInt8Backend(AttentionBackend):
     """attention/triton_int8.py's kernel for dense calls of a head dim it is built for; a masked or causal
     call, or another head dim or dtype, takes the exact SDPA kernel."""
 
-    pv_fp8: bool = False  # P and V in FP8 too (faster, lossier) rather than 16-bit
+    pv: str = "16bit"  # P.V's format (triton_int8.PV_FORMATS): 16-bit, or FP8 or INT8 (faster, lossier)
 
     def __call__(self, q, k, v, key_mask=None, causal=False):
         if key_mask is not None or causal:
@@ -136,7 +136,7 @@ class TritonInt8Backend(AttentionBackend):
                 f"{q.device.type}: those calls run exact SDPA"
             )
             return super().__call__(q, k, v)
-        return triton_int8.attention(q, k, v, pv_fp8=self.pv_fp8)
+        return triton_int8.attention(q, k, v, pv=self.pv)
 
 
 TRITON_INSTALL = "it comes with PyTorch's CUDA wheels on Linux (or pip install triton)"
@@ -166,7 +166,16 @@ BACKENDS: dict[str, AttentionBackend] = {
         requires=("triton", "triton"),
         min_capability=(9, 0),
         install=TRITON_INSTALL,
-        pv_fp8=True,
+        pv="fp8",
+    ),
+    "triton_int8_int8pv": TritonInt8Backend(
+        "triton_int8_int8pv",
+        supports_mask=True,
+        low_precision=True,
+        requires=("triton", "triton"),
+        min_capability=(9, 0),
+        install=TRITON_INSTALL,
+        pv="int8",
     ),
 }
 

@@ -348,15 +348,15 @@ class EngineArgs:
         "engine",
         "attention kernel: sdpa (dense), sdpa_masked, or a lossy low-precision one on Hopper or newer: cudnn_fp8 "
         "(cuDNN's FP8 attention, FP8 output; needs pip install -e '.[fp8]'), triton_int8 (INT8 Q.K, 16-bit P.V, "
-        "bf16 output; Triton) or triton_int8_fp8pv (P.V in FP8 too) (default: sdpa_masked when the padding is masked, "
-        "else sdpa; "
+        "bf16 output; Triton), triton_int8_fp8pv (P.V in FP8 too) or triton_int8_int8pv (P.V in INT8) "
+        "(default: sdpa_masked when the padding is masked, else sdpa; "
         f"env {envs.ATTENTION_BACKEND})",
         ENGINE,
         choices=ATTENTION_BACKENDS,
     )
     fp8_attention_full_steps: int = option(
         "engine",
-        "with a lossy attention backend (cudnn_fp8, triton_int8, triton_int8_fp8pv), the first and the last N "
+        "with a lossy attention backend (cudnn_fp8 or a triton_int8 one), the first and the last N "
         "denoising steps run exact attention",
         ENGINE,
         type=non_negative_int,
