@@ -56,7 +56,8 @@ STEP_BYTES_PER_TOKEN_WIDTH = 20
 # embeddings are far smaller. An upper estimate, not measured.
 SUSPENDED_BYTES_PER_TOKEN_WIDTH = 4
 # The share of the budget that resident blocks leave free under layerwise offload, for what the plan does not
-# count: the VAE decode, a third block still in flight on the prefetch stream, the allocator's fragmentation.
+# count: the VAE decode, a third block still in flight on the prefetch stream (or freed but not yet passed by the
+# compute stream: offload.py's record_stream), the allocator's fragmentation.
 # Measured on an H200 with a 20B image model within 24 GiB: 34 resident blocks left 0.3 GiB, and the decode ran out.
 RESIDENT_HEADROOM = 0.1
 # How finely the envelope's token counts are searched (a few percent of a 1024x1024 image's 4096 tokens).

@@ -11,7 +11,8 @@
 - encoders: the same, but the denoisers stay on the GPU: only the text encoders and the VAE wait, and calling a
   denoiser moves the one that ran before out. Nothing moves during the denoising loop, so CUDA graphs stay.
 - layerwise: diffusers' group offloading. A denoiser's repeated blocks wait in pinned CPU memory and move
-  in one at a time (block level), the next prefetched on a side stream while this one runs (CUDA); its other
+  in one at a time (block level), the next prefetched on a side stream while this one runs (CUDA; a block's
+  memory goes back to the allocator when the compute stream has passed it, `record_stream`); its other
   weights move in for its forward and out after. The other components are offloaded layer by layer (leaf
   level): the pipelines call their methods (`vae.decode`, not `forward`), which a block-level group's hook
   on the top module would never see. The memory plan's spare room keeps some of a denoiser's blocks on
@@ -85,8 +86,13 @@ def apply_offload(
             else:
                 level = {"offload_type": "leaf_level"}
             # use_stream: prefetch the next group on a side stream while this one runs (pinned CPU memory).
+            # record_stream: a group leaving the GPU marks its weights as used by the compute stream, so the
+            # allocator reuses them once that stream has passed. Without it diffusers waits on the host for the
+            # compute stream at every group's end, and the GPU idles while the next group's kernels launch.
             stream = device.type == "cuda"
-            apply_group_offloading(component, device, torch.device("cpu"), use_stream=stream, **level)
+            apply_group_offloading(
+                component, device, torch.device("cpu"), use_stream=stream, record_stream=stream, **level
+            )
             kept = _resident_blocks(component, (resident or {}).get(name, 0)) if name in denoisers else []
             for block in kept:
                 # Its group's hook removed before any forward, the prefetch order (traced at the first forward)
