@@ -220,7 +220,8 @@ def _triton_lines(rows: list[dict], device: str) -> list[str]:
             )
     sweep = [s for r in rows for s in r.get("sweep", []) if "ms" in s]
     if sweep:
-        lines += ["", f"Kernel alone by tile configuration, {rows[0]['case']} (`--sweep`):", ""]
+        note = next((f" ({r['sweep_note']})" for r in rows if r.get("sweep_note")), "")
+        lines += ["", f"Kernel alone by tile configuration, {rows[0]['case']} (`--sweep`){note}:", ""]
         lines += ["| P.V | config | ms | TFLOP/s |", "|---|---|---|---|"]
         for s in sweep:
             pv = s.get("pv") or ("fp8" if s["pv_fp8"] else "16bit")  # rows before INT8 P.V named it by a bool
