@@ -276,7 +276,7 @@ class OmniDiffusionConfig:
     device: str | None = None  # "cpu" or "cuda"; None picks CUDA when there are enough GPUs
     dtype: str | None = None  # one of DTYPES; None: bfloat16 on CUDA, float32 on CPU
     attention_backend: str | None = None  # None: env VLLM_OMNI_ATTENTION_BACKEND, else by padding mode
-    # A lossy attention backend (cudnn_fp8, triton_int8, triton_int8_fp8pv) runs the first and last this many
+    # A lossy attention backend (cudnn_fp8 or a triton_int8 one) runs the first and last this many
     # denoising steps exactly.
     fp8_attention_full_steps: int = 2
     enforce_eager: bool = False  # True: no CUDA graphs for the transformer (CUDA only)
