@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness.reports import add_docs_phase, load_json, replace_section, save_json  # noqa: E402
 from vllm_omni.diffusion.attention import cudnn_fp8, triton_int8  # noqa: E402
-from vllm_omni.diffusion.attention.backends import BACKENDS  # noqa: E402
+from vllm_omni.diffusion.attention.backends import BACKENDS, TRITON_PV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ TRITON_CASES = [
     Case("HunyuanVideo 1.5 848x480x121 U1", 49290, 16),
     Case("Qwen-Image 1328x1328 U1", 6889 + 30, 24),
 ]
-TRITON_BACKENDS = ("triton_int8", "triton_int8_fp8pv", "triton_int8_int8pv")
+TRITON_BACKENDS = tuple(TRITON_PV)
 TARGET_RATIO, TARGET_ERROR = 0.75, 0.02  # issue 46: <= 0.75x cuDNN bf16's time at <= 0.02 relative L2
 SWEEP = [
     triton_int8.KernelConfig(128, 128, 8, 3),

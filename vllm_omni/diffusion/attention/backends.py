@@ -140,6 +140,8 @@ class TritonInt8Backend(AttentionBackend):
 
 
 TRITON_INSTALL = "it comes with PyTorch's CUDA wheels on Linux (or pip install triton)"
+# The Triton kernel's backends by their P.V format (triton_int8.PV_FORMATS)
+TRITON_PV = {"triton_int8": "16bit", "triton_int8_fp8pv": "fp8", "triton_int8_int8pv": "int8"}
 
 BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend("sdpa", supports_mask=False),
@@ -151,32 +153,18 @@ BACKENDS: dict[str, AttentionBackend] = {
         requires=("cudnn", "nvidia-cudnn-frontend"),
         min_capability=(9, 0),
     ),
-    "triton_int8": TritonInt8Backend(
-        "triton_int8",
-        supports_mask=True,
-        low_precision=True,
-        requires=("triton", "triton"),
-        min_capability=(9, 0),
-        install=TRITON_INSTALL,
-    ),
-    "triton_int8_fp8pv": TritonInt8Backend(
-        "triton_int8_fp8pv",
-        supports_mask=True,
-        low_precision=True,
-        requires=("triton", "triton"),
-        min_capability=(9, 0),
-        install=TRITON_INSTALL,
-        pv="fp8",
-    ),
-    "triton_int8_int8pv": TritonInt8Backend(
-        "triton_int8_int8pv",
-        supports_mask=True,
-        low_precision=True,
-        requires=("triton", "triton"),
-        min_capability=(9, 0),
-        install=TRITON_INSTALL,
-        pv="int8",
-    ),
+    **{
+        name: TritonInt8Backend(
+            name,
+            supports_mask=True,
+            low_precision=True,
+            requires=("triton", "triton"),
+            min_capability=(9, 0),
+            install=TRITON_INSTALL,
+            pv=pv,
+        )
+        for name, pv in TRITON_PV.items()
+    },
 }
 
 _configured_name: str | None = None
