@@ -224,8 +224,7 @@ def _triton_lines(rows: list[dict], device: str) -> list[str]:
         lines += ["", f"Kernel alone by tile configuration, {rows[0]['case']} (`--sweep`){note}:", ""]
         lines += ["| P.V | config | ms | TFLOP/s |", "|---|---|---|---|"]
         for s in sweep:
-            pv = s.get("pv") or ("fp8" if s["pv_fp8"] else "16bit")  # rows before INT8 P.V named it by a bool
-            lines.append(f"| {pv} | {s['config']} | {s['ms']:.3f} | {s['tflops']:.0f} |")
+            lines.append(f"| {s['pv']} | {s['config']} | {s['ms']:.3f} | {s['tflops']:.0f} |")
     return lines
 
 
