@@ -331,7 +331,13 @@ def main() -> None:
             torch.cuda.empty_cache()
     # rows of kernels and cases not measured now stay as they were (cuDNN's from an H200, say)
     measured = {(_kind(r), r["case"]) for r in rows}
-    kept = [r for r in load_json(args.out, []) if (_kind(r), r["case"]) not in measured]
+    before = load_json(args.out, [])
+    kept = [r for r in before if (_kind(r), r["case"]) not in measured]
+    for row in rows:  # a run without --sweep keeps the last sweep (its table names each configuration)
+        old = next((r for r in before if (_kind(r), r["case"]) == (_kind(row), row["case"]) and "sweep" in r), None)
+        if "sweep" not in row and old is not None:
+            row["sweep"] = old["sweep"]
+            row["sweep_note"] = f"from an earlier call on {old['device']}, the same kernel code"
     rows = sorted(kept + rows, key=lambda r: _kind(r) != "cudnn")  # stable: cuDNN's rows first, in their order
     save_json(args.out, rows)
     write_docs(rows, device, args.docs)

@@ -206,8 +206,30 @@ def glm_image_sampling(partial: Path) -> None:
     config.save_pretrained(partial / "vision_language_encoder")
 
 
+def qwen_vl_token_ids(partial: Path) -> None:
+    """Qwen2.5-VL finds a source image's place in the prompt by the ids its config names (<|image_pad|> and the
+    vision marks): those of the tiny model's tokenizer, copied in, not the released vocabulary's. Without this an
+    edit fails with "Image features and image tokens do not match, tokens: 0"."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(partial / "tokenizer")
+    path = partial / "text_encoder" / "config.json"
+    config = json.loads(path.read_text())
+    for key, token in (
+        ("image_token_id", "<|image_pad|>"),
+        ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"),
+        ("vision_end_token_id", "<|vision_end|>"),
+    ):
+        config[key] = tokenizer.convert_tokens_to_ids(token)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 # What a random-weight checkpoint needs beyond its configs to run a request as the released one does.
-AFTER_BUILD: dict[str, Callable[[Path], None]] = {"glm-image": glm_image_sampling}
+AFTER_BUILD: dict[str, Callable[[Path], None]] = {
+    "glm-image": glm_image_sampling,
+    "qwen-image-edit-plus": qwen_vl_token_ids,
+}
 
 
 def build_released(name: str, folder: Path, configs: Path | None = None, device: str = "cuda") -> None:

@@ -74,11 +74,11 @@ class KernelConfig:
 
 
 # By P.V format, the fastest of benchmarks/attention_fp8.py --sweep on an H100 (Triton 3.6) at its first case:
-# 16-bit P.V fits two programs of 4 warps an SM; FP8 P.V (more registers for P's layout) one of 8 warps;
-# INT8 P.V (P's int32 product besides the fp32 accumulator) 64-row programs of 4 warps.
+# 16-bit P.V fits two programs of 4 warps an SM; the 8-bit P.V formats (P's layout change, INT8's int32
+# product besides the fp32 accumulator) take more registers a row: 64-row programs of 4 warps.
 DEFAULT_CONFIG = {
     "16bit": KernelConfig(128, 64, 4, 3),
-    "fp8": KernelConfig(128, 128, 8, 3),
+    "fp8": KernelConfig(64, 128, 4, 3),
     "int8": KernelConfig(64, 128, 4, 3),
 }
 
