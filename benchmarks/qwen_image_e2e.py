@@ -24,6 +24,7 @@ and for ours the time from `Omni(folder)` to ready. Variants, by phase:
     offload    a smaller card (issue 31; the cap is the card's size): ours-fp8-model-32g and ours-fp8-layerwise-24g
                (FP8 with offload, against ours-fp8), ours-model-48g, ours-layerwise-24g and -48g (bf16)
     lora       ours-lora-50 and ours-lora-8: a served rank-64 adapter (issue 29)
+    pcie       the host-device bandwidth (pinned 1 GiB copies each way; the offload phase measures it too)
 
 Each phase merges its rows into the JSON (keyed by variant) and rewrites the docs section from
 every row there, so phases can run in separate calls; `--phase docs` only rewrites the docs from
@@ -98,6 +99,7 @@ from benchmarks.harness.e2e import (  # noqa: E402
     inductor_cache_files,
     install_worker_probe,
     load_results,
+    measure_pcie,
     measure_reads,
     page_cache_fraction,
     prepare_partial,
@@ -321,7 +323,7 @@ CFG_TARGETS = (
     ("ours-fp8", "diffusers-eager", "<= 0.55"),
 )
 BY_NAME = {variant.name: variant for variant in VARIANTS}
-PHASES = ["build", "diffusers", "ours", "ours2", "levers", "offload", "lora", "cfg", "docs"]
+PHASES = ["build", "diffusers", "ours", "ours2", "levers", "offload", "lora", "cfg", "pcie", "docs"]
 # The first timed run's image of each variant run in this process: agreement with ours-default's.
 IMAGES: dict[str, np.ndarray] = {}  # docs: rewrite the docs section from the JSON
 
@@ -749,6 +751,14 @@ def docs_section(results: dict[str, Any]) -> str:
         if value is not None and target:
             verdict = " (met)" if value <= float(target.split()[-1]) else " (not met)"
         lines.append(f"| {what} | {cell(value, 3)} | {target}{verdict} |")
+    pcie = results.get("pcie")
+    if pcie:
+        lines += [
+            "",
+            f"Host-device bandwidth on {pcie['device']} ({pcie['host']}), what offload streams at: pinned copies of "
+            f"{pcie['bytes'] / 2**30:.0f} GiB, the median of {pcie['repeats']}: host to GPU {pcie['h2d_gb_per_s']} "
+            f"GB/s, GPU to host {pcie['d2h_gb_per_s']} GB/s (`--phase pcie`, or measured before the offload rows).",
+        ]
     levers = [rows_by[name] for name in ("ours-default", *LEVERS) if name in rows_by]
     if len(levers) > 1:
         lines += [
@@ -893,6 +903,13 @@ def main(argv: list[str] | None = None) -> None:
         if phase == "docs":
             save()
             continue
+        if phase in ("offload", "pcie") and not args.tiny:  # the bandwidth the offload rows stream at
+            pcie = measure_pcie()
+            if pcie is not None:
+                results["pcie"] = pcie
+                save()
+            if phase == "pcie":
+                continue
         if not (folder / BUILD_MARKER).is_file():
             raise SystemExit(f"{folder} holds no checkpoint: run --phase build first (same --folder)")
         if phase == "diffusers" and names:

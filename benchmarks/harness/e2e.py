@@ -468,6 +468,34 @@ def measure_reads(folder: Path) -> dict[str, Any]:
             "host": socket.gethostname()}  # fmt: skip
 
 
+def measure_pcie(gib: float = 1.0, repeats: int = 5) -> dict[str, Any] | None:
+    """Host-device bandwidth as offload sees it: copies of `gib` GiB between pinned memory and GPU 0, each way,
+    timed with CUDA events; the median of `repeats` after one untimed copy. None without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        return None
+    size = int(gib * 2**30)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(size, dtype=torch.uint8, device="cuda")
+
+    def rate(dst: torch.Tensor, src: torch.Tensor) -> float:
+        dst.copy_(src, non_blocking=True)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return round(size / sorted(times)[len(times) // 2] / 1e9, 1)
+
+    record = {"device": torch.cuda.get_device_name(0), "host": socket.gethostname(), "bytes": size,
+              "repeats": repeats, "h2d_gb_per_s": rate(gpu, host), "d2h_gb_per_s": rate(host, gpu)}  # fmt: skip
+    print(f"PCIe, pinned copies of {gib} GiB: host to GPU {record['h2d_gb_per_s']} GB/s, "
+          f"GPU to host {record['d2h_gb_per_s']} GB/s", flush=True)  # fmt: skip
+    return record
+
+
 def load_results(path: Path) -> dict[str, Any]:
     if path.is_file():
         results = json.loads(path.read_text())
