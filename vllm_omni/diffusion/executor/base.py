@@ -140,6 +140,7 @@ class WorkerGroupExecutor:
         self.warmup_s: float | None = None  # the last warm-up's duration, once one ran
         self._warm = False  # this group ran its warm-up (or has none to run)
         self._last_warmup_failed = False
+        self._started = False  # a group was ready and warm once: later warm-up failures no longer fail the start
         self.graph_capture_failures = 0
         self.last_graph_capture_failure: str | None = None
         # Each rank's figures from its last finished request (the engine and the metrics read them;
@@ -224,7 +225,10 @@ class WorkerGroupExecutor:
             if not self._load_group(until):
                 return False
             self._warm_up_locked()  # a warm-up that fails restarts the group: load the new one
-        return self._load_group(until)
+        if not self._load_group(until):
+            return False
+        self._started = True
+        return True
 
     def _load_group(self, until: float) -> bool:
         while not self._ready.is_set():
@@ -262,9 +266,11 @@ class WorkerGroupExecutor:
     def _warm_up_locked(self) -> None:
         """Run the warm-up requests on the group that has just loaded (needs self._lock).
 
-        A failure is logged, never fatal: requests then pay the compiles and captures. A warm-up that
-        left the group restarting is not repeated by the next group (no restart loop); the one after
-        tries again.
+        The warm-up runs the model's default request (a few steps; with compiled blocks, one more at another
+        size): where the first group's fails, every request like it would, so the start fails naming the cause
+        (a server that could only answer 500s never reports ready). A later group's failure (after a restart)
+        is logged and the server goes on: requests then pay the compiles and captures. A warm-up that left
+        the group restarting is not repeated by the next group (no restart loop); the one after tries again.
         """
         self._warm = True
         self._measure_step()
@@ -280,6 +286,11 @@ class WorkerGroupExecutor:
             for request in self.warmup_requests:
                 self._collect(request, None)  # sends it
         except (RequestFailed, RequestCancelled, RequestError) as exc:
+            if not self._started and not isinstance(exc, RequestCancelled):  # a cancel: shutdown during the start
+                self._fail_start(
+                    f"the warm-up request at {_request_shape(request)} failed, so every request like it "
+                    f"would: {type(exc).__name__}: {exc}"
+                )
             logger.error("Warm-up request failed (%s: %s); serving without it", type(exc).__name__, exc)
             self._last_warmup_failed = not self._warm  # it restarted the group
             self.warmup_s = 0.0
