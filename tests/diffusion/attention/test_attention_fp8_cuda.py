@@ -163,6 +163,25 @@ def test_the_triton_kernel_computes_its_torch_reference(dim, pv):
 
 
 @needs_triton
+@pytest.mark.parametrize("config", [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3)])
+def test_lazy_rescaling_computes_its_torch_reference_and_keeps_the_video_shapes_error(config):
+    # KernelConfig.lazy (16-bit P.V, opt-in): a later key tile outgrows the running maximum past LAZY_LOG2 in some
+    # rows (the rescale branch), the others not; then Wan2.2's shape against fp32.
+    cfg = triton_int8.KernelConfig(*config, lazy=True)
+    gen = torch.Generator("cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 1111, 3, 128, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    k[:, 700:710] *= 8
+    out = triton_int8.attention(q, k, v, "16bit", cfg)
+    ref = triton_int8.reference(q, k, v, "16bit", block_n=cfg.block_n, lazy_block_m=cfg.block_m)
+    assert out.isfinite().all() and _relative_l2(out, ref.float()) < 2e-3
+    tokens, heads = VIDEO_SHAPES["wan22_832x480x81"]
+    q, k, v = _qkv(tokens, heads)
+    some = [0, heads - 1]
+    error = _relative_l2(triton_int8.attention(q, k, v, "16bit", cfg)[:, :, some], _fp32_heads(q, k, v, some))
+    assert error <= TRITON_BOUNDS["triton_int8"], f"lazy {config}: relative L2 {error:.4f}"
+
+
+@needs_triton
 def test_triton_a_ulysses_ranks_heads_and_a_batch_row_are_exactly_theirs_alone():
     # Every scale is per (row, head, token block), K's mean in an order fixed per (row, head): a rank holding
     # half the heads over the whole sequence (trim mode) gets exactly U1's values, with no collective.

@@ -128,8 +128,33 @@ for (q_len, k_len, dim), config in (
         assert error < 2e-3, f"{pv} {q_len, k_len, dim}: kernel against the reference {error}"
         error = _relative_l2(out, _exact(q, k, v))
         assert error <= 0.02, f"{pv} {q_len, k_len, dim}: kernel against exact attention {error}"
+# Lazy rescaling (16-bit P.V): a later key tile whose scores outgrow the running maximum past LAZY_LOG2 in some
+# rows of a program (the rescale), and tiles that do not (none).
+q, k, v = _qkv(2, 150, 333, 2, 64, seed=3, dtype=torch.float16)
+k[:, 200:210] *= 8
+out = kernel.attention(q, k, v, "16bit", config=kernel.KernelConfig(block_m=64, block_n=64, lazy=True))
+error = _relative_l2(out, kernel.reference(q, k, v, "16bit", block_n=64, lazy_block_m=64).double())
+assert error < 2e-3, f"lazy: kernel against the reference {error}"
 print("ok")
 """
+
+
+def test_lazy_rescaling_moves_the_maximum_only_past_its_threshold_and_keeps_the_error():
+    q, k, v = _qkv(2, 150, 333, 4, 64, seed=3, dtype=torch.bfloat16)
+    k[:, 200:210] *= 8  # a later key tile whose scores outgrow the running maximum past LAZY_LOG2
+    eager = triton_int8.reference(q, k, v, "16bit", block_n=64)
+    lazy = triton_int8.reference(q, k, v, "16bit", block_n=64, lazy_block_m=64)
+    # P at a maximum that moved later rounds to bf16 elsewhere: bf16's rounding apart, the same attention.
+    assert not torch.equal(lazy, eager) and _relative_l2(lazy, eager.double()) < 5e-3
+    assert _relative_l2(lazy, _exact(q, k, v)) <= _relative_l2(eager, _exact(q, k, v)) + 2e-3
+    # A program's rows decide together, within one row and head: a Ulysses rank's heads and a batch row alone
+    # give exactly their values.
+    for heads in (slice(0, 2), slice(2, 4)):
+        part = triton_int8.reference(q[:, :, heads], k[:, :, heads], v[:, :, heads], "16bit", 64, lazy_block_m=64)
+        assert torch.equal(part, lazy[:, :, heads])
+    assert torch.equal(triton_int8.reference(q[1:], k[1:], v[1:], "16bit", 64, lazy_block_m=64), lazy[1:])
+    with pytest.raises(ValueError, match="16-bit P.V"):
+        triton_int8.reference(q, k, v, "int8", lazy_block_m=64)
 
 
 def test_the_kernel_under_the_interpreter_computes_the_reference():

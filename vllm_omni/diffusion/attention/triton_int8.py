@@ -55,6 +55,10 @@ INT8_MAX = 127.0
 E4M3_MAX = 448.0
 PV_FORMATS = ("16bit", "fp8", "int8")  # P.V in V's dtype, in E4M3, or in INT8
 P_LEVELS = 254.0  # INT8 P: round(p * 254) in [0, 254], stored minus 127 (an int8)
+# Lazy rescaling (KernelConfig.lazy, 16-bit P.V): the running maximum moves, and the accumulator with it, only
+# where a row of the program's tile exceeds it by more than this (log2 units): P then stays below 2^8, which
+# bf16 and fp16 hold with their usual relative precision (FlashAttention 4's conditional rescaling).
+LAZY_LOG2 = 8.0
 V_SUM_BLOCK = 64  # INT8 V's column sums are per this many keys (a key tile is one or two of them)
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)  # what the kernel is built for; other head dims take exact SDPA (backends.py)
@@ -71,6 +75,7 @@ class KernelConfig:
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
+    lazy: bool = False  # 16-bit P.V only: rescale the accumulator only where the maximum grew by > LAZY_LOG2
 
 
 # By P.V format, the fastest of benchmarks/attention_fp8.py --sweep on an H100 (Triton 3.6) at its first case:
@@ -247,12 +252,16 @@ def reference(
     block_n: int = 128,
     qk_format: str = "int8",
     quantized: Quantized | None = None,
+    lazy_block_m: int | None = None,
 ) -> torch.Tensor:
     """The kernel's numerics in torch: q [B, Lq, H, D], k, v [B, Lk, H, D] -> [B, Lq, H, D] in q's dtype.
 
     Scores from the quantised Q and K, then the online softmax over key tiles of `block_n` in fp32 (log2
     domain), P rounded to V's dtype (or to E4M3 scaled to [0, 448], with E4M3 V; or to round(p * 254) at the
-    tile's own maximum, with INT8 V) for each tile's P.V."""
+    tile's own maximum, with INT8 V) for each tile's P.V. `lazy_block_m` (16-bit P.V): the lazy rescaling of
+    programs of that many query rows (KernelConfig.lazy)."""
+    if lazy_block_m is not None and pv != "16bit":
+        raise ValueError("lazy rescaling is for 16-bit P.V")
     x = quantized if quantized is not None else quantize_reference(q, k, v, pv, qk_format)
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
@@ -270,6 +279,11 @@ def reference(
         s = qf @ kf[:, :, start : start + block_n].transpose(-1, -2)
         tile_max = s.amax(-1, keepdim=True)
         m_new = torch.maximum(m, tile_max)
+        if lazy_block_m is not None:  # a program's rows move together, and only past LAZY_LOG2
+            rows = -(-q_len // lazy_block_m) * lazy_block_m
+            grown = F.pad(tile_max - m, (0, 0, 0, rows - q_len), value=float("-inf"))
+            grown = grown.view(batch, heads, -1, lazy_block_m).amax(-1) > LAZY_LOG2
+            m_new = torch.where(grown.repeat_interleave(lazy_block_m, 2)[:, :, :q_len, None], m_new, m)
         alpha = torch.exp2(m - m_new)
         tile = vf[:, :, start : start + block_n]
         if pv == "int8":  # P at the tile's own maximum, its product scaled to the running one
@@ -316,6 +330,8 @@ def attention(
     cfg = config or DEFAULT_CONFIG[pv]
     if Q_BLOCK % cfg.block_m or K_BLOCK % cfg.block_n or (pv == "int8" and cfg.block_n % V_SUM_BLOCK):
         raise ValueError(f"block_m must divide {Q_BLOCK} and block_n {K_BLOCK} (INT8 P.V: a multiple of 64): {cfg}")
+    if cfg.lazy and pv != "16bit":
+        raise ValueError(f"lazy rescaling is for 16-bit P.V: {cfg}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     x = quantized if quantized is not None else quantize(q, k, v, pv)
     batch, q_len, heads, dim = q.shape
@@ -348,6 +364,7 @@ def attention(
         KB=K_BLOCK,
         PV=PV_FORMATS.index(pv),
         VSB=V_SUM_BLOCK,
+        LAZY=cfg.lazy,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -477,6 +494,7 @@ if triton is not None:
         PV: tl.constexpr,
         VSB: tl.constexpr,
         MASK: tl.constexpr,
+        LAZY: tl.constexpr,
     ):
         """One key tile of the online softmax from its int32 scores; in log2 units they are s * q_scale * k_scale.
         PV: 0 16-bit P.V, 1 E4M3, 2 INT8 (PV_FORMATS)."""
@@ -485,6 +503,17 @@ if triton is not None:
         if MASK:
             sf = tl.where((start_n + offs_n)[None, :] < Lk, sf, float("-inf"))
         tile_max = (tl.max(sf, axis=1) - 12582912.0) * row
+        if LAZY:  # the maximum, and the accumulator with it, move only where a row grew past LAZY_LOG2
+            m_new = m_i
+            if tl.max(tile_max - m_i, axis=0) > 8.0:  # LAZY_LOG2 (a literal: Triton reads no module float)
+                m_new = tl.maximum(m_i, tile_max)
+                alpha = tl.math.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+            # (alpha: unused without RESCALE)
+            acc, l_i = _pv_at_running_max(acc, l_i, l_i, sf, row, m_new, V, start_n, offs_n, offs_d, v_base,
+                                          stride_vl, Lk, Lk_pad, PV, MASK, False)  # fmt: skip
+            return acc, l_i, m_new
         m_new = tl.maximum(m_i, tile_max)
         alpha = tl.math.exp2(m_i - m_new)
         if PV == 2:
@@ -492,7 +521,7 @@ if triton is not None:
                                 HEAD_DIM, BLOCK_N, VSB)  # fmt: skip
         else:
             acc, l_i = _pv_at_running_max(acc, l_i, alpha, sf, row, m_new, V, start_n, offs_n, offs_d, v_base,
-                                          stride_vl, Lk, Lk_pad, PV, MASK)  # fmt: skip
+                                          stride_vl, Lk, Lk_pad, PV, MASK, True)  # fmt: skip
         return acc, l_i, m_new
 
     @triton.jit
@@ -517,13 +546,16 @@ if triton is not None:
 
     @triton.jit
     def _pv_at_running_max(acc, l_i, alpha, sf, row, m_new, V, start_n, offs_n, offs_d, v_base, stride_vl, Lk, Lk_pad,
-                           PV: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
-        """P at the running maximum: in V's dtype (PV 0) or E4M3 scaled to [0, 448] (PV 1)."""
+                           PV: tl.constexpr, MASK: tl.constexpr, RESCALE: tl.constexpr):  # fmt: skip
+        """P at the running maximum: in V's dtype (PV 0) or E4M3 scaled to [0, 448] (PV 1). RESCALE: the
+        accumulator and l_i by alpha first (not under lazy rescaling, which did it already where needed)."""
         shift = 12582912.0 * row + m_new
         if PV == 1:
             shift -= 8.807354922057604  # log2(448): P in [0, 448], and l_i with it (the factor cancels)
         p = tl.math.exp2(sf * row[:, None] - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if RESCALE:
+            l_i = l_i * alpha
+        l_i += tl.sum(p, axis=1)
         if PV == 1:
             vt = tl.load(V + (start_n + offs_n)[None, :] + offs_d[:, None] * Lk_pad)  # E4M3 [D, BLOCK_N]
             # this tile's product summed into fp32 on its own: Hopper's FP8 MMA accumulates imprecisely
@@ -534,7 +566,8 @@ if triton is not None:
                 v = tl.load(v_ptrs, mask=(start_n + offs_n)[:, None] < Lk, other=0.0)
             else:
                 v = tl.load(v_ptrs)
-            acc = acc * alpha[:, None]
+            if RESCALE:
+                acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc)
         return acc, l_i
 
@@ -565,6 +598,7 @@ if triton is not None:
         KB: tl.constexpr,
         PV: tl.constexpr,
         VSB: tl.constexpr,
+        LAZY: tl.constexpr,
     ):
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
@@ -590,13 +624,13 @@ if triton is not None:
             s = _scores(q, K, start_n, offs_n, offs_d, HEAD_DIM)
             acc, l_i, m_i = _softmax_pv(
                 acc, l_i, m_i, s, row_scale, KS, V, VSUM, start_n, offs_n, offs_d, v_base, stride_vl, Lk, Lk_pad,
-                HEAD_DIM, BLOCK_N, KB, PV, VSB, False,
+                HEAD_DIM, BLOCK_N, KB, PV, VSB, False, LAZY,
             )  # fmt: skip
         if full < Lk:
             s = _scores(q, K, full, offs_n, offs_d, HEAD_DIM)
             acc, l_i, m_i = _softmax_pv(
                 acc, l_i, m_i, s, row_scale, KS, V, VSUM, full, offs_n, offs_d, v_base, stride_vl, Lk, Lk_pad,
-                HEAD_DIM, BLOCK_N, KB, PV, VSB, True,
+                HEAD_DIM, BLOCK_N, KB, PV, VSB, True, LAZY,
             )  # fmt: skip
         out = acc / l_i[:, None]
         if PV != 0:
