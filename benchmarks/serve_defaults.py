@@ -12,7 +12,8 @@ CFG 4.0, as its model card runs it), images/edits with one 1024x1024 source (Qwe
 benchmarks/results/serve_defaults.json: the card, started or not (with the refusal), the start lines (the memory
 plan, the measured step, the envelope), GET /v1/models's envelope, seconds to ready, the request's seconds.
 Checkpoints that do not fit the device's 64 GiB disk (FLUX.2-dev with its 24B text encoder: 112 GB; Wan2.2 A14B's
-two experts and UMT5: 69 GB) are planned on the meta device instead: `vllm-omni plan` (`--phase plan`, no GPU).
+two experts and UMT5: 69 GB; LTX-2's 19B transformer and Gemma 3 12B: 68 GB) are planned on the meta device
+instead: `vllm-omni plan` (`--phase plan`, no GPU).
 
 On the device (`.whl` carried: diffusers, fastapi, starlette, uvicorn, pydantic, python-multipart):
 
@@ -177,7 +178,7 @@ TINY = {
     "wan2.2-ti2v-5b": "tiny/wan2.2-ti2v",
 }
 # Too large for the device's disk at bf16: planned on the meta device (`--phase plan`).
-PLANNED_ONLY = ("flux2-dev", "wan2.2-t2v-a14b")
+PLANNED_ONLY = ("flux2-dev", "wan2.2-t2v-a14b", "ltx-2")
 
 
 def glm_image_sampling(partial: Path) -> None:

@@ -49,6 +49,8 @@ RELEASED = {
     ("wan2.2-ti2v-5b", "text_encoder"): 5.68,
     ("glm-image", "transformer"): 7.0,  # "7B diffusion decoder" (model card)
     ("glm-image", "vision_language_encoder"): 10.0,  # "9B AR generator" (model card) plus its vision tower and VQ
+    ("ltx-2", "transformer"): 18.9,  # "19B" (model card): the audio-video transformer, benchmarks/ltx2_sp.py
+    ("ltx-2", "text_encoder"): 12.2,  # Gemma 3 12B with its SigLIP vision tower
 }
 TOLERANCE = 0.02
 WIDE = {
@@ -60,17 +62,14 @@ WIDE = {
 WIDE_TOLERANCE = 0.15  # the model card's round numbers
 
 
-def component_class(library: str, class_name: str) -> type:
-    import diffusers
-    import transformers
-
-    return getattr(diffusers if library == "diffusers" else transformers, class_name)
-
-
 def build(folder: Path, library: str, class_name: str) -> torch.nn.Module:
     """The component built from its config on the meta device."""
+    import diffusers
+
+    from vllm_omni.diffusion.worker.memory_plan import component_class
+
     cls = component_class(library, class_name)
-    if library == "diffusers":
+    if issubclass(cls, diffusers.ModelMixin):
         with torch.device("meta"):
             return cls.from_config(cls.load_config(folder))
     from transformers import AutoConfig

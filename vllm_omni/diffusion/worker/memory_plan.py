@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -229,6 +230,19 @@ def component_tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return _meta_tensors(folder, config.stat().st_mtime_ns)
 
 
+def component_class(library: str, class_name: str) -> type:
+    """The class model_index.json names for a component: diffusers', transformers' (also where a pipeline's
+    module re-exports it: GLM-Image's "glm_image"), or a pipeline module's own (LTX-2's "ltx2" connectors)."""
+    import diffusers
+    import transformers
+
+    if library == "diffusers":
+        return getattr(diffusers, class_name)
+    if library == "transformers" or hasattr(transformers, class_name):
+        return getattr(transformers, class_name)
+    return getattr(importlib.import_module(f"diffusers.pipelines.{library}"), class_name)
+
+
 @functools.lru_cache(maxsize=64)
 def _meta_tensors(folder: Path, mtime_ns: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     import diffusers
@@ -236,13 +250,11 @@ def _meta_tensors(folder: Path, mtime_ns: int) -> dict[str, tuple[str, tuple[int
     import transformers
 
     index = json.loads((folder.parent / "model_index.json").read_text())
-    library, class_name = index[folder.name]
-    if library == "diffusers":
-        model_class = getattr(diffusers, class_name)
+    model_class = component_class(*index[folder.name])
+    if issubclass(model_class, diffusers.ModelMixin):
         with torch.device("meta"):
             model = model_class.from_config(model_class.load_config(folder))
     else:
-        model_class = getattr(transformers, class_name)
         with torch.device("meta"):
             model = diffusers_compat.model_on_meta(model_class, transformers.AutoConfig.from_pretrained(folder))
     names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
