@@ -231,8 +231,9 @@ def component_tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def component_class(library: str, class_name: str) -> type:
-    """The class model_index.json names for a component: diffusers', transformers' (also where a pipeline's
-    module re-exports it: GLM-Image's "glm_image"), or a pipeline module's own (LTX-2's "ltx2" connectors)."""
+    """The class model_index.json names for a component: diffusers', transformers' (also where the library named
+    is a diffusers pipeline module that takes the class from transformers), or that pipeline module's own
+    (`diffusers.pipelines.<library>`: a text connector, a vocoder)."""
     import diffusers
     import transformers
 
