@@ -8,6 +8,7 @@ log). Used by the test_serve_*.py modules and test_vllm_cli.py.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -48,6 +49,11 @@ def server_env(**extra: str) -> dict[str, str]:
 
 def omni_command(*args: str, python: str = sys.executable) -> list[str]:
     return [python, "-m", "vllm_omni.entrypoints.cli.main", *args]
+
+
+def sha256(data: bytes) -> str:
+    """A digest to compare files by: a failed assert shows two lines, not a diff of two MP4s."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def decode_image(b64: str) -> Image.Image:
