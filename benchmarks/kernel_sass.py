@@ -89,12 +89,12 @@ def compile_kernel(pv: str, tools: Path, config: Any = None) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     from vllm_omni.diffusion.attention import triton_int8 as t
+    from vllm_omni.diffusion.attention.backends import TRITON_PV
 
     cfg = config or t.DEFAULT_CONFIG[pv]
     signature = {"Q": "*i8", "QS": "*fp32", "K": "*i8", "KS": "*fp32", "V": V_TYPE[pv], "VS": "*fp32",
                  "VSUM": "*i32", "Out": "*bf16", **dict.fromkeys(INTS, "i32")}  # fmt: skip
-    constants = dict(HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=t.K_BLOCK,
-                     PV=t.PV_FORMATS.index(pv), VSB=t.V_SUM_BLOCK, LAZY=cfg.lazy)  # fmt: skip
+    constants = t.kernel_constants(cfg, pv, 128)
     signature.update(dict.fromkeys(constants, "constexpr"))
     names = list(signature)
     aligned = [n for n in names if signature[n].startswith("*")] + list(DIVISIBLE)
@@ -118,7 +118,7 @@ def compile_kernel(pv: str, tools: Path, config: Any = None) -> dict[str, Any]:
     elements = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)  # P elements a thread holds per key tile
     return {
         "pv": pv,
-        "backend": ("triton_int8" if pv == "16bit" else f"triton_int8_{pv}pv") + (" (lazy)" if cfg.lazy else ""),
+        "backend": next(name for name, fmt in TRITON_PV.items() if fmt == pv) + (" (lazy)" if cfg.lazy else ""),
         "config": str(cfg),
         "triton": triton.__version__,
         "target": f"sm_{TARGET[1]}",

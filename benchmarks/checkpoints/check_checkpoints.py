@@ -62,23 +62,6 @@ WIDE = {
 WIDE_TOLERANCE = 0.15  # the model card's round numbers
 
 
-def build(folder: Path, library: str, class_name: str) -> torch.nn.Module:
-    """The component built from its config on the meta device."""
-    import diffusers
-
-    from vllm_omni.diffusion.worker.memory_plan import component_class
-
-    cls = component_class(library, class_name)
-    if issubclass(cls, diffusers.ModelMixin):
-        with torch.device("meta"):
-            return cls.from_config(cls.load_config(folder))
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        return cls._from_config(config)
-
-
 def count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() lists a tied weight once
 
@@ -86,6 +69,7 @@ def count(model: torch.nn.Module) -> int:
 def check(folder: Path) -> list[str]:
     """Print the folder's lines; return its failures."""
     from vllm_omni.diffusion.models.registry import spec_for
+    from vllm_omni.diffusion.worker.memory_plan import component_on_meta
 
     name = folder.name
     index = json.loads((folder / "model_index.json").read_text())
@@ -99,11 +83,11 @@ def check(folder: Path) -> list[str]:
     for component, value in sorted(index.items()):
         if component.startswith("_") or not isinstance(value, list) or value[0] is None:
             continue
-        library, class_name = value
+        class_name = value[1]
         if not (folder / component / "config.json").is_file():
             continue  # scheduler, guider, tokenizer, processor: no weights
         try:
-            model = build(folder / component, library, class_name)
+            model = component_on_meta(folder / component)
         except Exception as exc:  # noqa: BLE001 - reported, the other components still run
             failures.append(f"{name}/{component}: does not build ({type(exc).__name__}: {exc})")
             print(f"{name:22} {component:24} {class_name:36} DOES NOT BUILD")

@@ -358,17 +358,17 @@ def attention(
         x.k_len,
         x.q.shape[2],
         x.k.shape[2],
-        HEAD_DIM=dim,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        KB=K_BLOCK,
-        PV=PV_FORMATS.index(pv),
-        VSB=V_SUM_BLOCK,
-        LAZY=cfg.lazy,
+        **kernel_constants(cfg, pv, dim),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def kernel_constants(cfg: KernelConfig, pv: str, head_dim: int) -> dict[str, int | bool]:
+    """`_attn_kernel`'s compile-time arguments (also what benchmarks/kernel_sass.py compiles it with)."""
+    return dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=K_BLOCK, PV=PV_FORMATS.index(pv),
+                VSB=V_SUM_BLOCK, LAZY=cfg.lazy)  # fmt: skip
 
 
 if triton is not None:

@@ -244,20 +244,26 @@ def component_class(library: str, class_name: str) -> type:
     return getattr(importlib.import_module(f"diffusers.pipelines.{library}"), class_name)
 
 
-@functools.lru_cache(maxsize=64)
-def _meta_tensors(folder: Path, mtime_ns: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def component_on_meta(folder: Path) -> Any:
+    """The component in `folder` (a pipeline folder's subfolder: its config, and model_index.json's entry for it)
+    built on the meta device: no memory, no weights."""
     import diffusers
     import torch
     import transformers
 
     index = json.loads((folder.parent / "model_index.json").read_text())
     model_class = component_class(*index[folder.name])
-    if issubclass(model_class, diffusers.ModelMixin):
-        with torch.device("meta"):
-            model = model_class.from_config(model_class.load_config(folder))
-    else:
-        with torch.device("meta"):
-            model = diffusers_compat.model_on_meta(model_class, transformers.AutoConfig.from_pretrained(folder))
+    with torch.device("meta"):
+        if issubclass(model_class, diffusers.ModelMixin):
+            return model_class.from_config(model_class.load_config(folder))
+        return diffusers_compat.model_on_meta(model_class, transformers.AutoConfig.from_pretrained(folder))
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_tensors(folder: Path, mtime_ns: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    import torch
+
+    model = component_on_meta(folder)
     names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     return {name: (names.get(t.dtype, "F32"), tuple(t.shape)) for name, t in tensors.items()}
