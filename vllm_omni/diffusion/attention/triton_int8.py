@@ -540,9 +540,10 @@ if triton is not None:
         prod = tl.dot(centred, tl.trans(vt), out_dtype=tl.int32)
         blocks = start_n // VSB + tl.arange(0, BLOCK_N // VSB)
         offset = 0x4B400000 + 127 * tl.sum(tl.load(VSUM + blocks[:, None] * HEAD_DIM + offs_d[None, :]), axis=0)
-        # |prod + 127 * column sum| <= 254 * 127 * 128 < 2^22: the scores' exact conversion, the offset with it
-        prodf = (prod + offset[None, :]).to(tl.float32, bitcast=True) - 12582912.0
-        return acc * alpha[:, None] + prodf * beta[:, None], l_i
+        # |prod + 127 * column sum| <= 254 * 127 * 128 < 2^22: the scores' exact conversion, the offset with it;
+        # bits * beta + (acc * alpha - 1.5 * 2^23 * beta): two FMAs
+        bits = (prod + offset[None, :]).to(tl.float32, bitcast=True)
+        return tl.fma(bits, beta[:, None], tl.fma(acc, alpha[:, None], (-12582912.0 * beta)[:, None])), l_i
 
     @triton.jit
     def _pv_at_running_max(acc, l_i, alpha, sf, row, m_new, V, start_n, offs_n, offs_d, v_base, stride_vl, Lk, Lk_pad,
