@@ -3,8 +3,8 @@
 Real dimensions with random bf16 weights, configs written below (no downloads): the transformer
 (60 layers, 24 heads x 128; 20.4B), a Qwen2.5-VL-7B text encoder with its vision tower, the
 released VAE and scheduler configs, and the tiny models' tokenizer (its ids are all below the
-7B's vocabulary, and token counts, not ids, set the cost). Every variant runs 1328x1328, 50
-steps, true CFG (scale 4.0, negative prompt " "): one untimed warm-up run at that size (2 steps,
+7B's vocabulary, and token counts, not ids, set the cost). Every variant runs 1328x1328 (--size
+for another), 50 steps, true CFG (scale 4.0, negative prompt " "): one untimed warm-up run at that size (2 steps,
 its own prompt), then --runs timed runs, each with a different prompt (a fixed list) and a fixed
 seed, the same for every variant. Reported per variant: end-to-end seconds (median), split into
 text encoding, denoising and VAE decode; peak memory per GPU; graph captures and compile time;
@@ -843,6 +843,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rebuild", action="store_true", help="rebuild the checkpoint folder even if present")
     parser.add_argument("--runs", type=int, default=2, help="timed runs per variant (%(default)s)")
     parser.add_argument("--steps", type=int, help="denoising steps of a timed run (default 50; --tiny 2)")
+    parser.add_argument("--size", help="WxH of every run (default 1328x1328; --tiny 208x240)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps of the untimed warm-up run (%(default)s)")
     parser.add_argument("--no-cold-start", action="store_true", help="ours: skip the reads and the eviction")
     parser.add_argument(
@@ -865,6 +866,9 @@ def main(argv: list[str] | None = None) -> None:
     scale = TINY if args.tiny else REAL
     if args.steps is not None:
         scale = dataclasses.replace(scale, steps=args.steps)
+    if args.size is not None:
+        width, height = (int(side) for side in args.size.lower().split("x"))
+        scale = dataclasses.replace(scale, width=width, height=height)
     scratch = Path(tempfile.gettempdir())
     folder = (args.folder or scratch / f"qwen-image-e2e{'-tiny' if args.tiny else ''}").resolve()
     out = args.out or (scratch / "qwen_image_e2e_tiny.json" if args.tiny else DEFAULT_OUT)

@@ -31,6 +31,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     shard_with_auto_pad,
 )
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer
+from vllm_omni.diffusion.models.rotary import rotate_pairs
 from vllm_omni.diffusion.models.text_compaction import compact_text_mask, compact_text_rows
 
 
@@ -64,11 +65,9 @@ class QwenImageSPAttnProcessor:
         txt_k = qk_rms_norm(attn.add_k_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_added_k)
         txt_v = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
         if image_rotary_emb is not None:
-            img_freqs, txt_freqs = image_rotary_emb
-            img_q = reference.apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
-            img_k = reference.apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
-            txt_q = reference.apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
-            txt_k = reference.apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+            img_freqs, txt_freqs = (freqs.unsqueeze(1) for freqs in image_rotary_emb)  # [S, 1, D/2]: every head
+            img_q, img_k = rotate_pairs(img_q, img_freqs), rotate_pairs(img_k, img_freqs)
+            txt_q, txt_k = rotate_pairs(txt_q, txt_freqs), rotate_pairs(txt_k, txt_freqs)
 
         img_out, txt_out = self.attention(img_q, img_k, img_v, text_qkv=(txt_q, txt_k, txt_v))
         img_out = attn.to_out[0](img_out.flatten(2, 3))

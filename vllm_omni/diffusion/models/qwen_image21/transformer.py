@@ -34,6 +34,7 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
 )
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer, declare_cache_block
 from vllm_omni.diffusion.models.qwen_image.transformer import qk_rms_norm
+from vllm_omni.diffusion.models.rotary import rotate_pairs
 from vllm_omni.diffusion.models.text_compaction import cached_on_tensors, compact_tokens
 
 # One output per block (the rank's [target, prefix] tokens): the step cache's residual keeps its shape.
@@ -69,8 +70,8 @@ class QwenImage21SPAttnProcessor:
         query = qk_rms_norm(attn.to_q(hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_q)
         key = qk_rms_norm(attn.to_k(hidden_states).unflatten(-1, (-1, head_dim)), attn.norm_k)
         value = attn.to_v(hidden_states).unflatten(-1, (-1, head_dim))
-        query = reference.apply_rotary_emb_qwen(query, rotary_emb, use_real=False)
-        key = reference.apply_rotary_emb_qwen(key, rotary_emb, use_real=False)
+        freqs = rotary_emb.unsqueeze(1)  # [S, 1, D/2]: every head
+        query, key = rotate_pairs(query, freqs), rotate_pairs(key, freqs)
 
         n = ctx.streams[IMAGE].local_seq_len  # this rank's target tokens, then its prefix tokens
         img_out, txt_out = self.attention(

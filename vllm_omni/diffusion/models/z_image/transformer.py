@@ -34,14 +34,9 @@ from vllm_omni.diffusion.distributed.sequence_parallel import (
     shard_with_auto_pad,
 )
 from vllm_omni.diffusion.models.family import SequenceParallelTransformer
+from vllm_omni.diffusion.models.rotary import rotate_pairs
 
 BLOCK_STREAMS = {"noise_refiner": IMAGE, "context_refiner": TEXT, "layers": "joint"}
-
-
-def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate [B, S, H, D] by complex frequencies [B or 1, S, D/2] (pairs of channels as complex numbers, in fp32)."""
-    rotated = torch.view_as_complex(x.float().unflatten(-1, (-1, 2))) * freqs.unsqueeze(2)
-    return torch.view_as_real(rotated).flatten(3).type_as(x)
 
 
 class ZImageSPAttnProcessor(reference.ZSingleStreamAttnProcessor):
@@ -79,8 +74,8 @@ class ZImageSPAttnProcessor(reference.ZSingleStreamAttnProcessor):
         if attn.norm_k is not None:
             key = attn.norm_k(key)
         if freqs_cis is not None:
-            query = apply_rotary(query, freqs_cis)
-            key = apply_rotary(key, freqs_cis)
+            freqs = freqs_cis.unsqueeze(2)  # [B or 1, S, 1, D/2]: every head
+            query, key = rotate_pairs(query, freqs), rotate_pairs(key, freqs)
 
         if self.stream == "joint" and ctx is not None and IMAGE in ctx.streams:
             # Split at the rank's image length, so each stream's padding stays at its own global tail and each
