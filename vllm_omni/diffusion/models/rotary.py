@@ -1,10 +1,10 @@
-"""Rotary position embeddings given as complex frequencies (Qwen-Image, Qwen-Image 2.1, Z-Image), applied in real
-arithmetic.
+"""Rotary position embeddings given as complex frequencies (the families whose references multiply complex numbers),
+applied in real arithmetic.
 
 The references multiply complex numbers (`view_as_complex(x.float()) * freqs`). Inductor generates no code for
 complex operators, so inside a compiled block that product ran as an eager kernel of its own, with a conversion
-kernel on each side: 11 of the 139 ms of a Qwen-Image forward at 1024x1024 on an H100
-(`benchmarks/profile_forward.py`'s top ops). The same products in real arithmetic fuse with the QK-norm before
+kernel on each side: 11 of the 139 ms of a 20B image model's forward at 1024x1024 on an H100
+(docs/performance.md). The same products in real arithmetic fuse with the QK-norm before
 them and the cast after. Each element is still one fp32 product pair and one sum or difference, as the complex
 multiply computes it: the same bits on the CPU (tests/diffusion/models/test_rotary.py).
 """
