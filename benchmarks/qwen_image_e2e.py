@@ -843,7 +843,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rebuild", action="store_true", help="rebuild the checkpoint folder even if present")
     parser.add_argument("--runs", type=int, default=2, help="timed runs per variant (%(default)s)")
     parser.add_argument("--steps", type=int, help="denoising steps of a timed run (default 50; --tiny 2)")
-    parser.add_argument("--size", help="WxH of every run (default 1328x1328; --tiny 208x240)")
+    parser.add_argument("--size", help="WxH of every run (default 1328x1328, or the --tiny model's)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps of the untimed warm-up run (%(default)s)")
     parser.add_argument("--no-cold-start", action="store_true", help="ours: skip the reads and the eviction")
     parser.add_argument(
