@@ -153,7 +153,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("fp8",)
 CACHE_POLICIES = ("first_block",)
 # the kernels of attention/backends.py, by name
-ATTENTION_BACKENDS = ("sdpa", "sdpa_masked", "cudnn_fp8", "triton_int8", "triton_int8_fp8pv", "triton_int8_int8pv")
+ATTENTION_BACKENDS = (
+    "sdpa", "sdpa_masked", "cudnn_fp8", "triton_int8", "triton_int8_fp8pv", "triton_int8_int8pv", "flash_attn_4",
+)  # fmt: skip
 # Where the weights wait between their phases, the cheapest first after auto (worker/offload.py): what
 # `cpu_offload="auto"` tries in this order, each the same weights and arithmetic (worker/memory_plan.py).
 PLACEMENTS = ("none", "encoders", "model", "layerwise")

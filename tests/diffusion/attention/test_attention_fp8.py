@@ -105,7 +105,7 @@ def test_unknown_names_and_a_mask_with_a_dense_backend_stay_refused():
     with pytest.raises(
         ValueError,
         match="unknown attention_backend 'fp8'; choose one of: sdpa, sdpa_masked, cudnn_fp8, triton_int8, "
-        "triton_int8_fp8pv, triton_int8_int8pv$",
+        "triton_int8_fp8pv, triton_int8_int8pv, flash_attn_4$",
     ):
         configure_attention_backend("fp8")
     with pytest.raises(ValueError, match="mask_sp_padding=True needs an attention backend that can mask"):

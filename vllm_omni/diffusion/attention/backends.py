@@ -5,10 +5,13 @@ Names: ``sdpa`` (dense, cannot mask), ``sdpa_masked`` (takes an additive key mas
 low-precision kernels for Hopper or newer, whose masked and causal calls run the exact SDPA kernels:
 ``cudnn_fp8`` (cuDNN's FP8 attention, FP8 output: attention/cudnn_fp8.py), ``triton_int8`` (INT8 Q.K
 with per-block scales, 16-bit P.V, bf16 output: attention/triton_int8.py), ``triton_int8_fp8pv`` (the
-same with P and V in FP8 too) and ``triton_int8_int8pv`` (P and V in INT8 instead). Selection: an
+same with P and V in FP8 too) and ``triton_int8_int8pv`` (P and V in INT8 instead). ``flash_attn_4`` is exact:
+FlashAttention 4's CuTe kernels (the flash-attn-4 package) for dense calls on Hopper or newer. Selection: an
 explicit name (config / ``--attention-backend``), else the ``VLLM_OMNI_ATTENTION_BACKEND`` environment variable, else
-``sdpa_masked`` when a mask is needed and ``sdpa`` otherwise. A varlen backend is left out on
-purpose: on an H200, torch's unpad -> varlen -> re-pad measured slower than masked SDPA.
+``sdpa_masked`` when a mask is needed and, for dense calls, the automatic exact kernel: ``flash_attn_4`` on a Hopper
+GPU where flash-attn-4 is installed and the forward replays CUDA graphs, else ``sdpa`` (`automatic_dense_backend`).
+A varlen backend is left out on purpose: on an H200, torch's unpad -> varlen -> re-pad measured slower than masked
+SDPA.
 
 Ring attention merges partial results through each block's log-sum-exp: `AttentionBackend.with_lse`
 returns it beside the output (`attention_with_lse`: torch's flash kernel on CUDA for a dense half-precision
@@ -139,6 +142,41 @@ class TritonInt8Backend(AttentionBackend):
         return triton_int8.attention(q, k, v, pv=self.pv)
 
 
+@dataclass(frozen=True)
+class FlashAttn4Backend(AttentionBackend):
+    """FlashAttention 4's CuTe kernels for dense half-precision calls: fp32 softmax and accumulation, exact as
+    SDPA's kernels are. A masked or causal call (FA4 aligns a causal mask to the bottom right, SDPA to the top
+    left), or a head dim or dtype it has no kernel for, takes SDPA."""
+
+    def __call__(self, q, k, v, key_mask=None, causal=False):
+        if key_mask is not None or causal or not flash_attn_4_runs(q, k, v):
+            return super().__call__(q, k, v, key_mask, causal)
+        from flash_attn.cute import flash_attn_func  # imports the CuTe DSL: only once this backend runs
+
+        return flash_attn_func(q, k, v)[0]
+
+    def with_lse(self, q, k, v, key_mask=None):
+        if key_mask is not None or not flash_attn_4_runs(q, k, v):
+            return super().with_lse(q, k, v, key_mask)
+        from flash_attn.cute import flash_attn_func
+
+        return flash_attn_func(q, k, v, return_lse=True)
+
+
+def flash_attn_4_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether FA4 has a kernel for this call: CUDA, fp16 or bf16, one head dim for q, k and v, a multiple of 8
+    up to 256 (Hopper's range; Blackwell's is narrower and FA4 itself refuses the rest)."""
+    head_dim = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and k.dtype == v.dtype == q.dtype
+        and k.shape[-1] == v.shape[-1] == head_dim
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    )
+
+
 TRITON_INSTALL = "it comes with PyTorch's CUDA wheels on Linux (or pip install triton)"
 # The Triton kernel's backends by their P.V format (triton_int8.PV_FORMATS)
 TRITON_PV = {"triton_int8": "16bit", "triton_int8_fp8pv": "fp8", "triton_int8_int8pv": "int8"}
@@ -165,9 +203,17 @@ BACKENDS: dict[str, AttentionBackend] = {
         )
         for name, pv in TRITON_PV.items()
     },
+    "flash_attn_4": FlashAttn4Backend(
+        "flash_attn_4",
+        supports_mask=True,
+        requires=("flash_attn.cute", "flash-attn-4"),
+        min_capability=(9, 0),
+        install="pip install -e '.[fa4]' (or pip install flash-attn-4)",
+    ),
 }
 
 _configured_name: str | None = None
+_automatic_dense = "sdpa"  # what a dense call runs when no backend is named (automatic_dense_backend)
 _full_steps = 0  # the first and last this many denoising steps run a lossy backend's attention exactly
 _step: tuple[int, int] | None = None  # (step, total steps) of the denoising step running; None: none known
 
@@ -176,7 +222,7 @@ def check_attention_backend(name: str | None, mask_sp_padding: bool = False) -> 
     """Raise ValueError for an unknown backend name, one that cannot mask when masking is asked for, or one
     whose package is not installed."""
     backend = _selected(name, needs_mask=mask_sp_padding)
-    if backend.requires is not None and importlib.util.find_spec(backend.requires[0]) is None:
+    if backend.requires is not None and not _installed(backend.requires[0]):
         module, package = backend.requires
         install = backend.install or f"pip install -e '.[fp8]' (or pip install {package})"
         raise ValueError(
@@ -185,20 +231,52 @@ def check_attention_backend(name: str | None, mask_sp_padding: bool = False) -> 
         )
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing
+        return False
+
+
 def configure_attention_backend(
     name: str | None,
     mask_sp_padding: bool = False,
     full_steps: int = 0,
     device: torch.device | None = None,
+    graphs: bool = False,
 ) -> None:
     """Set the process-wide backend name (None: env var or automatic) and the per-step rule's
     `full_steps`; errors early on bad settings, and (given the rank's `device`) on a GPU the backend
-    cannot run on."""
-    global _configured_name, _full_steps
+    cannot run on. `graphs`: the rank replays its forwards from CUDA graphs (the automatic choice's input)."""
+    global _configured_name, _full_steps, _automatic_dense
     check_attention_backend(name, mask_sp_padding)
+    _automatic_dense = automatic_dense_backend(device, graphs)
     if device is not None:
         _check_device(_selected(name, needs_mask=mask_sp_padding), device)
     _configured_name, _full_steps = name, full_steps
+    if _automatic_dense != "sdpa" and name is None and not os.environ.get(ENV_VAR):
+        logger.info(
+            f"attention: {_automatic_dense} for dense calls (flash-attn-4 is installed on this Hopper GPU: faster "
+            "than cuDNN's kernel and as exact); --attention-backend sdpa keeps cuDNN's"
+        )
+
+
+def automatic_dense_backend(device: torch.device | None, graphs: bool) -> str:
+    """The exact kernel a dense call gets when no backend is named: ``flash_attn_4`` on a Hopper GPU where
+    flash-attn-4 is installed and imports, and the forward replays CUDA graphs; else ``sdpa``. On an H100, replayed
+    from a graph, FA4's kernel took 0.79-0.94x cuDNN's time at every shape measured, at the same error
+    (docs/performance.md); launched from Python, its host work makes a short call (a Ulysses-8 rank of a 1024x1024
+    image) slower than cuDNN's, so an eager rank keeps SDPA. Only Hopper was measured."""
+    if device is None or device.type != "cuda" or not graphs or not _installed("flash_attn.cute"):
+        return "sdpa"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return "sdpa"
+    try:
+        import flash_attn.cute  # noqa: F401  (the CuTe DSL's libraries load here)
+    except Exception as exc:  # a broken install: the exact kernel that always runs, said once
+        logger.warning(f"flash-attn-4 is installed but does not import ({exc}); attention runs SDPA")
+        return "sdpa"
+    return "flash_attn_4"
 
 
 def _check_device(backend: AttentionBackend, device: torch.device) -> None:
@@ -224,7 +302,7 @@ def _selected(name: str | None, needs_mask: bool) -> AttentionBackend:
         return _validate(name, needs_mask, "attention_backend")
     if env_name := os.environ.get(ENV_VAR):
         return _validate(env_name, needs_mask, ENV_VAR)
-    return BACKENDS["sdpa_masked" if needs_mask else "sdpa"]
+    return BACKENDS["sdpa_masked" if needs_mask else _automatic_dense]
 
 
 def _validate(name: str, needs_mask: bool, source: str) -> AttentionBackend:
@@ -269,5 +347,5 @@ def resolve_attention_backend(needs_mask: bool, allow_low_precision: bool = True
     way to the exact kernel on a full-precision step, or where the caller does not allow it."""
     backend = _selected(_configured_name, needs_mask)
     if backend.low_precision and not (allow_low_precision and low_precision_step()):
-        return BACKENDS["sdpa_masked" if needs_mask else "sdpa"]
+        return BACKENDS["sdpa_masked" if needs_mask else _automatic_dense]
     return backend

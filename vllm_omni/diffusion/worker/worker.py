@@ -177,7 +177,11 @@ def _load(
     group_timeout = timedelta(seconds=max(config.load_timeout_s, config.stall_timeout_s))
     initialize_parallel_state(parallel, rank, init_method, device, timeout=group_timeout)
     configure_attention_backend(
-        config.attention_backend, parallel.mask_sp_padding, config.fp8_attention_full_steps, device
+        config.attention_backend,
+        parallel.mask_sp_padding,
+        config.fp8_attention_full_steps,
+        device,
+        graphs=not config.enforce_eager,
     )
 
     spec = read_pipeline_spec(Path(model_path))
