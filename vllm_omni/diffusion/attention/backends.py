@@ -273,7 +273,7 @@ def automatic_dense_backend(device: torch.device | None, graphs: bool) -> str:
         return "sdpa"
     try:
         import flash_attn.cute  # noqa: F401  (the CuTe DSL's libraries load here)
-    except Exception as exc:  # a broken install: the exact kernel that always runs, said once
+    except Exception as exc:  # a broken install: SDPA, which always runs, and why
         logger.warning(f"flash-attn-4 is installed but does not import ({exc}); attention runs SDPA")
         return "sdpa"
     return "flash_attn_4"

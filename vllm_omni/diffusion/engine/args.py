@@ -350,7 +350,8 @@ class EngineArgs:
         "(cuDNN's FP8 attention, FP8 output; needs pip install -e '.[fp8]'), triton_int8 (INT8 Q.K, 16-bit P.V, "
         "bf16 output; Triton), triton_int8_fp8pv (P.V in FP8 too) or triton_int8_int8pv (P.V in INT8); or "
         "flash_attn_4 (exact: FlashAttention 4's kernels for dense calls on Hopper or newer; needs pip install -e "
-        "'.[fa4]') (default: sdpa_masked when the padding is masked, else sdpa; "
+        "'.[fa4]') (default: sdpa_masked when the padding is masked; else flash_attn_4 on a Hopper GPU where it is "
+        "installed and CUDA graphs are on, else sdpa; "
         f"env {envs.ATTENTION_BACKEND})",
         ENGINE,
         choices=ATTENTION_BACKENDS,
