@@ -17,6 +17,8 @@ frames, CFG as the pipeline runs it (the guider's scale 6, negative prompt ""), 
                ours-eager: Omni(folder, enforce_eager=True);
                ours-fp8-attention: FP8 attention (cudnn_fp8) in every step (issue 33);
                ours-fp8-levers: the same and FP8 matmuls (quantization="fp8");
+               ours-fa4: FlashAttention 4's exact kernels (flash-attn-4 carried: docs/serving.md);
+               ours-fp8-matmuls-fa4: those and FP8 matmuls (issue 46);
                ours-layerwise-48g: layerwise offload within 48 GiB (issue 31; the cap is the card's size).
                Each variant run in the same call as ours-default gets the PSNR of its frames against ours-default's.
 
@@ -244,6 +246,7 @@ FAMILY = VideoFamily(
         "ours-fp8-levers": "<= 0.2 (issue 33)",
         "ours-fp8-levers-cache": "<= 0.2 (issue 33)",
     },
+    step_targets={"ours-fp8-levers": "<= 0.20 (issue 46)", "ours-fp8-matmuls-fa4": "<= 0.20 (issue 46)"},
     published=PUBLISHED,
 )
 

@@ -218,6 +218,7 @@ LEVERS = (
     "ours-fp8-cache-auto",
     "ours-cache",
     "ours-cache-auto",
+    "ours-sdpa",
     "ours-fa4",
     "ours-fp8-fa4",
 )
@@ -325,8 +326,11 @@ VARIANTS += [
     Variant("ours-fp8-one-pass", "cfg", 1, "Omni(folder, quantization='fp8', cfg_one_pass=True)", {**FP8, **ONE_PASS}),
 ]
 # FlashAttention 4's kernels instead of cuDNN's through SDPA (issue 46: the attention kernel per shape); exact.
+# With flash-attn-4 importable on a Hopper GPU ours-default takes them itself: ours-sdpa is then cuDNN's row.
 FA4 = {"attention_backend": "flash_attn_4"}
 VARIANTS += [
+    Variant("ours-sdpa", "levers", 1, "Omni(folder, attention_backend='sdpa'): cuDNN's kernel named",
+            {"attention_backend": "sdpa"}),
     Variant("ours-fa4", "levers", 1, "Omni(folder, attention_backend='flash_attn_4')", FA4),
     Variant("ours-fp8-fa4", "levers", 1, "Omni(folder, quantization='fp8', attention_backend='flash_attn_4')",
             {**FP8, **FA4}),

@@ -71,7 +71,12 @@ COMPARISONS = (
     ("ours-cache", "ours-default"),
     ("ours-layerwise-48g", "ours-default"),
     ("ours-expert-swap", "ours-eager"),
+    ("ours-fa4", "ours-default"),
+    ("ours-fp8-matmuls-fa4", "ours-default"),
 )
+# Issue 46's ratios: each of these against diffusers-eager in denoising seconds a step (its targets: a family's
+# `step_targets`).
+STEP_VARIANTS = ("ours-default", "ours-fa4", "ours-fp8-levers", "ours-fp8-matmuls-fa4")
 STEP_CACHE = {"cache": "first_block"}
 # A reference saved by one call for the agreement of another (--save-reference, --reference): ours-default's
 # frames 0, 16, 32, ... (a Wan clip's 6 of 81 frames, a HunyuanVideo clip's 8 of 121: under 10 MB, which a
@@ -173,6 +178,22 @@ def make_variants(pipeline: str) -> list[Variant]:
             {"attention_backend": "cudnn_fp8", "fp8_attention_full_steps": 0, "quantization": "fp8", **STEP_CACHE},
             cache_at_median=True,
         ),
+        # FlashAttention 4's exact kernels (issue 46; what ours-default runs where flash-attn-4 is installed on a
+        # Hopper GPU), alone and with FP8 matmuls: exact attention, the FP8 lever that stays within the matmuls.
+        Variant(
+            "ours-fa4",
+            "ours",
+            1,
+            "Omni(folder, attention_backend='flash_attn_4')",
+            {"attention_backend": "flash_attn_4"},
+        ),
+        Variant(
+            "ours-fp8-matmuls-fa4",
+            "ours",
+            1,
+            "Omni(folder, attention_backend='flash_attn_4', quantization='fp8')",
+            {"attention_backend": "flash_attn_4", "quantization": "fp8"},
+        ),
         # The step cache alone, as above (what it buys without FP8; the one cache row a CPU smoke run can make).
         Variant(
             "ours-cache",
@@ -240,6 +261,7 @@ class VideoFamily:
     # variant -> its target against diffusers-eager ("<= X ..."), at `target_size` (None: every size).
     targets: dict[str, str] = dataclasses.field(default_factory=dict)
     target_size: str | None = None
+    step_targets: dict[str, str] = dataclasses.field(default_factory=dict)  # STEP_VARIANTS' per step, target_size
     published: dict[str, float] | None = None  # {"diffusers_s", "upstream_vllm_omni_s"} for this request
 
     @property
@@ -634,8 +656,10 @@ def ratios(family: VideoFamily, rows: dict[str, dict[str, Any]], size: str = "")
         target = target if family.target_size in (None, size) else ""
         what = f"{a} / {b}, {family.full_steps}-step end to end extrapolated ({mp4 or 'n/a'})"
         out.append((what, _ratio(x, y), target))
-    step_ratio = _ratio(per_step("ours-default"), per_step("diffusers-eager"))
-    out.append(("ours-default / diffusers-eager, denoising s/step", step_ratio, ""))
+    for name in STEP_VARIANTS:
+        target = family.step_targets.get(name, "") if family.target_size in (None, size) else ""
+        step_ratio = _ratio(per_step(name), per_step("diffusers-eager"))
+        out.append((f"{name} / diffusers-eager, denoising s/step", step_ratio, target))
     published = family.published
     if published is None:
         return out

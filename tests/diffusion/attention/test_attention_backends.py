@@ -48,6 +48,19 @@ def test_mask_sp_padding_with_a_backend_that_cannot_mask_is_refused():
     configure_attention_backend("sdpa_masked", mask_sp_padding=True)
 
 
+def test_a_named_dense_kernel_gives_a_models_own_masked_calls_to_the_masked_kernel(monkeypatch):
+    """`sdpa` cannot mask: named with mask_sp_padding it is refused at start, but a call that brings its own mask
+    (block-causal text, a padded prompt) runs SDPA's masked kernel instead of failing mid-request."""
+    configure_attention_backend("sdpa")
+    assert resolve_attention_backend(needs_mask=False).name == "sdpa"
+    assert resolve_attention_backend(needs_mask=True).name == "sdpa_masked"
+    monkeypatch.setenv(backends.ENV_VAR, "sdpa")
+    configure_attention_backend(None)
+    assert resolve_attention_backend(needs_mask=True).name == "sdpa_masked"
+    with pytest.raises(ValueError, match="mask_sp_padding=True needs an attention backend that can mask"):
+        configure_attention_backend(None, mask_sp_padding=True)
+
+
 def test_masked_backend_masks_keys():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 5, 2, 4, generator=gen) for _ in range(3))
@@ -187,8 +200,7 @@ def test_the_automatic_dense_kernel_is_flash_attn_4_only_on_hopper_with_graphs_a
     with caplog.at_level("INFO", logger=backends.logger.name):
         assert automatic() == ("flash_attn_4", "sdpa_masked")
     assert "attention: flash_attn_4 for dense calls" in caplog.text
-    configure_attention_backend("sdpa", device=gpu, graphs=True)
-    assert resolve_attention_backend(needs_mask=False).name == "sdpa"  # a name wins
+    assert automatic("sdpa") == ("sdpa", "sdpa_masked")  # a name wins
     assert automatic(graphs=False) == ("sdpa", "sdpa_masked")
     assert automatic(device=torch.device("cpu")) == ("sdpa", "sdpa_masked")
     monkeypatch.setenv(backends.ENV_VAR, "sdpa_masked")

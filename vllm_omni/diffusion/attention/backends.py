@@ -296,19 +296,23 @@ def _check_device(backend: AttentionBackend, device: torch.device) -> None:
         )
 
 
-def _selected(name: str | None, needs_mask: bool) -> AttentionBackend:
-    """The backend named (None: by the env var, else by need), checked."""
+def _selected(name: str | None, needs_mask: bool, strict: bool = True) -> AttentionBackend:
+    """The backend named (None: by the env var, else by need), checked (`strict`: see `_validate`)."""
     if name is not None:
-        return _validate(name, needs_mask, "attention_backend")
+        return _validate(name, needs_mask, "attention_backend", strict)
     if env_name := os.environ.get(ENV_VAR):
-        return _validate(env_name, needs_mask, ENV_VAR)
+        return _validate(env_name, needs_mask, ENV_VAR, strict)
     return BACKENDS["sdpa_masked" if needs_mask else _automatic_dense]
 
 
-def _validate(name: str, needs_mask: bool, source: str) -> AttentionBackend:
+def _validate(name: str, needs_mask: bool, source: str, strict: bool = True) -> AttentionBackend:
+    """`strict`: a mask need (the SP padding's, at start) refuses a kernel that cannot mask; not strict (one call's
+    mask, a model's own: block-causal text, a prompt's padding), SDPA's masked kernel runs that call."""
     backend = BACKENDS.get(name)
     if backend is None:
         raise ValueError(f"unknown {source} {name!r}; choose one of: {', '.join(BACKENDS)}")
+    if needs_mask and not backend.supports_mask and not strict:
+        return BACKENDS["sdpa_masked"]
     if needs_mask and not backend.supports_mask:
         masking = [n for n, b in BACKENDS.items() if b.supports_mask]
         raise ValueError(
@@ -345,7 +349,7 @@ def attention_precision() -> str:
 def resolve_attention_backend(needs_mask: bool, allow_low_precision: bool = True) -> AttentionBackend:
     """The backend for one attention call: configured name, else env var, else by need. A lossy backend gives
     way to the exact kernel on a full-precision step, or where the caller does not allow it."""
-    backend = _selected(_configured_name, needs_mask)
+    backend = _selected(_configured_name, needs_mask, strict=False)
     if backend.low_precision and not (allow_low_precision and low_precision_step()):
         return BACKENDS["sdpa_masked" if needs_mask else _automatic_dense]
     return backend
