@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.attention_fp8 import Case, _median_ms, _qkv, _reference_heads, _relative_l2  # noqa: E402
 from benchmarks.harness.reports import add_docs_phase, load_json, replace_section, save_json  # noqa: E402
 from vllm_omni.diffusion.attention.backends import BACKENDS, _installed, attention_with_lse  # noqa: E402
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "attention_kernels"
@@ -77,29 +78,14 @@ def kernels(with_fa4: bool) -> dict:
 
 def graph_ms(fn, q, k, v, calls: int = 10, iters: int = 5) -> float:
     """Milliseconds a call replayed from a CUDA graph of `calls` calls (what the engine runs: no launch overhead)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(q, k, v)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn(q, k, v)
+    graph, _ = CUDAGraphs().capture(lambda q, k, v: [fn(q, k, v) for _ in range(calls)], dict(q=q, k=k, v=v), 1, None)
     return _median_ms(graph.replay, iters, 1) / calls
 
 
 def graph_replay_equal(fn, q, k, v) -> bool:
-    """Whether a CUDA graph of `fn` replays the eager call's output bit for bit (the engine captures attention)."""
+    """Whether a CUDA graph of `fn`, captured as the engine captures a forward, replays the eager call's output."""
     eager = fn(q, k, v)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(q, k, v)  # warm on the side stream, as torch.cuda.graphs asks
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fn(q, k, v)
+    graph, captured = CUDAGraphs().capture(fn, dict(q=q, k=k, v=v), 1, None)
     graph.replay()
     torch.cuda.synchronize()
     return torch.equal(captured, eager)

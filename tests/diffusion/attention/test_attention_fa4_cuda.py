@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tests.diffusion.attention.test_attention_fp8_cuda import _qkv, _relative_l2, _sdpa
 from vllm_omni.diffusion.attention import backends
 from vllm_omni.diffusion.attention.backends import BACKENDS, attention_with_lse
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphs
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -29,21 +30,6 @@ SHAPES = {
     "qwen_image_1024": (4096 + 30, 24), "hunyuan_video_15_u8": (49650, 2), "wan22_u8": (32760, 5), "odd": (777, 3),
 }  # fmt: skip
 TOLERANCE = 1.25  # exact: an error within this factor of cuDNN's (both round the output to bf16 once)
-
-
-def _qkv(tokens: int, heads: int, batch: int = 1, seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator("cuda").manual_seed(seed)
-    return [
-        torch.randn(batch, tokens, heads, 128, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3)
-    ]
-
-
-def _sdpa(q, k, v):
-    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
-
-
-def _relative_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -70,17 +56,11 @@ def test_log_sum_exp_is_what_ring_attention_merges():
 
 
 def test_a_cuda_graph_replays_the_eager_call():
+    """Captured as the engine captures a forward (worker/cuda_graphs.py), new inputs in the same buffers replay."""
     q, k, v = _qkv(*SHAPES["odd"])
     fa4 = BACKENDS["flash_attn_4"]
     eager = fa4(q, k, v)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fa4(q, k, v)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fa4(q, k, v)
+    graph, captured = CUDAGraphs().capture(fa4, dict(q=q, k=k, v=v), 1, None)
     for seed in (1, 0):  # new inputs in the same buffers, then the first ones again
         for t, new in zip((q, k, v), _qkv(*SHAPES["odd"], seed=seed)):
             t.copy_(new)
