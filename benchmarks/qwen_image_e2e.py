@@ -20,7 +20,9 @@ and for ours the time from `Omni(folder)` to ready. Variants, by phase:
     levers     the speed levers (issue 21): ours-fp8 (quantization="fp8"); ours-fp8-cache and ours-cache
                (cache="first_block" at its default threshold), each followed on the same engine by its
                -auto variant (the threshold: the median change the default's run measured). Each row gives
-               the forwards skipped and the PSNR of its image against ours-default's (run in the same call)
+               the forwards skipped and the PSNR of its image against ours-default's (run in the same call);
+               ours-sdpa, ours-fa4, ours-fp8-fa4: the attention kernel named (cuDNN's through SDPA, or
+               FlashAttention 4's, which ours-default takes itself where flash-attn-4 is on a Hopper GPU)
     offload    a smaller card (issue 31; the cap is the card's size): ours-fp8-model-32g and ours-fp8-layerwise-24g
                (FP8 with offload, against ours-fp8), ours-model-48g, ours-layerwise-24g and -48g (bf16)
     lora       ours-lora-50 and ours-lora-8: a served rank-64 adapter (issue 29)
@@ -39,6 +41,7 @@ nvidia-h200-x2 kind; for side-by-side ratios run diffusers-eager there too:
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build diffusers ours levers --variants diffusers-eager ours-default ours-fp8 ours-fp8-cache ours-fp8-cache-auto ours-cache ours-cache-auto
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build levers offload --variants ours-fp8 ours-fp8-model-32g ours-fp8-layerwise-24g
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build ours offload --variants ours-default ours-model-48g --out benchmarks/results/qwen_image_e2e_h100.json --docs-key qwen_image_e2e_h100
+    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build diffusers ours levers --variants diffusers-eager ours-default ours-fa4 ours-fp8-fa4 --size 1024x1024 --out benchmarks/results/qwen_image_e2e_1024_h100.json --docs-key qwen_image_e2e_1024_h100
 
 (the first line starts every call, `.whl` carried). `build` is a no-op when --folder (default
 /tmp/qwen-image-e2e) already holds the checkpoint, so every call names it: a machine given back
