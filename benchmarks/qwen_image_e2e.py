@@ -41,7 +41,7 @@ nvidia-h200-x2 kind; for side-by-side ratios run diffusers-eager there too:
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build diffusers ours levers --variants diffusers-eager ours-default ours-fp8 ours-fp8-cache ours-fp8-cache-auto ours-cache ours-cache-auto
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build levers offload --variants ours-fp8 ours-fp8-model-32g ours-fp8-layerwise-24g
     python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build ours offload --variants ours-default ours-model-48g --out benchmarks/results/qwen_image_e2e_h100.json --docs-key qwen_image_e2e_h100
-    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build diffusers ours levers --variants diffusers-eager ours-default ours-fa4 ours-fp8-fa4 --size 1024x1024 --out benchmarks/results/qwen_image_e2e_1024_h100.json --docs-key qwen_image_e2e_1024_h100
+    python3 benchmarks/qwen_image_e2e.py --copy-to $OUT --runs 1 --no-cold-start --phase build diffusers ours levers --variants diffusers-eager ours-sdpa ours-fa4 ours-fp8-fa4 --size 1024x1024 --out benchmarks/results/qwen_image_e2e_1024_h100.json --docs-key qwen_image_e2e_1024_h100
 
 (the first line starts every call, `.whl` carried). `build` is a no-op when --folder (default
 /tmp/qwen-image-e2e) already holds the checkpoint, so every call names it: a machine given back
