@@ -221,6 +221,13 @@ _step: tuple[int, int] | None = None  # (step, total steps) of the denoising ste
 def check_attention_backend(name: str | None, mask_sp_padding: bool = False) -> None:
     """Raise ValueError for an unknown backend name, one that cannot mask when masking is asked for, or one
     whose package is not installed."""
+    named = _named(name)
+    if mask_sp_padding and named is not None and not named[0].supports_mask:
+        masking = [n for n, b in BACKENDS.items() if b.supports_mask]
+        raise ValueError(
+            f"mask_sp_padding=True needs an attention backend that can mask, but {named[1]}={named[0].name!r} "
+            f"cannot. Use {' or '.join(masking)} (or leave the backend unset), or set mask_sp_padding=False."
+        )
     backend = _selected(name, needs_mask=mask_sp_padding)
     if backend.requires is not None and not _installed(backend.requires[0]):
         module, package = backend.requires
@@ -254,7 +261,7 @@ def configure_attention_backend(
     if device is not None:
         _check_device(_selected(name, needs_mask=mask_sp_padding), device)
     _configured_name, _full_steps = name, full_steps
-    if _automatic_dense != "sdpa" and name is None and not os.environ.get(ENV_VAR):
+    if _automatic_dense != "sdpa" and _named(name) is None:
         logger.info(
             f"attention: {_automatic_dense} for dense calls (flash-attn-4 is installed on this Hopper GPU: faster "
             "than cuDNN's kernel and as exact); --attention-backend sdpa keeps cuDNN's"
@@ -296,30 +303,27 @@ def _check_device(backend: AttentionBackend, device: torch.device) -> None:
         )
 
 
-def _selected(name: str | None, needs_mask: bool, strict: bool = True) -> AttentionBackend:
-    """The backend named (None: by the env var, else by need), checked (`strict`: see `_validate`)."""
-    if name is not None:
-        return _validate(name, needs_mask, "attention_backend", strict)
-    if env_name := os.environ.get(ENV_VAR):
-        return _validate(env_name, needs_mask, ENV_VAR, strict)
-    return BACKENDS["sdpa_masked" if needs_mask else _automatic_dense]
-
-
-def _validate(name: str, needs_mask: bool, source: str, strict: bool = True) -> AttentionBackend:
-    """`strict`: a mask need (the SP padding's, at start) refuses a kernel that cannot mask; not strict (one call's
-    mask, a model's own: block-causal text, a prompt's padding), SDPA's masked kernel runs that call."""
+def _named(name: str | None) -> tuple[AttentionBackend, str] | None:
+    """The backend the config names, else the env var, with where its name came from; None: neither names one."""
+    source = "attention_backend"
+    if name is None:
+        name, source = os.environ.get(ENV_VAR), ENV_VAR
+    if not name:
+        return None
     backend = BACKENDS.get(name)
     if backend is None:
         raise ValueError(f"unknown {source} {name!r}; choose one of: {', '.join(BACKENDS)}")
-    if needs_mask and not backend.supports_mask and not strict:
-        return BACKENDS["sdpa_masked"]
-    if needs_mask and not backend.supports_mask:
-        masking = [n for n, b in BACKENDS.items() if b.supports_mask]
-        raise ValueError(
-            f"mask_sp_padding=True needs an attention backend that can mask, but {source}={name!r} cannot. "
-            f"Use {' or '.join(masking)} (or leave the backend unset), or set mask_sp_padding=False."
-        )
-    return backend
+    return backend, source
+
+
+def _selected(name: str | None, needs_mask: bool) -> AttentionBackend:
+    """The backend for a call: the one named, else by need. A masked call under a named kernel that cannot mask
+    (a model's own mask: block-causal text, a prompt's padding) runs SDPA's masked kernel; the SP padding's mask
+    with such a kernel is refused at start (`check_attention_backend`)."""
+    named = _named(name)
+    if named is None or (needs_mask and not named[0].supports_mask):
+        return BACKENDS["sdpa_masked" if needs_mask else _automatic_dense]
+    return named[0]
 
 
 def fp8_attention_step(step: int, total: int, full_steps: int) -> bool:
@@ -349,7 +353,7 @@ def attention_precision() -> str:
 def resolve_attention_backend(needs_mask: bool, allow_low_precision: bool = True) -> AttentionBackend:
     """The backend for one attention call: configured name, else env var, else by need. A lossy backend gives
     way to the exact kernel on a full-precision step, or where the caller does not allow it."""
-    backend = _selected(_configured_name, needs_mask, strict=False)
+    backend = _selected(_configured_name, needs_mask)
     if backend.low_precision and not (allow_low_precision and low_precision_step()):
         return BACKENDS["sdpa_masked" if needs_mask else _automatic_dense]
     return backend
