@@ -606,6 +606,7 @@ def run_ours(settings: Settings, variants: list[Variant], probe_root: Path, cold
                         median_change = cache["median_change"]
                     extra = {
                         "device": worker.get("device_name"),
+                        "attention": worker.get("attention"),
                         "ranks_reporting": ranks_reporting,
                         "step_cache": cache,
                         "request_fields": fields or None,

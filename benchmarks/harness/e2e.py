@@ -42,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.harness.reports import image_psnr, replace_section, save_json  # noqa: E402
+from vllm_omni.diffusion.attention.backends import dense_attention_kernel  # noqa: E402
 
 GIB = 2**30
 
@@ -144,6 +145,7 @@ class PhaseProbe:
             "peak_alloc_gib": torch.cuda.max_memory_allocated(self.device) / GIB if self.cuda else None,
             "peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / GIB if self.cuda else None,
             "device_name": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+            "attention": dense_attention_kernel(),  # ours-default's depends on what is installed (FA4 or SDPA)
         }
         if self.loop_start is not None:
             prep = [e for phase, _, e in self.marks if phase == "prep"]

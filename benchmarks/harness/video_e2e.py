@@ -73,10 +73,12 @@ COMPARISONS = (
     ("ours-expert-swap", "ours-eager"),
     ("ours-fa4", "ours-default"),
     ("ours-fp8-matmuls-fa4", "ours-default"),
+    ("ours-sdpa", "diffusers-eager"),
+    ("ours-default", "ours-sdpa"),
 )
 # Issue 46's ratios: each of these against diffusers-eager in denoising seconds a step (its targets: a family's
 # `step_targets`).
-STEP_VARIANTS = ("ours-default", "ours-fa4", "ours-fp8-levers", "ours-fp8-matmuls-fa4")
+STEP_VARIANTS = ("ours-default", "ours-sdpa", "ours-fa4", "ours-fp8-levers", "ours-fp8-matmuls-fa4")
 STEP_CACHE = {"cache": "first_block"}
 # A reference saved by one call for the agreement of another (--save-reference, --reference): ours-default's
 # frames 0, 16, 32, ... (a Wan clip's 6 of 81 frames, a HunyuanVideo clip's 8 of 121: under 10 MB, which a
@@ -186,6 +188,15 @@ def make_variants(pipeline: str) -> list[Variant]:
             1,
             "Omni(folder, attention_backend='flash_attn_4')",
             {"attention_backend": "flash_attn_4"},
+        ),
+        # cuDNN's kernel named: where flash-attn-4 is installed on a Hopper GPU, ours-default runs FA4's on its own
+        # (attention/backends.automatic_dense_backend), so this is the row of the kernel it replaced.
+        Variant(
+            "ours-sdpa",
+            "ours",
+            1,
+            "Omni(folder, attention_backend='sdpa'): cuDNN's kernel through SDPA",
+            {"attention_backend": "sdpa"},
         ),
         Variant(
             "ours-fp8-matmuls-fa4",
@@ -550,6 +561,7 @@ def run_ours(settings: Settings, variant: Variant, probe_root: Path) -> dict[str
 
     extra = {
         "device": worker.get("device_name"),
+        "attention": worker.get("attention"),
         "start_to_ready_s": round(ready_s, 2),
         "engine_warmup_s": round(engine_warmup_s, 2),
         "load_s": round(ready_s - engine_warmup_s, 2),
@@ -714,8 +726,9 @@ def size_tables(family: VideoFamily, size: str, by_name: dict[str, dict[str, Any
     full = family.full_steps
     rows = [by_name[v.name] for v in family.variants if v.name in by_name]
     lines = [
-        "| variant | card | measured steps | measured denoising s/step | text s | latent prep s | VAE decode s | "
-        f"other s | MP4 encode s | measured end to end s | extrapolated {full}-step total s | peak GPU memory GiB |",
+        "| variant | card (attention kernel) | measured steps | measured denoising s/step | text s | latent prep s | "
+        f"VAE decode s | other s | MP4 encode s | measured end to end s | extrapolated {full}-step total s | "
+        "peak GPU memory GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -725,8 +738,11 @@ def size_tables(family: VideoFamily, size: str, by_name: dict[str, dict[str, Any
         mp4 = cell(row.get("mp4_s")) if row.get("mp4_s") is not None else "not measured"
         total = row.get("extrapolated_with_mp4_s")
         total_cell = cell(total, 1) if total is not None else f"{cell(row.get('extrapolated_s'), 1)} (without MP4)"
+        card = str(row.get("device", "n/a"))
+        if row.get("attention"):  # ours' dense attention kernel: ours-default's is FA4's where it is installed
+            card += f" ({row['attention']})"
         cells = [
-            str(row.get("device", "n/a")),
+            card,
             cell(row.get("steps")),
             cell(row.get("per_step_s"), 3),
             *(cell(row.get(k)) for k in ("text_s", "prep_s", "decode_s", "other_s")),

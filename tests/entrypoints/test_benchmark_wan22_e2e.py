@@ -83,12 +83,12 @@ def test_tiny_smoke_run_links_the_experts_reports_every_phase_and_keeps_other_si
     assert text.index("### 832x480") < text.index("### 96x64")  # sizes in the family's order, the tiny last
     for cell in (
         "| diffusers-eager | cpu | 2 |",
-        "| ours-default | cpu | 2 |",
+        "| ours-default | cpu (sdpa) | 2 |",
         "| ours-eager | error: kept",
         "| reference |",
     ):
         assert cell in text
-    assert "| ours-cache | cpu | 40 |" in text and "ours-cache: requests of the full 40 steps" in text
+    assert "| ours-cache | cpu (sdpa) | 40 |" in text and "ours-cache: requests of the full 40 steps" in text
 
 
 def script_module():

@@ -87,3 +87,24 @@ def test_a_ulysses_ranks_heads_equal_those_heads_at_u1():
     for rank in range(3):  # U8: three heads a rank
         heads = slice(3 * rank, 3 * rank + 3)
         assert torch.equal(fa4(q[:, :, heads], k[:, :, heads], v[:, :, heads]), whole[:, :, heads])
+
+
+def test_the_engine_picks_it_by_itself_and_its_image_is_cudnns(capfd):
+    """With no backend named, a Hopper rank that replays CUDA graphs runs FA4 (backends.automatic_dense_backend); its
+    start says so, and its image is cuDNN's (`--attention-backend sdpa`) within bf16 rounding: the two kernels sum in
+    different orders, a wrong or stale kernel is off by far more."""
+    import numpy as np
+
+    from vllm_omni import Omni
+
+    args = dict(height=208, width=272, num_inference_steps=3, seed=11, output_type="np", negative_prompt=" ")
+    with Omni("tiny/qwen-image", attention_backend="sdpa") as omni:
+        cudnn = np.stack(omni.generate("a red fox in the snow", **args))
+    assert "flash_attn_4 for dense calls" not in capfd.readouterr().err
+    with Omni("tiny/qwen-image") as omni:
+        assert omni.engine.config.dtype == "bfloat16" and not omni.engine.config.enforce_eager
+        fa4 = np.stack(omni.generate("a red fox in the snow", **args))
+    assert "attention: flash_attn_4 for dense calls" in capfd.readouterr().err
+    difference = np.abs(fa4.astype(np.float64) - cudnn)
+    print(f"FA4 against cuDNN: max {difference.max():.4f}, mean {difference.mean():.5f}")
+    assert difference.mean() < 5e-3 and difference.max() < 0.1

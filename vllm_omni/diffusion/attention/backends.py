@@ -326,6 +326,11 @@ def _selected(name: str | None, needs_mask: bool) -> AttentionBackend:
     return named[0]
 
 
+def dense_attention_kernel() -> str:
+    """The backend this process's dense attention calls run (named, else automatic), for logs and benchmarks."""
+    return _selected(_configured_name, needs_mask=False).name
+
+
 def fp8_attention_step(step: int, total: int, full_steps: int) -> bool:
     """The per-step rule: whether denoising step `step` of `total` runs a lossy backend's kernel (the
     first and last `full_steps` run exact attention)."""
