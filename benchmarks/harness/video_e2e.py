@@ -660,6 +660,9 @@ def ratios(family: VideoFamily, rows: dict[str, dict[str, Any]], size: str = "")
     def per_step(name: str) -> float | None:
         return rows[name].get("per_step_s") if _ok(rows.get(name)) else None
 
+    def same_card(a: str, b: str) -> bool:  # rows of two cards: no ratio
+        return not (_ok(rows.get(a)) and _ok(rows.get(b))) or rows[a].get("device") == rows[b].get("device")
+
     out = []
     for a, b in COMPARISONS:
         x, y, mp4 = totals(rows, a, b)
@@ -670,8 +673,15 @@ def ratios(family: VideoFamily, rows: dict[str, dict[str, Any]], size: str = "")
         out.append((what, _ratio(x, y), target))
     for name in STEP_VARIANTS:
         target = family.step_targets.get(name, "") if family.target_size in (None, size) else ""
-        step_ratio = _ratio(per_step(name), per_step("diffusers-eager"))
-        out.append((f"{name} / diffusers-eager, denoising s/step", step_ratio, target))
+        if same_card(name, "diffusers-eager"):
+            what, step_ratio = (
+                f"{name} / diffusers-eager, denoising s/step",
+                _ratio(per_step(name), per_step("diffusers-eager")),
+            )
+        else:
+            cards = f"{rows[name].get('device')} and {rows['diffusers-eager'].get('device')}"
+            what, step_ratio = f"{name} / diffusers-eager, denoising s/step (measured on {cards}: not compared)", None
+        out.append((what, step_ratio, target))
     published = family.published
     if published is None:
         return out
