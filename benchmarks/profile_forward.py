@@ -15,6 +15,7 @@ it: compiled blocks, the forward chain, and (after the profile) its CUDA graph r
     python3 benchmarks/profile_forward.py --out $OUT                       # on the GPU machine (~4 minutes)
     python3 benchmarks/profile_forward.py --phase docs                     # the docs section from the JSON
     python3 benchmarks/profile_forward.py --layers 2 --out /tmp            # smoke run: 2 layers (a GPU still)
+    python3 benchmarks/profile_forward.py --unfused-gelu --out $OUT        # bias + GELU after the GEMM, as before
 """
 
 from __future__ import annotations
@@ -78,10 +79,12 @@ def kind_of(kernel: str) -> str:
     return "elementwise"
 
 
-def build(model: str, layers: int | None, device: torch.device) -> torch.nn.Module:
-    """Our transformer at real dimensions, random bf16 weights made on the GPU, compiled as the engine does."""
+def build(model: str, layers: int | None, device: torch.device, fused_gelu: bool = True) -> torch.nn.Module:
+    """Our transformer at real dimensions, random bf16 weights made on the GPU, compiled as the engine does (the MLP's
+    bias + GELU in its GEMM's epilogue unless not `fused_gelu`)."""
     from vllm_omni.diffusion import diffusers_compat
     from vllm_omni.diffusion.worker.cuda_graphs import compile_repeated_blocks
+    from vllm_omni.diffusion.worker.fused_gelu import fuse_gelu_epilogues
 
     if model == "qwen-image":
         from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer2DModel as cls
@@ -106,6 +109,8 @@ def build(model: str, layers: int | None, device: torch.device) -> torch.nn.Modu
         if keep & set(name.split(".")):
             param.data = param.data.float()
     net.eval().requires_grad_(False)
+    if fused_gelu:
+        print(f"{model}: bias+GELU fused into {fuse_gelu_epilogues(net)} MLP GEMMs", flush=True)
     compile_repeated_blocks(net)
     return net
 
@@ -248,11 +253,12 @@ def docs_section(results: dict) -> str:
     device = results.get("device", "?")
     short = next((key for key in PEAK_TFLOPS if key in device), "H100")
     peak = PEAK_TFLOPS[short]["bf16"]
+    fused = ", the MLP's bias + GELU in its GEMM's epilogue" if results.get("fused_gelu") else ""
     lines = [
         "## Where a forward's time goes (one GPU, bf16)",
         "",
         f"`python3 benchmarks/profile_forward.py` on one {device}; {results.get('layers')} layers, random weights, "
-        "compiled blocks. Eager: the compiled forward launched from Python; graph: its CUDA graph replay (what "
+        f"compiled blocks{fused}. Eager: the compiled forward launched from Python; graph: its CUDA graph replay (what "
         "the engine runs). The kinds are the profiled forward's kernel time; gap: its wall time less its kernels "
         f"(launches and host work). Roofline: the FLOPs at the card's dense bf16 peak ({peak:.0f} TFLOP/s).",
         "",
@@ -299,6 +305,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--attention-backend", help="profile with this attention backend (a run of its own: profile_forward_NAME.json)"
     )
+    parser.add_argument(
+        "--unfused-gelu",
+        action="store_true",
+        help="the MLP's bias + GELU as inductor's pass after the GEMM, as before the epilogue fusion (a run of its "
+        "own: profile_forward_unfused_gelu.json)",
+    )
     args = parser.parse_args(argv)
     if args.phase == "docs":
         replace_section(DOCS, KEY, docs_section(json.loads(RESULTS.read_text())), KEY)
@@ -306,13 +318,14 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", 0)
     name, _ = card()
     results: dict[str, Any] = {"device": name, "torch": torch.__version__, "layers": args.layers or "all", "cases": []}
+    results["fused_gelu"] = not args.unfused_gelu
     if args.attention_backend:
         from vllm_omni.diffusion.attention.backends import configure_attention_backend
 
         configure_attention_backend(args.attention_backend, device=device)
         results["attention_backend"] = args.attention_backend
     for model in args.models:
-        net = build(model, args.layers, device)
+        net = build(model, args.layers, device, fused_gelu=not args.unfused_gelu)
         layers = args.layers or (QWEN if model == "qwen-image" else WAN)["num_layers"]
         for case_model, size, rows in CASES:
             if case_model != model or (args.sizes and size not in args.sizes) or rows not in args.rows:
@@ -327,16 +340,20 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{model} {row['size']} rows {row['rows']}: graph {row['graph_ms']} ms", flush=True)
         del net
         torch.cuda.empty_cache()
-    if args.attention_backend:  # another kernel's profile: beside the table, which stays as it was
-        other = RESULTS.with_name(f"{RESULTS.stem}_{args.attention_backend}.json")
+    variant = [args.attention_backend] if args.attention_backend else []
+    variant += ["unfused_gelu"] if args.unfused_gelu else []
+    if variant:  # another kernel's profile, or the unfused GELU's: beside the table, which stays as it was
+        other = RESULTS.with_name("_".join([RESULTS.stem, *variant]) + ".json")
         other.write_text(json.dumps(results, indent=1) + "\n")
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / other.name).write_text(other.read_text())
         return
-    # A run of some cases replaces those rows of the table and keeps the others (measured on the same card).
+    # A run of some cases replaces those rows of the table and keeps the others (measured on the same card, the GELU
+    # fused alike: rows from before `fused_gelu` was recorded are unfused).
     before = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    if before.get("device") == name and before.get("layers") == results["layers"]:
+    same = before.get("device") == name and before.get("layers") == results["layers"]
+    if same and before.get("fused_gelu", False) == results["fused_gelu"]:
         measured = {(row["model"], row["size"], row["rows"]) for row in results["cases"]}
         kept = [row for row in before["cases"] if (row["model"], row["size"], row["rows"]) not in measured]
         order = {case: i for i, case in enumerate(CASES)}

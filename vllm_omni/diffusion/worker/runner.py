@@ -48,6 +48,7 @@ from vllm_omni.diffusion.worker.forward_chain import (
     reset_step_cache,
     sharded_graphs,
 )
+from vllm_omni.diffusion.worker.fused_gelu import fuse_gelu_epilogues
 from vllm_omni.diffusion.worker.hooks import HookPoint, RankHooks
 from vllm_omni.diffusion.worker.interleave import put_aside
 from vllm_omni.diffusion.worker.lora import LoraAdapters
@@ -145,6 +146,11 @@ class PipelineRunner:
         # Before compile and graphs (they see the FP8 layers); offloaded denoisers wait on the CPU and are converted on
         # `device` a layer at a time.
         quantize_denoisers(self.denoisers, quantization, device)
+        # After quantization (its FP8 layers keep the reference path), before compile (the blocks trace the swap).
+        if device.type == "cuda":
+            fused = sum(fuse_gelu_epilogues(denoiser) for denoiser in self.denoisers.values())
+            if fused:
+                logger.info("fused bias+GELU into %d MLP GEMMs (cuBLASLt epilogue)", fused)
         self.grad_mode = grad_mode(quantization, cpu_offload)  # what a request runs under: inference mode, mostly
         # A profile request's step is measured only where no weight moves during the call (a text encoder moving in
         # would count as the step's).
