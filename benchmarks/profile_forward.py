@@ -253,18 +253,19 @@ def docs_section(results: dict) -> str:
     device = results.get("device", "?")
     short = next((key for key in PEAK_TFLOPS if key in device), "H100")
     peak = PEAK_TFLOPS[short]["bf16"]
-    fused = ", the MLP's bias + GELU in its GEMM's epilogue" if results.get("fused_gelu") else ""
     lines = [
         "## Where a forward's time goes (one GPU, bf16)",
         "",
         f"`python3 benchmarks/profile_forward.py` on one {device}; {results.get('layers')} layers, random weights, "
-        f"compiled blocks{fused}. Eager: the compiled forward launched from Python; graph: its CUDA graph replay (what "
-        "the engine runs). The kinds are the profiled forward's kernel time; gap: its wall time less its kernels "
-        f"(launches and host work). Roofline: the FLOPs at the card's dense bf16 peak ({peak:.0f} TFLOP/s).",
+        "compiled blocks. GELU: the MLP's bias + GELU in its GEMM's epilogue (fused, the engine's default on CUDA) "
+        "or a pass after it (unfused: rows measured before the fusion). Eager: the compiled forward launched from "
+        "Python; graph: its CUDA graph replay (what the engine runs). The kinds are the profiled forward's kernel "
+        "time; gap: its wall time less its kernels (launches and host work). Roofline: the FLOPs at the card's "
+        f"dense bf16 peak ({peak:.0f} TFLOP/s).",
         "",
-        "| model | size | rows | eager ms | graph ms | GEMM ms | attention ms | norm ms | elementwise ms | "
+        "| model | size | rows | GELU | eager ms | graph ms | GEMM ms | attention ms | norm ms | elementwise ms | "
         "gap ms | GEMM TFLOP | attention TFLOP | roofline ms | graph / roofline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         k = row["kernels_ms"]
@@ -272,7 +273,8 @@ def docs_section(results: dict) -> str:
         roof = total / peak * 1e3
         graph = row.get("graph_ms")
         lines.append(
-            f"| {row['model']} | {row['size']} | {row['rows']} | {row['eager_ms']} | {graph or 'n/a'} | "
+            f"| {row['model']} | {row['size']} | {row['rows']} | {'fused' if row.get('fused_gelu') else 'unfused'} | "
+            f"{row['eager_ms']} | {graph or 'n/a'} | "
             f"{k['gemm']} | {k['attention']} | {k['norm']} | {k['elementwise'] + k['fp8 quant']:.2f} | "
             f"{row['gap_ms']} | {row['tflop']['gemm']} | {row['tflop']['attention']} | {roof:.0f} | "
             f"{graph / roof if graph else float('nan'):.2f} |"
@@ -318,7 +320,6 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", 0)
     name, _ = card()
     results: dict[str, Any] = {"device": name, "torch": torch.__version__, "layers": args.layers or "all", "cases": []}
-    results["fused_gelu"] = not args.unfused_gelu
     if args.attention_backend:
         from vllm_omni.diffusion.attention.backends import configure_attention_backend
 
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         for case_model, size, rows in CASES:
             if case_model != model or (args.sizes and size not in args.sizes) or rows not in args.rows:
                 continue
-            row = profile_case(net, model, size, rows, layers, args.iters)
+            row = dict(profile_case(net, model, size, rows, layers, args.iters), fused_gelu=not args.unfused_gelu)
             print(json.dumps(row), flush=True)
             results["cases"].append(row)
         failures = install_graphs(net)  # graphs last: the captures hold their memory from then on
@@ -349,11 +350,10 @@ def main(argv: list[str] | None = None) -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / other.name).write_text(other.read_text())
         return
-    # A run of some cases replaces those rows of the table and keeps the others (measured on the same card, the GELU
-    # fused alike: rows from before `fused_gelu` was recorded are unfused).
+    # A run of some cases replaces those rows of the table and keeps the others (measured on the same card; each row
+    # says whether its GELU was fused: rows from before the fusion have no `fused_gelu`, and were not).
     before = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    same = before.get("device") == name and before.get("layers") == results["layers"]
-    if same and before.get("fused_gelu", False) == results["fused_gelu"]:
+    if before.get("device") == name and before.get("layers") == results["layers"]:
         measured = {(row["model"], row["size"], row["rows"]) for row in results["cases"]}
         kept = [row for row in before["cases"] if (row["model"], row["size"], row["rows"]) not in measured]
         order = {case: i for i, case in enumerate(CASES)}
