@@ -642,13 +642,18 @@ def _ok(row: dict[str, Any] | None) -> bool:
     return bool(row) and not row.get("error")
 
 
+def _not_compared(ra: dict[str, Any], rb: dict[str, Any]) -> str:
+    """Rows of two cards: no ratio between them, and why."""
+    return f"measured on {ra.get('device')} and {rb.get('device')}: not compared"
+
+
 def totals(rows: dict[str, dict[str, Any]], a: str, b: str) -> tuple[float | None, float | None, str]:
     """Both variants' extrapolated totals: with MP4 encoding where both measured it, else without."""
     ra, rb = rows.get(a), rows.get(b)
     if not (_ok(ra) and _ok(rb)):
         return None, None, ""
-    if ra.get("device") != rb.get("device"):  # rows of two cards: no ratio
-        return None, None, f"measured on {ra.get('device')} and {rb.get('device')}: not compared"
+    if ra.get("device") != rb.get("device"):
+        return None, None, _not_compared(ra, rb)
     if ra.get("extrapolated_with_mp4_s") is not None and rb.get("extrapolated_with_mp4_s") is not None:
         return ra["extrapolated_with_mp4_s"], rb["extrapolated_with_mp4_s"], "with MP4"
     return ra.get("extrapolated_s"), rb.get("extrapolated_s"), "without MP4"
@@ -660,9 +665,6 @@ def ratios(family: VideoFamily, rows: dict[str, dict[str, Any]], size: str = "")
     def per_step(name: str) -> float | None:
         return rows[name].get("per_step_s") if _ok(rows.get(name)) else None
 
-    def same_card(a: str, b: str) -> bool:  # rows of two cards: no ratio
-        return not (_ok(rows.get(a)) and _ok(rows.get(b))) or rows[a].get("device") == rows[b].get("device")
-
     out = []
     for a, b in COMPARISONS:
         x, y, mp4 = totals(rows, a, b)
@@ -673,14 +675,12 @@ def ratios(family: VideoFamily, rows: dict[str, dict[str, Any]], size: str = "")
         out.append((what, _ratio(x, y), target))
     for name in STEP_VARIANTS:
         target = family.step_targets.get(name, "") if family.target_size in (None, size) else ""
-        if same_card(name, "diffusers-eager"):
-            what, step_ratio = (
-                f"{name} / diffusers-eager, denoising s/step",
-                _ratio(per_step(name), per_step("diffusers-eager")),
-            )
+        what, step_ratio = f"{name} / diffusers-eager, denoising s/step", None
+        ra, rb = rows.get(name), rows.get("diffusers-eager")
+        if _ok(ra) and _ok(rb) and ra.get("device") != rb.get("device"):
+            what += f" ({_not_compared(ra, rb)})"
         else:
-            cards = f"{rows[name].get('device')} and {rows['diffusers-eager'].get('device')}"
-            what, step_ratio = f"{name} / diffusers-eager, denoising s/step (measured on {cards}: not compared)", None
+            step_ratio = _ratio(per_step(name), per_step("diffusers-eager"))
         out.append((what, step_ratio, target))
     published = family.published
     if published is None:
